@@ -1,0 +1,34 @@
+"""metalearn: exact, fast meta-learning on torch.func.
+
+The second-order core (`metalearn.second_order`) is re-exported here::
+
+    from metalearn import hvp, hessian, conjugate_gradient, top_eigenvalues, hessian_trace
+"""
+
+from metalearn.second_order import (
+    HVP_METHODS,
+    CGResult,
+    EigenResult,
+    TraceEstimate,
+    conjugate_gradient,
+    hessian,
+    hessian_trace,
+    hvp,
+    hvp_double_backward,
+    top_eigenvalues,
+)
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "HVP_METHODS",
+    "CGResult",
+    "EigenResult",
+    "TraceEstimate",
+    "conjugate_gradient",
+    "hessian",
+    "hessian_trace",
+    "hvp",
+    "hvp_double_backward",
+    "top_eigenvalues",
+]
