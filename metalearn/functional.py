@@ -27,7 +27,8 @@ def tree_leaves(tree: Tree) -> list[Tensor]:
     if isinstance(tree, (tuple, list)):
         return [leaf for value in tree for leaf in tree_leaves(value)]
     raise TypeError(
-        f"expected a tensor, a dict of tensors or a tuple/list of tensors, got {type(tree).__name__}"
+        "expected a tensor, a dict of tensors or a tuple/list of tensors, "
+        f"got {type(tree).__name__}"
     )
 
 

@@ -190,7 +190,9 @@ def hvp_double_backward(
     """
     params = list(params)
     if not params:
-        raise ValueError("params is empty; pass the tensors to differentiate, e.g. model.parameters()")
+        raise ValueError(
+            "params is empty; pass the tensors to differentiate, e.g. model.parameters()"
+        )
     for i, p in enumerate(params):
         if not p.requires_grad:
             raise ValueError(
@@ -497,9 +499,13 @@ def _power(
     vectors: list[Tensor] = []
     used = 0
     for i in range(k):
-        x = start if i == 0 else torch.randn(
-            start.numel(), generator=generator, dtype=start.dtype, device=_gen_device(generator)
-        ).to(start.device)
+        x = (
+            start
+            if i == 0
+            else torch.randn(
+                start.numel(), generator=generator, dtype=start.dtype, device=_gen_device(generator)
+            ).to(start.device)
+        )
         x = _deflate(x, vectors)
         x = x / x.norm()
         value = torch.zeros((), dtype=x.dtype, device=x.device)
