@@ -1,0 +1,19 @@
+"""Shared test set-up: W&B stays offline, inside each test's tmp dir, and is torn down."""
+
+from __future__ import annotations
+
+import pytest
+
+
+@pytest.fixture(autouse=True)
+def _isolated_wandb(tmp_path, monkeypatch):
+    """wandb reads its environment once per process; point it into tmp and reset after."""
+    for var in ("WANDB_CACHE_DIR", "WANDB_CONFIG_DIR", "WANDB_DATA_DIR", "WANDB_DIR"):
+        monkeypatch.setenv(var, str(tmp_path / "wandb-env" / var.lower()))
+    monkeypatch.setenv("WANDB_MODE", "offline")  # also avoids a telemetry DNS lookup
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    yield
+    import sys
+
+    if "wandb" in sys.modules:  # only tear down what a test actually started
+        sys.modules["wandb"].teardown()
