@@ -17,7 +17,7 @@ batch of tasks; arguments that need Python-level control flow on data (``stop``,
 from __future__ import annotations
 
 from collections.abc import Callable, Collection, Mapping, Sequence
-from typing import Any, Union
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -34,8 +34,8 @@ StopRule = Callable[[int, float], bool]
 Regularizer = Callable[[Mapping[str, Tensor]], Tensor]
 """``reg(fast_params) -> Tensor[]``, added to the support loss (iMAML's proximal term)."""
 
-_StepRate = Union[float, Tensor, Mapping[str, Union[float, Tensor]]]
-LearningRate = Union[_StepRate, Sequence[_StepRate]]
+_StepRate = float | Tensor | Mapping[str, float | Tensor]
+LearningRate = _StepRate | Sequence[_StepRate]
 """A float; a 0-dim tensor (learnable); a dict name -> scalar (per parameter tensor) or name
 -> tensor of the parameter's shape (Meta-SGD, elementwise); or a list/tuple of those indexed
 by inner step (MAML++'s per-layer per-step rates, LSLR). A list shorter than the number of
