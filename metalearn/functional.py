@@ -8,6 +8,7 @@ dict returns a dict with the same keys in the same order.
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
@@ -38,10 +39,19 @@ def tree_unflatten(like: Tree, leaves: Iterable[Tensor]) -> Tree:
 
     def build(node: Tree) -> Tree:
         if isinstance(node, Tensor):
-            return next(it)
+            leaf = next(it, None)
+            if leaf is None:
+                raise ValueError("fewer leaves than the tree has tensors")
+            return leaf
+        # Keep the container types: torch.func compares pytree structures by exact type, so
+        # an OrderedDict rebuilt as a dict (or a namedtuple as a tuple) no longer matches.
         if isinstance(node, Mapping):
-            return {key: build(value) for key, value in node.items()}
-        return type(node)(build(value) for value in node)
+            items = [(key, build(value)) for key, value in node.items()]
+            return OrderedDict(items) if isinstance(node, OrderedDict) else dict(items)
+        values = [build(value) for value in node]
+        if isinstance(node, tuple) and hasattr(node, "_fields"):  # namedtuple
+            return type(node)(*values)
+        return type(node)(values)
 
     out = build(like)
     if next(it, None) is not None:

@@ -16,7 +16,7 @@ Three ways to compute H v (Pearlmutter, 1994), all exact:
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Literal, NamedTuple
 
 import torch
@@ -64,7 +64,33 @@ def _check_scalar(value: Tensor, where: str) -> Tensor:
     return value.reshape(())
 
 
+def _kind(node: Tree) -> str:
+    if isinstance(node, Tensor):
+        return "a tensor"
+    if isinstance(node, Mapping):
+        return "a dict"
+    return "a tuple/list" if isinstance(node, (tuple, list)) else type(node).__name__
+
+
 def _check_same_structure(params: Tree, v: Tree) -> None:
+    def walk(p: Tree, u: Tree, where: str) -> None:
+        if _kind(p) != _kind(u):
+            raise ValueError(
+                f"v{where} is {_kind(u)} but params{where} is {_kind(p)}; "
+                "pass v with the same structure as params (e.g. the same dict keys)"
+            )
+        if isinstance(p, Mapping):
+            if list(p) != list(u):
+                raise ValueError(
+                    f"v{where}'s keys {list(u)} differ from params{where}' keys {list(p)}; "
+                    "build v with the same keys in the same order"
+                )
+            for key in p:
+                walk(p[key], u[key], f"{where}[{key!r}]")
+        elif isinstance(p, (tuple, list)) and len(p) == len(u):
+            for i, (pi, ui) in enumerate(zip(p, u)):
+                walk(pi, ui, f"{where}[{i}]")
+
     p_leaves, v_leaves = tree_leaves(params), tree_leaves(v)
     if len(p_leaves) != len(v_leaves):
         raise ValueError(
@@ -82,6 +108,7 @@ def _check_same_structure(params: Tree, v: Tree) -> None:
                 f"v's tensor {i} has shape {tuple(u.shape)} but the parameter has "
                 f"{tuple(p.shape)}; v must match params shape for shape"
             )
+    walk(params, v, "")
 
 
 # --------------------------------------------------------------------------- HVP
@@ -114,6 +141,9 @@ def hvp(
     _check_same_structure(params, v)
     if method not in HVP_METHODS:
         raise ValueError(f"unknown HVP method {method!r}; choose one of {HVP_METHODS}")
+    # torch.func compares containers by exact type (dict vs OrderedDict, tuple vs list): give v
+    # params' own containers so any v with the same keys and shapes is accepted.
+    v = tree_unflatten(params, tree_leaves(v))
 
     def scalar_f(p: Tree) -> Tensor:
         return _check_scalar(f(p), "f(params)")
@@ -425,7 +455,7 @@ def top_eigenvalues(
     start = torch.randn(n, generator=generator, dtype=flat0.dtype, device=_gen_device(generator))
     start = start.to(flat0.device)
     if method == "lanczos":
-        values, vectors, used = _lanczos(matvec, start, k, which, max_iter, tol)
+        values, vectors, used = _lanczos(matvec, start, k, which, max_iter, tol, generator)
     elif method == "power":
         if which != "LM":
             raise ValueError(
@@ -448,7 +478,13 @@ def _select(theta: Tensor, k: int, which: str) -> Tensor:
 
 
 def _lanczos(
-    matvec: Callable[[Tensor], Tensor], start: Tensor, k: int, which: str, max_iter: int, tol: float
+    matvec: Callable[[Tensor], Tensor],
+    start: Tensor,
+    k: int,
+    which: str,
+    max_iter: int,
+    tol: float,
+    generator: torch.Generator | None,
 ) -> tuple[Tensor, list[Tensor], int]:
     """Lanczos (1950) with full reorthogonalisation; Ritz pairs of the tridiagonal T_m."""
     n = start.numel()
@@ -456,16 +492,22 @@ def _lanczos(
     basis = [start / start.norm()]
     alphas: list[Tensor] = []
     betas: list[Tensor] = []
+    scale = 0.0  # running lower bound on ||A||, so the breakdown test is scale-free
     for j in range(steps):
         w = matvec(basis[j])
+        scale = max(scale, float(w.norm()))
         alphas.append(torch.dot(w, basis[j]))
         Q = torch.stack(basis)
         # Twice is enough (Parlett's "twice is enough") to keep Q orthonormal in floating point.
         w = w - Q.T @ (Q @ w)
         w = w - Q.T @ (Q @ w)
         beta = w.norm()
-        done = j + 1 == steps or beta <= 1e-10 * max(1.0, float(alphas[0].abs()))
-        if j + 1 >= k and (done or (j + 1) % 5 == 0):
+        done = j + 1 == steps
+        # Breakdown: the Krylov space is invariant. Its Ritz pairs are exact, but eigenvalues
+        # outside it (a second copy of a repeated eigenvalue, say) are not seen, so do not stop:
+        # restart from a random direction orthogonal to the basis, with beta = 0 in T.
+        breakdown = float(beta) <= 1e-10 * scale
+        if j + 1 >= k and (done or ((j + 1) % 5 == 0 and not breakdown)):
             theta, S = _ritz(alphas, betas)
             idx = _select(theta, k, which)
             # Residual of Ritz pair i is |beta_j * S[last, i]| (Golub & Van Loan, Thm 10.1.3).
@@ -473,8 +515,13 @@ def _lanczos(
             if done or bool((resid <= tol * theta[idx].abs().clamp_min(1e-30)).all()):
                 vectors = torch.stack(basis).T @ S[:, idx]
                 return theta[idx], list(vectors.T), j + 1
-        betas.append(beta)
-        basis.append(w / beta)
+        betas.append(torch.zeros_like(beta) if breakdown else beta)
+        if breakdown:
+            w = torch.randn(n, generator=generator, dtype=w.dtype, device=_gen_device(generator))
+            w = w.to(start.device)
+            w = w - Q.T @ (Q @ w)
+            w = w - Q.T @ (Q @ w)
+        basis.append(w / w.norm())
     raise AssertionError("unreachable: the loop returns on its last step")
 
 
