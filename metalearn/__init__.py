@@ -5,6 +5,13 @@ The second-order core (`metalearn.second_order`) is re-exported here::
     from metalearn import hvp, hessian, conjugate_gradient, top_eigenvalues, hessian_trace
 """
 
+from metalearn.autograd import (
+    clip_grad,
+    safe_cross_entropy,
+    safe_log,
+    safe_log_softmax,
+    safe_sigmoid,
+)
 from metalearn.second_order import (
     HVP_METHODS,
     CGResult,
@@ -31,4 +38,9 @@ __all__ = [
     "hvp",
     "hvp_double_backward",
     "top_eigenvalues",
+    "clip_grad",
+    "safe_cross_entropy",
+    "safe_log",
+    "safe_log_softmax",
+    "safe_sigmoid",
 ]
