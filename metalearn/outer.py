@@ -44,6 +44,8 @@ __all__ = [
 ]
 
 Vectorize = Literal["vmap", "loop", "auto"]
+TaskFn = Callable[..., "TaskResult"]
+"""A per-task meta-loss with `task_loss`'s signature (MAML++'s multi-step loss is one)."""
 
 
 @dataclass
@@ -228,6 +230,7 @@ def meta_batch(
     vectorize: Vectorize = "auto",
     on_nonfinite: Literal["raise", "skip"] = "raise",
     regularizer: Callable[[Mapping[str, Tensor]], Tensor] | None = None,
+    task_fn: TaskFn = task_loss,
 ) -> MetaBatch:
     """Mean query loss of a meta-batch of tasks, each adapted from the same ``params``.
 
@@ -241,6 +244,8 @@ def meta_batch(
         on_nonfinite: ``"raise"`` a `NonFiniteLossError` naming the task and inner step, or
             ``"skip"`` such tasks (listed in ``result.skipped``).
         regularizer: added to every task's support loss.
+        task_fn: the meta-loss of one task, called with `task_loss`'s arguments on both
+            paths (default `task_loss`; MAML++ passes its multi-step loss).
 
     Returns:
         A `MetaBatch`.
@@ -257,14 +262,15 @@ def meta_batch(
         for indices in _buckets(tasks, inner).values():
             if len(indices) == 1:
                 continue  # a bucket of one runs in the loop below, same function
-            for i, r in zip(indices, _run_bucket(model, params, tasks, indices, inner, common)):
+            bucket = _run_bucket(model, params, tasks, indices, inner, common, task_fn)
+            for i, r in zip(indices, bucket):
                 results[i] = r
             vectorized += len(indices)
     skipped = []
     for i, task in enumerate(tasks):
         if results[i] is None:
             try:
-                results[i] = task_loss(
+                results[i] = task_fn(
                     model, params, task.support, task.query, inner,
                     steps=task.steps, model_kwargs=task.model_kwargs, stop=task.stop,
                     check_finite=True, task_index=i, **common,
@@ -301,11 +307,12 @@ def _run_bucket(
     indices: list[int],
     inner: InnerLoop,
     common: dict[str, Any],
+    task_fn: TaskFn = task_loss,
 ) -> list[TaskResult]:
     first = tasks[indices[0]]
 
     def one(xs: Tensor, ys: Tensor, xq: Tensor, yq: Tensor) -> TaskResult:
-        return task_loss(
+        return task_fn(
             model, params, (xs, ys), (xq, yq), inner,
             steps=first.steps, model_kwargs=first.model_kwargs, **common,
         )  # fmt: skip

@@ -1,0 +1,364 @@
+"""MAML++ (Antoniou et al., 2019, "How to train your MAML"): MAML with five training fixes.
+
+What is here, by the paper's names (Sec. 4):
+
+* **MSL**, multi-step loss: the meta-loss of a task is ``sum_s w_s L_query(phi_{s+1})``
+  over the inner steps, with weights annealed from uniform to the last step (`msl_weights`).
+  `multi_step_task_loss` computes it one inner step at a time; `metalearn.outer.meta_batch`
+  runs it on the vmap and loop paths alike (its ``task_fn`` hook).
+* **DA**, derivative-order annealing: first order for the first ``first_order_epochs``
+  epochs, exact second order after.
+* **LSLR**, per-layer per-step learning rates: a learnable ``Tensor[S]`` per adapted
+  parameter tensor.
+* **BNWB**, per-step batch-norm weights and biases: each inner step s uses its own copy of
+  every `MetaBatchNorm` weight and bias (meta-learned, not adapted in the inner loop).
+* **CA**, cosine annealing of the meta-optimiser's learning rate, is the trainer's business:
+  ``torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=epochs, eta_min=...)``.
+
+**BNRS** (per-step running statistics) does not apply: `MetaBatchNorm` is transductive and
+keeps no running statistics (see `metalearn.models.batch_norm`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from functools import partial
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from metalearn.algorithms.base import MetaLearner, _detached
+from metalearn.algorithms.metasgd import adapted_names, keyed_names
+from metalearn.inner import (
+    LearningRate,
+    NonFiniteLossError,
+    Regularizer,
+    StopRule,
+    adapt_with_losses,
+)
+from metalearn.models import MetaBatchNorm
+from metalearn.outer import InnerLoop, MetaBatch, Task, TaskResult, meta_batch, task_loss
+
+__all__ = ["MAMLpp", "batch_norm_names", "msl_weights", "multi_step_task_loss"]
+
+StepParams = Sequence[Mapping[str, Tensor]]
+"""Per inner step s, tensors that replace theta's entries during step s and the query after
+it (BNWB); an index past the end uses the last entry, an empty sequence replaces nothing.
+Give the replaced entries no learning rate: they are meta-learned, not adapted."""
+
+
+def msl_weights(steps: int, epoch: float, msl_epochs: int) -> list[float]:
+    """The multi-step-loss weights of Antoniou et al. (2019, Sec. 4, MSL) at ``epoch``.
+
+    Uniform ``1/S`` at epoch 0; every non-final weight then falls by ``1/(S * msl_epochs)``
+    per epoch to a floor of ``0.03/S``, and the final weight rises by as much as they lose
+    (to at most ``1 - (S-1) * 0.03/S``), so the weights always sum to 1. This is the
+    reference code's ``get_per_step_loss_importance_vector``.
+
+    Args:
+        steps: number of inner steps S (>= 1).
+        epoch: the current epoch (>= 0).
+        msl_epochs: epochs over which the non-final weights decay (>= 1).
+
+    Returns:
+        ``[w_0, ..., w_{S-1}]``, the weight of the query loss after each inner step.
+    """
+    if steps < 1 or msl_epochs < 1 or epoch < 0:
+        raise ValueError(
+            f"msl_weights needs steps >= 1, msl_epochs >= 1 and epoch >= 0, got steps={steps}, "
+            f"msl_epochs={msl_epochs}, epoch={epoch}"
+        )
+    decay = 1.0 / steps / msl_epochs
+    floor = 0.03 / steps
+    non_final = max(1.0 / steps - epoch * decay, floor)
+    final = min(1.0 / steps + epoch * (steps - 1) * decay, 1.0 - (steps - 1) * floor)
+    return [non_final] * (steps - 1) + [final]
+
+
+def batch_norm_names(model: nn.Module) -> list[str]:
+    """Names of the weight and bias of every `MetaBatchNorm` module of ``model``."""
+    names = []
+    for prefix, module in model.named_modules():
+        if isinstance(module, MetaBatchNorm):
+            names += [f"{prefix}.{p}" if prefix else p for p, _ in module.named_parameters()]
+    return names
+
+
+def multi_step_task_loss(
+    model: nn.Module,
+    params: Mapping[str, Tensor],
+    support: tuple[Tensor, Tensor],
+    query: tuple[Tensor, Tensor],
+    inner: InnerLoop,
+    *,
+    step_weights: Sequence[float] | None = None,
+    step_params: StepParams = (),
+    buffers: Mapping[str, Tensor] | None = None,
+    steps: int | None = None,
+    model_kwargs: Mapping[str, Any] | None = None,
+    stop: StopRule | None = None,
+    regularizer: Regularizer | None = None,
+    check_finite: bool = False,
+    task_index: int | None = None,
+) -> TaskResult:
+    """MAML++'s meta-loss of one task: ``sum_s w_s L_query(phi_{s+1})`` (MSL, with BNWB).
+
+    Takes `metalearn.outer.task_loss`'s arguments plus the two below, so it runs under
+    ``meta_batch(..., task_fn=partial(multi_step_task_loss, step_weights=..., ...))`` on
+    both paths. Each inner step is one ``adapt_with_losses(steps=1)`` call with that step's
+    learning rate and ``step_params``, so it is the same computation as `adapt`'s loop.
+
+    If ``stop`` ends the inner loop after t < S steps, the remaining steps count as no-ops:
+    their weights go to the query loss of ``phi_t``.
+
+    Args:
+        step_weights: ``[w_0, ..., w_{S-1}]`` (Python floats: zero weights skip their query
+            pass); None puts all weight on the last step (plain MAML's loss).
+        step_params: per-step replacements of theta's entries (BNWB), see `StepParams`.
+        (others): as for `metalearn.outer.task_loss`.
+
+    Returns:
+        A `TaskResult`: the weighted query loss, the final weights' query accuracy, and the
+        support loss before each inner step taken, ``Tensor[steps_taken]``.
+    """
+    steps = inner.steps if steps is None else steps
+    weights = [0.0] * (steps - 1) + [1.0] if step_weights is None else list(step_weights)
+    if len(weights) != max(steps, 1):
+        raise ValueError(
+            f"step_weights has {len(weights)} entries but the task takes {steps} inner steps; "
+            "give one weight per step (or leave Task.steps unset under MAML++'s MSL)"
+        )
+    common = dict(buffers=buffers, model_kwargs=model_kwargs)
+    query_kwargs = dict(check_finite=check_finite, task_index=task_index, **common)
+    fast, support_losses, loss = dict(params), [], None
+    for s in range(steps):
+        new, losses = _one_step(model, {**fast, **_at(step_params, s)}, support, inner, s,
+                                stop=stop, regularizer=regularizer, check_finite=check_finite,
+                                task_index=task_index, **common)  # fmt: skip
+        if len(losses) == 0:
+            break  # `stop` ended this task's inner loop before step s
+        fast = new
+        support_losses.append(losses[0])
+        if s < steps - 1 and weights[s] != 0.0:
+            result = _query(model, fast, _at(step_params, s), query, inner, s, **query_kwargs)
+            loss = _add(loss, weights[s] * result.loss)
+    taken = len(support_losses)
+    last = max(taken - 1, 0)
+    final = _query(model, fast, _at(step_params, last), query, inner, last, **query_kwargs)
+    loss = _add(loss, sum(weights[min(taken, steps - 1) :]) * final.loss)
+    stacked = torch.stack(support_losses) if support_losses else torch.zeros(0)
+    return TaskResult(loss, final.accuracy, stacked)
+
+
+def _one_step(
+    model: nn.Module,
+    params: dict[str, Tensor],
+    support: tuple[Tensor, Tensor],
+    inner: InnerLoop,
+    step: int,
+    *,
+    stop: StopRule | None,
+    check_finite: bool,
+    task_index: int | None,
+    **kwargs: Any,
+) -> tuple[dict[str, Tensor], Tensor]:
+    """Inner step ``step`` alone: ``adapt_with_losses(steps=1)`` with that step's rate."""
+    shifted = None if stop is None else (lambda _, value: stop(step, value))
+    try:
+        return adapt_with_losses(
+            model, params, support, steps=1, lr=_rate_at(inner.lr, step),
+            loss_fn=inner.loss_fn, first_order=inner.first_order, adapt_keys=inner.adapt_keys,
+            stop=shifted, checkpoint=inner.checkpoint, check_finite=check_finite,
+            task_index=task_index, **kwargs,
+        )  # fmt: skip
+    except NonFiniteLossError as error:  # it counted this step as step 0
+        raise NonFiniteLossError(error.kind, task_index, step, error.value) from None
+
+
+def _query(
+    model: nn.Module,
+    fast: Mapping[str, Tensor],
+    replace: Mapping[str, Tensor],
+    query: tuple[Tensor, Tensor],
+    inner: InnerLoop,
+    step: int,
+    **kwargs: Any,
+) -> TaskResult:
+    """Query loss and accuracy of ``fast`` after inner step ``step``.
+
+    `task_loss` with zero inner steps is exactly that (its support set goes unused).
+    """
+    try:
+        return task_loss(model, {**fast, **replace}, query, query, inner, steps=0, **kwargs)
+    except NonFiniteLossError as error:
+        raise NonFiniteLossError(error.kind, error.task_index, step, error.value) from None
+
+
+def _add(total: Tensor | None, term: Tensor) -> Tensor:
+    return term if total is None else total + term
+
+
+def _rate_at(lr: LearningRate, step: int) -> LearningRate:
+    """Step ``step``'s entry of a per-step list (clamped to the last), else ``lr`` itself."""
+    if isinstance(lr, (list, tuple)):
+        if not lr:
+            raise ValueError("the per-step learning-rate list is empty; give at least one entry")
+        return lr[min(step, len(lr) - 1)]
+    return lr
+
+
+def _at(step_params: StepParams, step: int) -> Mapping[str, Tensor]:
+    return step_params[min(step, len(step_params) - 1)] if step_params else {}
+
+
+class MAMLpp(MetaLearner):
+    """MAML++ (Antoniou et al., 2019): MAML with MSL, DA, LSLR and BNWB (see the module).
+
+    The trainer calls ``learner.set_epoch(epoch)`` at the start of every epoch; it drives the
+    MSL weights and the switch from first to second order. Evaluation (`adapt`, `evaluate`)
+    uses the learned per-step rates and batch-norm copies and reports the final step only.
+
+    Args:
+        model: the network; its parameters are theta.
+        msl_epochs: epochs of multi-step loss; from this epoch on the meta-loss is the last
+            step's query loss alone (as in the reference code). 0: no MSL.
+        first_order_epochs: epochs of first-order meta-gradients before exact second order
+            (DA). 0: second order from the start.
+        per_step_bn: give every inner step its own copy of each `MetaBatchNorm` weight and
+            bias (BNWB), initialised from the model's. The copies are meta-learned and not
+            adapted in the inner loop; the model's own batch-norm parameters then go unused.
+            No effect on a model without `MetaBatchNorm`.
+        **kwargs: as for `MetaLearner` (``inner_steps`` S >= 1, ``inner_lr`` the initial
+            rate of every layer and step, ``adapt_keys``, ...). ``first_order`` is not
+            accepted: DA decides it from the epoch.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        *,
+        msl_epochs: int = 10,
+        first_order_epochs: int = 50,
+        per_step_bn: bool = True,
+        **kwargs: Any,
+    ) -> None:
+        if "first_order" in kwargs:
+            raise ValueError(
+                "MAML++ sets the derivative order from the epoch (DA); pass first_order_epochs "
+                "(a large number for first order throughout, 0 for second order) instead"
+            )
+        super().__init__(model, **kwargs)
+        if self.inner_steps < 1:
+            raise ValueError(f"MAML++ needs inner_steps >= 1, got {self.inner_steps}")
+        if msl_epochs < 0 or first_order_epochs < 0:
+            raise ValueError(
+                f"msl_epochs and first_order_epochs must be >= 0, got {msl_epochs} and "
+                f"{first_order_epochs}"
+            )
+        self.msl_epochs, self.first_order_epochs = msl_epochs, first_order_epochs
+        self.epoch = 0
+        params = dict(model.named_parameters())
+        bn = batch_norm_names(model) if per_step_bn else []
+        if self.adapt_keys is not None and (both := sorted(set(bn) & set(self.adapt_keys))):
+            raise ValueError(
+                f"adapt_keys names batch-norm parameters {both[:4]}, which per_step_bn=True "
+                "meta-learns per step instead of adapting; drop them or pass per_step_bn=False"
+            )
+        steps = self.inner_steps
+        self._lr_keys = keyed_names(n for n in adapted_names(model, self.adapt_keys) if n not in bn)
+        self.lrs = nn.ParameterDict({  # LSLR: one rate per adapted tensor and inner step
+            key: torch.full((steps,), float(self.inner_lr), dtype=params[n].dtype,
+                            device=params[n].device)
+            for n, key in self._lr_keys.items()
+        })  # fmt: skip
+        self._bn_keys = keyed_names(bn)
+        self.bn = nn.ParameterDict({  # BNWB: row s is step s's copy
+            key: params[n].detach().expand(steps, *params[n].shape).clone()
+            for n, key in self._bn_keys.items()
+        })  # fmt: skip
+
+    def set_epoch(self, epoch: int) -> None:
+        """Set the epoch that drives MSL's weights and DA's derivative order."""
+        if epoch < 0:
+            raise ValueError(f"epoch must be >= 0, got {epoch}")
+        self.epoch = epoch
+
+    @property
+    def second_order(self) -> bool:
+        """Whether the current epoch uses exact second-order meta-gradients (DA)."""
+        return self.epoch >= self.first_order_epochs
+
+    def step_weights(self) -> list[float]:
+        """MSL's per-step weights now: `msl_weights`, or all on the last step after MSL."""
+        if self.epoch < self.msl_epochs:
+            return msl_weights(self.inner_steps, self.epoch, self.msl_epochs)
+        return [0.0] * (self.inner_steps - 1) + [1.0]
+
+    def learning_rate(self) -> list[dict[str, Tensor]]:
+        """LSLR: per inner step, adapted parameter name -> that step's rate (0-dim)."""
+        return [
+            {name: self.lrs[key][s] for name, key in self._lr_keys.items()}
+            for s in range(self.inner_steps)
+        ]
+
+    def step_params(self) -> list[dict[str, Tensor]]:
+        """BNWB: per inner step, batch-norm parameter name -> that step's copy."""
+        if not self._bn_keys:
+            return []
+        return [
+            {name: self.bn[key][s] for name, key in self._bn_keys.items()}
+            for s in range(self.inner_steps)
+        ]
+
+    def inner_loop(self, steps: int | None = None, first_order: bool | None = None) -> InnerLoop:
+        """`MetaLearner.inner_loop` with the derivative order of the current epoch (DA)."""
+        return super().inner_loop(
+            steps, not self.second_order if first_order is None else first_order
+        )
+
+    def meta_loss(self, tasks: Sequence[Task]) -> MetaBatch:
+        """Mean over tasks of `multi_step_task_loss` with the current weights and copies."""
+
+        task_fn = partial(
+            multi_step_task_loss, step_weights=self.step_weights(), step_params=self.step_params()
+        )
+        return meta_batch(
+            self.model, self.theta(), tasks, self.inner_loop(),
+            buffers=dict(self.model.named_buffers()), vectorize=self.vectorize,
+            on_nonfinite=self.on_nonfinite, task_fn=task_fn,
+        )  # fmt: skip
+
+    def adapt(self, task: Task, steps: int | None = None) -> dict[str, Tensor]:
+        """Fast weights for one task, detached, with the final step's batch-norm copies."""
+        steps = self.inner_steps if steps is None else steps
+        inner = self.inner_loop(steps, first_order=True)
+        inner.lr = _detached(inner.lr)
+        step_params = _detached(self.step_params())
+        fast = _detached(self.theta())
+        with torch.no_grad():  # torch.func.grad inside still differentiates the support loss
+            for s in range(steps):
+                fast, _ = _one_step(
+                    self.model, {**fast, **_at(step_params, s)}, task.support, inner, s,
+                    stop=None, check_finite=True, task_index=None,
+                    buffers=dict(self.model.named_buffers()), model_kwargs=task.model_kwargs,
+                )  # fmt: skip
+        return {**fast, **_at(step_params, max(steps - 1, 0))}
+
+    def evaluate(self, tasks: Sequence[Task], steps: int | None = None) -> tuple[Tensor, Tensor]:
+        """Query loss and accuracy per task after ``steps`` inner steps: ``([T], [T])``."""
+        inner = self.inner_loop(steps, first_order=True)
+        inner.lr = _detached(inner.lr)
+        step_params = _detached(self.step_params())
+        losses, accs = [], []
+        with torch.no_grad():
+            theta = _detached(self.theta())
+            for i, task in enumerate(tasks):
+                r = multi_step_task_loss(
+                    self.model, theta, task.support, task.query, inner, step_params=step_params,
+                    buffers=dict(self.model.named_buffers()), model_kwargs=task.model_kwargs,
+                    check_finite=True, task_index=i,
+                )  # fmt: skip
+                losses.append(r.loss)
+                accs.append(r.accuracy)
+        return torch.stack(losses), torch.stack(accs)
