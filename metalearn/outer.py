@@ -258,17 +258,25 @@ def meta_batch(
     common = dict(buffers=buffers, regularizer=regularizer)
     results: list[TaskResult | None] = [None] * len(tasks)
     vectorized = 0
+    skipped: list[int] = []
     if mode == "vmap":
         for indices in _buckets(tasks, inner).values():
             if len(indices) == 1:
                 continue  # a bucket of one runs in the loop below, same function
             bucket = _run_bucket(model, params, tasks, indices, inner, common, task_fn)
+            errors = [e for i, r in zip(indices, bucket) if (e := _nonfinite(r, i)) is not None]
+            if errors:
+                if on_nonfinite == "raise":
+                    raise errors[0]
+                # The bucket shares one backward, where a dropped task's 0 * NaN would poison
+                # the others' meta-gradient: its finite tasks rerun in the loop below.
+                skipped += [e.task_index for e in errors]
+                continue
             for i, r in zip(indices, bucket):
                 results[i] = r
             vectorized += len(indices)
-    skipped = []
     for i, task in enumerate(tasks):
-        if results[i] is None:
+        if results[i] is None and i not in skipped:
             try:
                 results[i] = task_fn(
                     model, params, task.support, task.query, inner,
@@ -279,10 +287,6 @@ def meta_batch(
                 if on_nonfinite == "raise":
                     raise
                 skipped.append(i)
-        elif (error := _nonfinite(results[i], i)) is not None:
-            if on_nonfinite == "raise":
-                raise error
-            skipped.append(i)
     return _combine(results, sorted(skipped), vectorized, params)
 
 
@@ -324,12 +328,13 @@ def _run_bucket(
 
 
 def _nonfinite(result: TaskResult, index: int) -> NonFiniteLossError | None:
-    bad = (~torch.isfinite(result.support_losses)).nonzero()
+    support_losses, loss = result.support_losses.detach(), result.loss.detach()
+    bad = (~torch.isfinite(support_losses)).nonzero()
     if len(bad):
         step = int(bad[0, 0])
-        return NonFiniteLossError("support", index, step, float(result.support_losses[step]))
-    if not torch.isfinite(result.loss):
-        return NonFiniteLossError("query", index, None, float(result.loss))
+        return NonFiniteLossError("support", index, step, float(support_losses[step]))
+    if not torch.isfinite(loss):
+        return NonFiniteLossError("query", index, None, float(loss))
     return None
 
 
