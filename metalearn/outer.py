@@ -298,10 +298,23 @@ def _buckets(tasks: Sequence[Task], inner: InnerLoop) -> dict[Hashable, list[int
             tuple(t.support[0].shape), tuple(t.support[1].shape),
             tuple(t.query[0].shape), tuple(t.query[1].shape),
             inner.steps if t.steps is None else t.steps,
-            tuple(sorted((k, repr(v)) for k, v in t.model_kwargs.items())),
+            tuple(sorted((k, _kwarg_key(v)) for k, v in t.model_kwargs.items())),
         )  # fmt: skip
         groups[key].append(i)
     return groups
+
+
+def _kwarg_key(value: Any) -> Hashable:
+    """A forward kwarg's part of the bucket key; a bucket runs with its first task's kwargs.
+
+    Tensors count by identity: their repr rounds to 4 digits and elides large tensors, so
+    two different tensors could share a bucket and one task would run with the other's.
+    """
+    if isinstance(value, Tensor):
+        return ("tensor", id(value))
+    if isinstance(value, (tuple, list)):
+        return (type(value).__name__, *map(_kwarg_key, value))
+    return repr(value)
 
 
 def _run_bucket(

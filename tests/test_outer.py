@@ -212,6 +212,32 @@ def test_tasks_of_different_ways_and_shots_bucket_by_shape() -> None:
     _assert_close(_grads(vmapped.loss, theta), _grads(looped.loss, theta), atol=1e-10)
 
 
+class _Scaled(nn.Module):
+    """An MLP whose input is scaled by a per-task tensor passed as a forward kwarg."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = _mlp()
+
+    def forward(self, x: Tensor, *, scale: Tensor) -> Tensor:
+        return self.net(x * scale)
+
+
+def test_tensor_kwargs_bucket_by_identity_not_by_their_rounded_repr() -> None:
+    model = _Scaled()
+    theta = _theta(model)
+    inner = InnerLoop(steps=2, lr=0.5)
+    # Both print as tensor(1.0000, dtype=torch.float64): keyed by repr they shared a bucket
+    # and the second task silently ran with the first one's scale.
+    a, b = torch.tensor(1.00001, dtype=F64), torch.tensor(1.00004, dtype=F64)
+    tasks = [_vector_task(0, model_kwargs={"scale": s}) for s in (a, b, a)]
+    vmapped = meta_batch(model, theta, tasks, inner, vectorize="vmap")
+    assert vmapped.vectorized == 2  # the two tasks holding the same tensor
+    expected = _one_by_one(model, theta, tasks, inner)
+    torch.testing.assert_close(vmapped.loss, expected, rtol=0, atol=1e-12)
+    assert vmapped.task_losses[0] != vmapped.task_losses[1]
+
+
 # --------------------------------------------------------------------------- choosing a path
 
 
