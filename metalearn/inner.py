@@ -160,7 +160,9 @@ def adapt_with_losses(
                 break
         losses.append(loss)
         fast.update(new)
-    return fast, (torch.stack(losses) if losses else torch.zeros(0))
+    if not losses:  # no step taken: an empty loss record on the task's device and dtype
+        return fast, x.new_zeros(0, dtype=torch.result_type(x, 1.0))
+    return fast, torch.stack(losses)
 
 
 def _step(
