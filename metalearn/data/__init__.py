@@ -1,0 +1,52 @@
+"""Data: Omniglot (load, cache, split), episodic N-way K-shot sampling, sine regression.
+
+Typical use::
+
+    from metalearn.data import load_omniglot, omniglot_samplers
+
+    data = load_omniglot(args.data_root)  # or $METALEARN_DATA; cached after the first call
+    samplers = omniglot_samplers(data, "maml", ways=5, shots=1, queries=15)
+    tasks = samplers["train"].batch(32, torch.Generator().manual_seed(0))
+"""
+
+from metalearn.data.omniglot import (
+    OMNIGLOT_ZIPS,
+    RESAMPLE_FILTERS,
+    SPLIT_ROTATIONS,
+    SPLITS,
+    SUBSETS,
+    OmniglotImages,
+    ZipSource,
+    default_cache_dir,
+    download_omniglot,
+    ensure_omniglot,
+    load_omniglot,
+    omniglot_samplers,
+    omniglot_splits,
+    resolve_data_root,
+    safe_extract,
+)
+from metalearn.data.sampler import EpisodicSampler, check_generator
+from metalearn.data.sine import SineTasks, sine
+
+__all__ = [
+    "OMNIGLOT_ZIPS",
+    "RESAMPLE_FILTERS",
+    "SPLITS",
+    "SPLIT_ROTATIONS",
+    "SUBSETS",
+    "EpisodicSampler",
+    "OmniglotImages",
+    "SineTasks",
+    "ZipSource",
+    "check_generator",
+    "default_cache_dir",
+    "download_omniglot",
+    "ensure_omniglot",
+    "load_omniglot",
+    "omniglot_samplers",
+    "omniglot_splits",
+    "resolve_data_root",
+    "safe_extract",
+    "sine",
+]
