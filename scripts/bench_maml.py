@@ -1,0 +1,460 @@
+"""Benchmark a MAML meta-step: metalearn (loop, vmap, auto) against learn2learn and higher.
+
+What: the wall time of one full meta-step (meta-gradient of a meta-batch + Adam update) for
+MAML's Omniglot network (`metalearn.models.Conv4`, stride 2, 5-way, 112k parameters) on
+Omniglot-shaped random data (1x28x28): 32 tasks, 5-way 1-shot, one inner step, inner
+learning rate 0.4, in four settings (1 or 15 query examples per class x second or first
+order). Methods:
+
+* ``loop``, ``vmap``, ``auto``: `metalearn.algorithms.MAML` / `FOMAML` with that
+  ``vectorize``; one graph for the meta-batch, one ``backward``.
+* ``learn2learn``: ``l2l.algorithms.MAML`` (``clone`` / ``adapt``), one ``backward`` per
+  task, as in learn2learn's Omniglot example.
+* ``higher``: ``higher.innerloop_ctx`` with SGD, one ``backward`` per task; first order
+  detaches the inner gradient through ``grad_callback`` (higher has no first-order switch
+  that keeps the gradient to theta; ``track_higher_grads=False`` cuts it).
+
+Every method starts from the same weights and sees the same tasks. By default the baselines
+run the network with the fused ``nn.BatchNorm2d(track_running_stats=False)`` (what their
+users write, and their faster option here); ``--baseline-norm meta`` gives them the very
+module metalearn runs (`MetaBatchNorm`, batch norm from elementary ops; an ``nn.Module``,
+so learn2learn's ``clone`` and higher's monkey-patching handle it). Both are the same
+transductive batch norm, so the meta-gradients agree (checked in float64).
+
+Timing: methods run round-robin inside each repeat (the starting method rotates), after
+``--warmup`` warm-up rounds; the tables give the median over ``--repeats``. Peak memory: a
+fresh subprocess per method and setting runs one warm-up meta-step, resets the kernel's
+RSS high-water mark (``/proc/self/clear_refs``), runs one more and reports the peak RSS
+above the RSS at the start of that step (glibc's mmap threshold is pinned so freed tensors
+return to the OS and RSS follows live memory). Linux only.
+
+Command (learn2learn and higher live in their own venv, see scripts/install_baselines.sh)::
+
+    .venv-baselines/bin/python scripts/bench_maml.py            # full run, ~15 min on 2 cores
+    .venv/bin/python scripts/bench_maml.py --quick              # metalearn only, a minute
+
+Expected (2 CPU cores): markdown tables of median ms, peak MB and float64 agreement
+(relative differences ~1e-14); the last line is ``speedup_vs_learn2learn: X``, metalearn
+``auto`` against learn2learn at 1 query per class, second order.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import importlib.util
+import json
+import os
+import re
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Literal
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from metalearn.algorithms import FOMAML, MAML
+from metalearn.models import Conv4
+from metalearn.outer import InnerLoop, Task, choose_vectorize
+
+WAYS, SHOTS, INNER_LR, OUTER_LR = 5, 1, 0.4, 1e-3
+METHODS = ("loop", "vmap", "auto", "learn2learn", "higher")
+BASELINES = {"learn2learn": "learn2learn", "higher": "higher"}  # method -> module to import
+FLOAT64_TOLERANCE = 1e-9
+"""Max relative difference of a float64 meta-gradient from metalearn's loop to call it equal."""
+
+
+@dataclass(frozen=True)
+class Setting:
+    """One workload: query examples per class and the order of the meta-gradient."""
+
+    query: int
+    first_order: bool
+
+    @property
+    def name(self) -> str:
+        return f"q{self.query}-{'first' if self.first_order else 'second'}"
+
+
+SETTINGS = {
+    s.name: s for s in (Setting(1, False), Setting(1, True), Setting(15, False), Setting(15, True))
+}
+HEADLINE = "q1-second"
+
+
+@dataclass
+class BenchArgs:
+    """Command-line arguments of the benchmark."""
+
+    repeats: int = 15
+    """Timed rounds; each times every method once. Tables report the median."""
+    warmup: int = 3
+    """Untimed rounds before timing (allocator, oneDNN and autograd caches warm up)."""
+    settings: list[str] = field(default_factory=lambda: list(SETTINGS))
+    """Which workloads to run, names from `SETTINGS`."""
+    methods: list[str] = field(default_factory=lambda: list(METHODS))
+    """Which methods to run; a baseline that is not installed is skipped with a message."""
+    tasks: int = 32
+    """Tasks per meta-batch."""
+    float64_check: bool = True
+    """Compare every method's float64 meta-gradient with metalearn's loop."""
+    memory: bool = True
+    """Measure peak RSS per method and setting, each in a fresh subprocess."""
+    baseline_norm: Literal["fused", "meta"] = "fused"
+    """Batch norm of the baselines' network: ``nn.BatchNorm2d`` or metalearn's module."""
+    threads: int = 0
+    """torch intra-op threads (0: torch's default)."""
+    seed: int = 0
+    """Seed of the initial weights and the random tasks."""
+    profile: str = ""
+    """``METHOD:SETTING``: print the top ops of that meta-step (torch.profiler) and exit."""
+    probe_memory: str = ""
+    """Internal: ``METHOD:SETTING`` measured in this (fresh) process; prints one JSON line."""
+
+
+# ---------------------------------------------------------------------------- workload
+
+
+def make_model(dtype: torch.dtype, seed: int, norm: Literal["meta", "fused"] = "meta") -> Conv4:
+    """MAML's Omniglot Conv4; ``norm="fused"`` swaps in ``nn.BatchNorm2d`` (same maths)."""
+    torch.manual_seed(seed)
+    model = Conv4(in_channels=1, ways=WAYS, hidden=64, pool="stride").to(dtype)
+    if norm == "meta":
+        return model
+    fused = Conv4(
+        in_channels=1, ways=WAYS, hidden=64, pool="stride",
+        norm_layer=lambda c: nn.BatchNorm2d(c, track_running_stats=False),
+    ).to(dtype)  # fmt: skip
+    fused.load_state_dict(model.state_dict())  # same names: features.i.norm.{weight,bias}
+    return fused
+
+
+def make_tasks(setting: Setting, n_tasks: int, dtype: torch.dtype, seed: int) -> list[Task]:
+    """``n_tasks`` random 5-way 1-shot tasks of 1x28x28 images, ``setting.query`` per class."""
+    g = torch.Generator().manual_seed(seed + 1)
+    labels = torch.arange(WAYS)
+
+    def split(per_class: int) -> tuple[Tensor, Tensor]:
+        x = torch.rand(WAYS * per_class, 1, 28, 28, generator=g, dtype=dtype)
+        return x, labels.repeat_interleave(per_class)
+
+    return [Task(support=split(SHOTS), query=split(setting.query)) for _ in range(n_tasks)]
+
+
+# ---------------------------------------------------------------------------- methods
+
+MetaGradient = Callable[[Sequence[Task]], None]
+"""Fills ``.grad`` of the method's model parameters with the meta-gradient of the tasks."""
+
+
+def metalearn_gradient(model: nn.Module, setting: Setting, vectorize: str) -> MetaGradient:
+    cls = FOMAML if setting.first_order else MAML
+    learner = cls(model, inner_lr=INNER_LR, inner_steps=1, vectorize=vectorize)
+
+    def run(tasks: Sequence[Task]) -> None:
+        learner.backward(tasks)  # mean query loss over tasks, one backward
+
+    return run
+
+
+def learn2learn_gradient(model: nn.Module, setting: Setting) -> MetaGradient:
+    import learn2learn as l2l
+
+    maml = l2l.algorithms.MAML(model, lr=INNER_LR, first_order=setting.first_order)
+
+    def run(tasks: Sequence[Task]) -> None:
+        for task in tasks:
+            learner = maml.clone()
+            learner.adapt(F.cross_entropy(learner(task.support[0]), task.support[1]))
+            loss = F.cross_entropy(learner(task.query[0]), task.query[1])
+            (loss / len(tasks)).backward()
+
+    return run
+
+
+def higher_gradient(model: nn.Module, setting: Setting) -> MetaGradient:
+    import higher
+
+    inner_opt = torch.optim.SGD(model.parameters(), lr=INNER_LR)
+
+    def detach(grads: list[Tensor]) -> list[Tensor]:
+        return [g.detach() for g in grads]  # FOMAML: the inner gradient is a constant
+
+    callback = detach if setting.first_order else None
+
+    def run(tasks: Sequence[Task]) -> None:
+        for task in tasks:
+            with higher.innerloop_ctx(model, inner_opt, copy_initial_weights=False) as (f, opt):
+                opt.step(
+                    F.cross_entropy(f(task.support[0]), task.support[1]), grad_callback=callback
+                )
+                loss = F.cross_entropy(f(task.query[0]), task.query[1])
+                (loss / len(tasks)).backward()
+
+    return run
+
+
+def make_gradient(method: str, model: nn.Module, setting: Setting) -> MetaGradient:
+    if method in ("loop", "vmap", "auto"):
+        return metalearn_gradient(model, setting, method)
+    if method == "learn2learn":
+        return learn2learn_gradient(model, setting)
+    if method == "higher":
+        return higher_gradient(model, setting)
+    raise ValueError(f"unknown method {method!r}; choose from {', '.join(METHODS)}")
+
+
+@dataclass
+class MetaStep:
+    """One method's meta-step on its own copy of the network: meta-gradient, then Adam."""
+
+    model: nn.Module
+    gradient: MetaGradient
+    opt: torch.optim.Optimizer
+
+    def __call__(self, tasks: Sequence[Task]) -> None:
+        self.opt.zero_grad(set_to_none=True)
+        self.gradient(tasks)
+        self.opt.step()
+
+
+def make_step(method: str, setting: Setting, dtype: torch.dtype, args: BenchArgs) -> MetaStep:
+    norm = "meta" if method in ("loop", "vmap", "auto") else args.baseline_norm
+    model = make_model(dtype, args.seed, norm)
+    opt = torch.optim.Adam(model.parameters(), lr=OUTER_LR)
+    return MetaStep(model, make_gradient(method, model, setting), opt)
+
+
+def available(methods: Sequence[str]) -> list[str]:
+    """The methods whose package imports; says which baselines are skipped and why."""
+    kept = []
+    for method in methods:
+        if method in BASELINES:
+            try:
+                __import__(BASELINES[method])
+            except ImportError as error:
+                print(
+                    f"skipping {method}: not installed in {sys.executable} ({error}); "
+                    "run `bash scripts/install_baselines.sh` and use .venv-baselines/bin/python"
+                )
+                continue
+        kept.append(method)
+    return kept
+
+
+# ---------------------------------------------------------------------------- measurements
+
+
+def time_methods(
+    methods: Sequence[str], setting: Setting, args: BenchArgs
+) -> tuple[dict[str, list[float]], str]:
+    """Seconds per meta-step for each method, interleaved round-robin; and what auto runs."""
+    tasks = make_tasks(setting, args.tasks, torch.float32, args.seed)
+    steps = {m: make_step(m, setting, torch.float32, args) for m in methods}
+    times: dict[str, list[float]] = {m: [] for m in methods}
+    for r in range(args.warmup + args.repeats):
+        order = list(methods[r % len(methods) :]) + list(methods[: r % len(methods)])
+        for method in order:
+            gc.collect()
+            start = time.perf_counter()
+            steps[method](tasks)
+            if r >= args.warmup:
+                times[method].append(time.perf_counter() - start)
+    inner = InnerLoop(steps=1, lr=INNER_LR, first_order=setting.first_order)
+    return times, choose_vectorize(make_model(torch.float32, args.seed), tasks, inner, "auto")
+
+
+def float64_gradients(method: str, setting: Setting, args: BenchArgs) -> dict[str, Tensor]:
+    step = make_step(method, setting, torch.float64, args)
+    step.gradient(make_tasks(setting, args.tasks, torch.float64, args.seed))
+    return {n: p.grad.detach().clone() for n, p in step.model.named_parameters()}
+
+
+def max_relative_difference(grads: dict[str, Tensor], reference: dict[str, Tensor]) -> float:
+    """``max|g - ref| / max|ref|`` over all parameters together.
+
+    Not per tensor: the conv biases feed a batch norm, which cancels them, so their exact
+    meta-gradient is 0 and any rounding would read as a relative difference of order 1.
+    """
+    error = max(float((grads[n] - ref).abs().max()) for n, ref in reference.items())
+    return error / max(float(ref.abs().max()) for ref in reference.values())
+
+
+def _status_kb(key: str) -> int:
+    with open("/proc/self/status") as f:
+        return int(re.search(rf"^{key}:\s+(\d+) kB", f.read(), re.M).group(1))
+
+
+def probe_memory(method: str, setting: Setting, args: BenchArgs) -> float:
+    """Peak RSS above the starting RSS of one warmed-up meta-step, MB (this process)."""
+    tasks = make_tasks(setting, args.tasks, torch.float32, args.seed)
+    step = make_step(method, setting, torch.float32, args)
+    step(tasks)  # warm-up: Adam state, lazy initialisation
+    gc.collect()
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # reset VmHWM to the current RSS (Linux >= 4.0)
+    start = _status_kb("VmRSS")
+    step(tasks)
+    return (_status_kb("VmHWM") - start) / 1024
+
+
+def memory_in_subprocess(method: str, setting: Setting, args: BenchArgs) -> float | None:
+    cmd = [
+        sys.executable, os.path.abspath(__file__), "--probe-memory", f"{method}:{setting.name}",
+        "--tasks", str(args.tasks), "--baseline-norm", args.baseline_norm,
+        "--threads", str(args.threads), "--seed", str(args.seed),
+    ]  # fmt: skip
+    # A fixed mmap threshold stops glibc from keeping freed tensors in its heap, so RSS
+    # follows the live memory and a warmed-up step cannot hide its peak in reused pages.
+    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536", "MALLOC_TRIM_THRESHOLD_": "0"}
+    out = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    if out.returncode != 0:
+        print(f"memory probe of {method} {setting.name} failed:\n{out.stderr[-2000:]}")
+        return None
+    return json.loads(out.stdout.strip().splitlines()[-1])["peak_mb"]
+
+
+def profile_step(method: str, setting: Setting, args: BenchArgs, rows: int = 25) -> None:
+    """Print the ops that take the most self CPU time in one warmed-up meta-step."""
+    tasks = make_tasks(setting, args.tasks, torch.float32, args.seed)
+    step = make_step(method, setting, torch.float32, args)
+    for _ in range(max(args.warmup, 1)):
+        step(tasks)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        step(tasks)
+    print(f"## profile: {method}, {setting.name}\n")
+    print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=rows))
+
+
+# ---------------------------------------------------------------------------- reporting
+
+
+def markdown_table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def headline(medians: dict[str, dict[str, float]], methods: Sequence[str]) -> str:
+    if "learn2learn" not in methods:
+        missing = importlib.util.find_spec("learn2learn") is None
+        return f"speedup_vs_learn2learn: n/a (learn2learn not {'installed' if missing else 'run'})"
+    if HEADLINE not in medians or "auto" not in methods:
+        return f"speedup_vs_learn2learn: n/a (needs setting {HEADLINE} and method auto)"
+    row = medians[HEADLINE]
+    return f"speedup_vs_learn2learn: {row['learn2learn'] / row['auto']:.2f}"
+
+
+def main(args: BenchArgs) -> str:
+    """Run the benchmark, print the tables; returns the last line (the headline)."""
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    unknown = [s for s in args.settings if s not in SETTINGS]
+    if unknown:
+        raise ValueError(f"unknown settings {unknown}; choose from {', '.join(SETTINGS)}")
+    if args.probe_memory:
+        method, name = args.probe_memory.split(":")
+        print(json.dumps({"peak_mb": probe_memory(method, SETTINGS[name], args)}))
+        return ""
+    if args.profile:
+        method, name = args.profile.split(":")
+        profile_step(method, SETTINGS[name], args)
+        return ""
+    methods = available(args.methods)
+    print(
+        f"# MAML meta-step, Conv4 (stride 2), {args.tasks} tasks, {WAYS}-way {SHOTS}-shot, "
+        f"1 inner step, inner lr {INNER_LR}\n\ntorch {torch.__version__}, "
+        f"{torch.get_num_threads()} threads, {os.cpu_count()} CPUs, load average "
+        f"{os.getloadavg()[0]:.1f}; baselines' batch norm: {args.baseline_norm}; "
+        f"{args.repeats} repeats after {args.warmup} warm-up, interleaved\n"
+    )
+    medians = report_times(methods, args)
+    if args.memory:
+        report_memory(methods, args)
+    if args.float64_check:
+        report_float64(methods, args)
+    last = headline(medians, methods)
+    print(last)
+    return last
+
+
+def report_times(methods: Sequence[str], args: BenchArgs) -> dict[str, dict[str, float]]:
+    medians: dict[str, dict[str, float]] = {}
+    rows = []
+    for name in args.settings:
+        times, auto_mode = time_methods(methods, SETTINGS[name], args)
+        medians[name] = {m: statistics.median(t) for m, t in times.items()}
+        cells = [f"{1e3 * medians[name][m]:.0f}" for m in methods]
+        ratio = "-"
+        if "auto" in methods and "learn2learn" in methods:
+            ratio = f"{medians[name]['learn2learn'] / medians[name]['auto']:.2f}x"
+        rows.append([name, *cells, auto_mode, ratio])
+        print(
+            f"timed {name}: " + ", ".join(f"{m} {c} ms" for m, c in zip(methods, cells)), flush=True
+        )
+    print("\n## Meta-step time, median ms\n")
+    print(markdown_table(["setting", *methods, "auto ran", "learn2learn / auto"], rows) + "\n")
+    return medians
+
+
+def report_memory(methods: Sequence[str], args: BenchArgs) -> None:
+    rows = []
+    for name in args.settings:
+        peaks = [memory_in_subprocess(m, SETTINGS[name], args) for m in methods]
+        rows.append([name, *("failed" if p is None else f"{p:.0f}" for p in peaks)])
+    print("## Peak memory of a meta-step, MB above the step's starting RSS (fresh process)\n")
+    print(markdown_table(["setting", *methods], rows) + "\n")
+
+
+def report_float64(methods: Sequence[str], args: BenchArgs) -> None:
+    rows = []
+    for name in args.settings:
+        setting = SETTINGS[name]
+        reference = float64_gradients("loop", setting, args)
+        diffs = [
+            max_relative_difference(float64_gradients(m, setting, args), reference) for m in methods
+        ]
+        rows.append([name, *(f"{d:.1e}" for d in diffs)])
+        if bad := [m for m, d in zip(methods, diffs) if d > FLOAT64_TOLERANCE]:
+            print(
+                f"WARNING: {name}: {bad} disagree with metalearn's loop beyond {FLOAT64_TOLERANCE}"
+            )
+    print("## float64 meta-gradient, max relative difference from metalearn loop\n")
+    print(markdown_table(["setting", *methods], rows) + "\n")
+
+
+def parse_args(argv: Sequence[str] | None = None) -> BenchArgs:
+    defaults = BenchArgs()
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--repeats", type=int, default=defaults.repeats)
+    p.add_argument("--warmup", type=int, default=defaults.warmup)
+    p.add_argument("--settings", default=",".join(defaults.settings), help="comma-separated")
+    p.add_argument("--methods", default=",".join(defaults.methods), help="comma-separated")
+    p.add_argument("--tasks", type=int, default=defaults.tasks)
+    p.add_argument("--quick", action="store_true", help="3 repeats, 1 warm-up, no memory")
+    p.add_argument("--float64-check", action=argparse.BooleanOptionalAction, default=True)
+    p.add_argument("--memory", action=argparse.BooleanOptionalAction, default=True)
+    p.add_argument("--baseline-norm", choices=("fused", "meta"), default=defaults.baseline_norm)
+    p.add_argument("--threads", type=int, default=defaults.threads)
+    p.add_argument("--seed", type=int, default=defaults.seed)
+    p.add_argument("--profile", default="", metavar="METHOD:SETTING")
+    p.add_argument("--probe-memory", default="", help=argparse.SUPPRESS)
+    ns = p.parse_args(argv)
+    args = BenchArgs(
+        repeats=ns.repeats, warmup=ns.warmup, settings=ns.settings.split(","),
+        methods=ns.methods.split(","), tasks=ns.tasks, float64_check=ns.float64_check,
+        memory=ns.memory, baseline_norm=ns.baseline_norm, threads=ns.threads, seed=ns.seed,
+        profile=ns.profile, probe_memory=ns.probe_memory,
+    )  # fmt: skip
+    if ns.quick:
+        args.repeats, args.warmup, args.memory = 3, 1, False
+    return args
+
+
+if __name__ == "__main__":
+    main(parse_args())
