@@ -1,0 +1,174 @@
+"""Reptile (Nichol, Achiam & Schulman, 2018, "On First-Order Meta-Learning Algorithms").
+
+Per task, train a copy of theta with k steps of gradient descent on the task's training
+data, giving phi_i; then move theta toward the adapted weights. The batched update of the
+paper's Algorithm 2 is::
+
+    theta <- theta + epsilon * mean_i (phi_i - theta)
+
+`Reptile.backward` writes ``mean_i (theta - phi_i)`` into ``.grad``, so that
+``torch.optim.SGD(lr=epsilon).step()`` is exactly that update; any other optimiser (the
+paper mentions Adam) takes the Reptile direction as its gradient.
+No graph to theta is built: the inner loop is first order by construction.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from torch.func import functional_call
+
+from metalearn.algorithms.base import MetaLearner, StepMetrics, _detached
+from metalearn.inner import NonFiniteLossError, adapt
+from metalearn.outer import MetaBatch, Task, _accuracy
+
+__all__ = ["Reptile", "accumulate_grad", "check_loop_only"]
+
+
+class Reptile(MetaLearner):
+    """Reptile: theta moves toward each task's SGD-adapted weights.
+
+    The inner loop trains on the task's *training* data, as in the paper (Alg. 1-2): the
+    support set by default, so the reported query loss and accuracy are held-out numbers
+    after adaptation (what Reptile is evaluated on). ``train_on_query=True`` trains on support
+    and query together (more data per task); the reported query metrics are then training
+    metrics.
+
+    The inner loop is full-batch gradient descent with ``inner_lr`` for ``inner_steps`` steps
+    (per-task ``Task.steps`` and ``Task.stop`` apply). Tasks run in a Python loop.
+
+    Args:
+        model: the network; its parameters are theta.
+        inner_lr: inner learning rate alpha.
+        inner_steps: k, the inner gradient steps per task. With k = 1 the Reptile direction
+            is ``alpha * grad L_train(theta)``: SGD on the expected loss (joint training),
+            as the paper notes; meta-learning needs k > 1.
+        train_on_query: train the inner loop on support + query (concatenated along dim 0)
+            instead of the support set only.
+        **kwargs: as for `MetaLearner` (``adapt_keys``, ``loss_fn``, ``on_nonfinite``).
+            ``vectorize`` must be ``"auto"`` or ``"loop"``.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        *,
+        inner_lr: float = 0.4,
+        inner_steps: int = 5,
+        train_on_query: bool = False,
+        **kwargs: Any,
+    ) -> None:
+        if kwargs.pop("first_order", True) is not True:
+            raise ValueError(
+                "Reptile is first order by definition (no graph through the inner loop); "
+                "drop first_order=False, or use MAML for second-order meta-gradients"
+            )
+        super().__init__(
+            model, inner_lr=inner_lr, inner_steps=inner_steps, first_order=True, **kwargs
+        )
+        check_loop_only(self, "Reptile")
+        self.train_on_query = train_on_query
+
+    def meta_loss(self, tasks: Sequence[Task]) -> MetaBatch:
+        raise NotImplementedError(
+            "Reptile has no meta-loss to differentiate (its update is theta - phi, not a "
+            "gradient of a loss); call learner.backward(tasks), which fills .grad"
+        )
+
+    def backward(self, tasks: Sequence[Task]) -> StepMetrics:
+        """Accumulate ``mean_i (theta - phi_i)`` into ``.grad`` of theta.
+
+        Args:
+            tasks: the meta-batch (T tasks).
+
+        Returns:
+            `StepMetrics` with the mean query loss and accuracy of the adapted weights.
+        """
+        if not tasks:
+            raise ValueError("the meta-batch is empty; pass at least one Task")
+        theta = self.theta()
+        start = _detached(theta)
+        directions, losses, accs, skipped = [], [], [], 0
+        for i, task in enumerate(tasks):
+            try:
+                fast, loss, acc = self._adapt_task(start, task, i)
+            except NonFiniteLossError:
+                if self.on_nonfinite == "raise":
+                    raise
+                skipped += 1
+                continue
+            # Alg. 2: the direction is theta - phi_i, so a descent step moves toward phi_i.
+            directions.append({k: start[k] - fast[k] for k in start})
+            losses.append(loss)
+            accs.append(acc)
+        if not directions:
+            raise FloatingPointError(
+                f"all {len(tasks)} tasks of the meta-batch had non-finite losses; lower the "
+                "inner learning rate or check the data for NaNs"
+            )
+        mean = {k: torch.stack([d[k] for d in directions]).mean(0) for k in start}
+        accumulate_grad(theta, mean)
+        return StepMetrics(
+            float(torch.stack(losses).mean()), float(torch.stack(accs).mean()), skipped, 0
+        )
+
+    def _adapt_task(
+        self, theta: dict[str, Tensor], task: Task, index: int
+    ) -> tuple[dict[str, Tensor], Tensor, Tensor]:
+        """phi_i, and the query loss and accuracy at phi_i (all without a graph)."""
+        data = task.support
+        if self.train_on_query:
+            data = (torch.cat([task.support[0], task.query[0]]),
+                    torch.cat([task.support[1], task.query[1]]))  # fmt: skip
+        buffers = dict(self.model.named_buffers())
+        with torch.no_grad():  # torch.func.grad inside adapt still differentiates
+            fast = adapt(
+                self.model, theta, data,
+                steps=self.inner_steps if task.steps is None else task.steps,
+                lr=_detached(self.learning_rate()), loss_fn=self.loss_fn, first_order=True,
+                adapt_keys=self.adapt_keys, buffers=buffers, model_kwargs=task.model_kwargs,
+                stop=task.stop, check_finite=True, task_index=index,
+            )  # fmt: skip
+            out = functional_call(self.model, {**buffers, **fast}, (task.query[0],),
+                                  dict(task.model_kwargs))  # fmt: skip
+            loss = self.loss_fn(out, task.query[1])
+        if not torch.isfinite(loss):
+            raise NonFiniteLossError("query", index, None, float(loss))
+        return fast, loss, _accuracy(out, task.query[1])
+
+
+def accumulate_grad(params: Mapping[str, Tensor], grads: Mapping[str, Tensor]) -> None:
+    """Add ``grads[name]`` into ``params[name].grad``, as ``loss.backward()`` would.
+
+    For algorithms whose meta-gradient is not the gradient of a loss (Reptile, iMAML).
+    Parameters that do not require grad are left alone.
+
+    Args:
+        params: theta, name -> leaf tensor (``dict(model.named_parameters())``).
+        grads: name -> tensor shaped like the parameter.
+    """
+    with torch.no_grad():
+        for name, p in params.items():
+            if not p.requires_grad:
+                continue
+            if p.grad is None:
+                p.grad = grads[name].detach().clone()
+            else:
+                p.grad.add_(grads[name])
+
+
+def check_loop_only(learner: MetaLearner, name: str) -> None:
+    """Raise if a learner that runs its tasks in a loop was asked for ``vectorize="vmap"``."""
+    if learner.vectorize not in ("auto", "loop"):
+        raise ValueError(
+            f"{name} runs its tasks in a Python loop; vectorize={learner.vectorize!r} is not "
+            "supported, pass vectorize='loop' or 'auto'"
+        )
+    if learner.checkpoint:
+        raise ValueError(
+            f"{name} keeps no graph through the inner loop, so checkpoint=True does nothing; "
+            "drop it"
+        )

@@ -1,0 +1,378 @@
+"""iMAML and Reptile against independent references, in float64.
+
+iMAML: the closed-form implicit gradient of a linear-regression inner problem, the unrolled
+second-order gradient through a converged proximal inner loop, and memory that does not grow
+with the inner steps. Reptile: a plain torch.optim.SGD loop on a copy of the model.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.profiler import ProfilerActivity, profile
+
+from metalearn.algorithms.base import StepMetrics
+from metalearn.algorithms.imaml import IMAML, HVPMethodError, implicit_meta_gradient
+from metalearn.algorithms.maml import FOMAML, MAML
+from metalearn.algorithms.reptile import Reptile
+from metalearn.inner import NonFiniteLossError
+from metalearn.models import MLP
+from metalearn.outer import InnerLoop, Task, task_loss
+from metalearn.second_order import HVP_METHODS
+
+F64 = torch.float64
+
+
+def _regression_tasks(gen: torch.Generator, n: int, d: int, shots: int = 12) -> list[Task]:
+    def data(size: int) -> tuple[Tensor, Tensor]:
+        x = torch.randn(size, d, generator=gen, dtype=F64)
+        w = torch.randn(d, 1, generator=gen, dtype=F64)
+        return x, x @ w + 0.1 * torch.randn(size, 1, generator=gen, dtype=F64)
+
+    return [Task(data(shots), data(shots - 2)) for _ in range(n)]
+
+
+def _classification_tasks(gen: torch.Generator, n: int, ways: int = 4, d: int = 3) -> list[Task]:
+    def data(size: int) -> tuple[Tensor, Tensor]:
+        return torch.randn(size, d, generator=gen, dtype=F64), torch.randint(
+            0, ways, (size,), generator=gen
+        )
+
+    return [Task(data(8), data(6)) for _ in range(n)]
+
+
+def _mse(out: Tensor, y: Tensor) -> Tensor:
+    """F.mse_loss written out: torch 2.13's forward-mode AD breaks through F.mse_loss."""
+    return ((out - y) ** 2).mean()
+
+
+def _flat_grad(model: nn.Module) -> Tensor:
+    return torch.cat([p.grad.reshape(-1) for p in model.parameters()])
+
+
+def _flat(model: nn.Module) -> Tensor:
+    return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+
+
+# --------------------------------------------------------------------------- iMAML
+
+
+def _quadratic(model: nn.Linear, data: tuple[Tensor, Tensor]) -> tuple[Tensor, Tensor]:
+    """MSE of a 1-output linear model as 0.5 w'Aw - b'w + c over w = [weight, bias]."""
+    x, y = data
+    z = torch.cat([x, torch.ones(len(x), 1, dtype=F64)], 1)
+    return 2 * z.T @ z / len(x), 2 * z.T @ y[:, 0] / len(x)
+
+
+@pytest.mark.parametrize(
+    ("hvp_method", "damping"), [(m, 0.0) for m in HVP_METHODS] + [("forward-over-reverse", 0.5)]
+)
+def test_imaml_equals_the_closed_form_implicit_gradient(hvp_method: str, damping: float) -> None:
+    gen = torch.Generator().manual_seed(0)
+    d, lam = 4, 1.5
+    model = nn.Linear(d, 1).double()
+    tasks = _regression_tasks(gen, 3, d)
+    theta, eye = _flat(model), torch.eye(d + 1, dtype=F64)
+    lr, steps = _converging_gd(model, tasks, lam)
+    expected, optima = [], []
+    for task in tasks:
+        a, b = _quadratic(model, task.support)
+        phi = torch.linalg.solve(a + lam * eye, b + lam * theta)  # Eq. 4's minimiser
+        a_q, b_q = _quadratic(model, task.query)
+        # Eq. 6 times Eq. 5, with cg_damping's extra damping * I
+        expected.append(torch.linalg.solve((1 + damping) * eye + a / lam, a_q @ phi - b_q))
+        optima.append(phi)
+    learner = IMAML(
+        model, lam=lam, inner_lr=lr, inner_steps=steps, cg_steps=d + 1, cg_tol=1e-14,
+        loss_fn=_mse, hvp_method=hvp_method, cg_damping=damping,
+    )  # fmt: skip
+    metrics = learner.backward(tasks)
+    torch.testing.assert_close(_flat_grad(model), torch.stack(expected).mean(0), rtol=0, atol=1e-12)
+    fast = learner.adapt(tasks[0])
+    phi = torch.cat([fast["weight"][0], fast["bias"]])
+    torch.testing.assert_close(phi, optima[0], rtol=0, atol=1e-12)
+    assert metrics.cg_converged == 1.0 and metrics.cg_residual <= 1e-14
+    assert metrics.cg_iterations <= d + 1
+
+
+def _converging_gd(model: nn.Linear, tasks: list[Task], lam: float) -> tuple[float, int]:
+    """A step size and step count that bring GD on every task's Eq. 4 to 1e-17 of phi*."""
+    curvatures = [torch.linalg.eigvalsh(_quadratic(model, t.support)[0]) + lam for t in tasks]
+    low, high = min(float(c.min()) for c in curvatures), max(float(c.max()) for c in curvatures)
+    # GD with lr = 2 / (mu + L) contracts the error by (L - mu) / (L + mu) per step.
+    lr, rate = 2 / (low + high), (high - low) / (high + low)
+    steps = math.ceil(math.log(1e-17) / math.log(rate))
+    assert steps <= 80
+    return lr, steps
+
+
+def test_imaml_first_order_is_the_query_gradient_at_the_optimum() -> None:
+    gen = torch.Generator().manual_seed(1)
+    d, lam = 3, 2.0
+    model = nn.Linear(d, 1).double()
+    tasks = _regression_tasks(gen, 2, d)
+    theta, eye = _flat(model), torch.eye(d + 1, dtype=F64)
+    expected = []
+    for task in tasks:
+        a, b = _quadratic(model, task.support)
+        phi = torch.linalg.solve(a + lam * eye, b + lam * theta)
+        a_q, b_q = _quadratic(model, task.query)
+        expected.append(a_q @ phi - b_q)
+    lr, steps = _converging_gd(model, tasks, lam)
+    learner = IMAML(model, lam=lam, inner_lr=lr, inner_steps=steps, first_order=True,
+                    loss_fn=F.mse_loss)  # fmt: skip
+    metrics = learner.backward(tasks)
+    torch.testing.assert_close(_flat_grad(model), torch.stack(expected).mean(0), rtol=0, atol=1e-12)
+    assert metrics.cg_iterations == 0 and math.isnan(metrics.cg_residual)
+
+
+def test_imaml_equals_unrolled_second_order_through_a_converged_inner_loop() -> None:
+    """A tanh MLP (non-quadratic): differentiating through 80 proximal GD steps converges to
+    the implicit gradient, since the unrolled Jacobian converges to (I + H/lam)^{-1}."""
+    torch.manual_seed(2)
+    gen = torch.Generator().manual_seed(2)
+    model = MLP(2, [6], 1, activation=nn.Tanh).double()
+    tasks = _regression_tasks(gen, 2, 2, shots=10)
+    lam, lr, steps = 4.0, 0.2, 80
+    n = sum(p.numel() for p in model.parameters())
+    theta = dict(model.named_parameters())
+
+    def proximal(fast: dict[str, Tensor]) -> Tensor:  # depends on theta: unrolled through
+        return 0.5 * lam * sum(((fast[k] - theta[k]) ** 2).sum() for k in theta)
+
+    inner = InnerLoop(steps=steps, lr=lr, loss_fn=F.mse_loss)
+    losses = [task_loss(model, theta, t.support, t.query, inner, regularizer=proximal).loss
+              for t in tasks]  # fmt: skip
+    unrolled = torch.autograd.grad(torch.stack(losses).mean(), list(theta.values()))
+    learner = IMAML(model, lam=lam, inner_lr=lr, inner_steps=steps, cg_steps=n, cg_tol=1e-14,
+                    loss_fn=_mse)  # fmt: skip
+    metrics = learner.backward(tasks)
+    torch.testing.assert_close(
+        _flat_grad(model), torch.cat([g.reshape(-1) for g in unrolled]), rtol=0, atol=1e-10
+    )
+    assert metrics.cg_converged == 1.0
+    torch.testing.assert_close(torch.tensor(metrics.loss, dtype=F64),
+                               torch.stack(losses).mean().detach(), rtol=0, atol=1e-12)  # fmt: skip
+
+
+def _peak_bytes(fn) -> int:
+    """Peak of live CPU bytes allocated while ``fn`` runs (allocator events, deterministic)."""
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        fn()
+    events = [e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"]
+    live = peak = 0
+    for e in sorted(events, key=lambda e: e.start_ns()):
+        live += e.nbytes()
+        peak = max(peak, live)
+    return peak
+
+
+def _backward_peak(make, steps: int) -> int:
+    torch.manual_seed(3)
+    model = MLP(8, [32], 4, activation=nn.Tanh).double()
+    task = _classification_tasks(torch.Generator().manual_seed(3), 1, ways=4, d=8)[0]
+    task = Task((task.support[0].repeat(4, 1), task.support[1].repeat(4)), task.query)
+    learner = make(model, steps)
+    return _peak_bytes(lambda: learner.backward([task]))
+
+
+def test_imaml_memory_does_not_grow_with_inner_steps() -> None:
+    make_imaml = lambda m, k: IMAML(m, inner_lr=0.1, inner_steps=k, cg_steps=2)  # noqa: E731
+    make_maml = lambda m, k: MAML(m, inner_lr=0.1, inner_steps=k, vectorize="loop")  # noqa: E731
+    imaml = [_backward_peak(make_imaml, k) for k in (2, 12)]
+    maml = [_backward_peak(make_maml, k) for k in (2, 12)]
+    # The meter sees growth where there is some: MAML keeps each step's [32 x 32] activations.
+    assert maml[1] > maml[0] + 10 * 32 * 32 * 8, maml
+    # iMAML's peak (measured: equal to the byte) does not depend on the inner steps.
+    assert imaml[1] == imaml[0], imaml
+    # Structurally: no graph reaches theta from phi or from the meta-gradient.
+    model = MLP(8, [64], 4).double()
+    task = _classification_tasks(torch.Generator().manual_seed(4), 1, d=8)[0]
+    result = implicit_meta_gradient(model, dict(model.named_parameters()), task.support,
+                                    task.query, inner_steps=50)  # fmt: skip
+    tensors = [*result.fast.values(), *result.grad.values(), result.loss]
+    assert all(t.grad_fn is None and not t.requires_grad for t in tensors)
+
+
+def test_imaml_metrics_report_cg_and_evaluate_uses_the_proximal_loop() -> None:
+    torch.manual_seed(5)
+    model = MLP(3, [5], 4, activation=nn.Tanh).double()
+    tasks = _classification_tasks(torch.Generator().manual_seed(5), 3)
+    learner = IMAML(model, lam=2.0, inner_lr=0.3, inner_steps=10, cg_steps=1)
+    metrics = learner.backward(tasks)
+    assert isinstance(metrics, StepMetrics)
+    assert metrics.cg_iterations == 1 and metrics.cg_converged == 0.0
+    assert 0 < metrics.cg_residual < 1
+    losses, accs = learner.evaluate(tasks)
+    assert losses.shape == accs.shape == (3,)
+    assert metrics.loss == pytest.approx(float(losses.mean()), abs=1e-12)
+    assert metrics.accuracy == pytest.approx(float(accs.mean()), abs=1e-12)
+
+
+def test_imaml_rejects_bad_settings() -> None:
+    model = nn.Linear(2, 1).double()
+    with pytest.raises(ValueError, match="lam must be > 0"):
+        IMAML(model, lam=0.0)
+    with pytest.raises(ValueError, match="lower inner_lr below 2 / lam"):
+        IMAML(model, lam=10.0, inner_lr=0.4)
+    with pytest.raises(ValueError, match="cg_steps must be >= 1"):
+        IMAML(model, cg_steps=0)
+    with pytest.raises(ValueError, match="drop adapt_keys"):
+        IMAML(model, adapt_keys=["bias"])
+    with pytest.raises(ValueError, match="vectorize='loop' or 'auto'"):
+        IMAML(model, vectorize="vmap")
+    with pytest.raises(NotImplementedError, match="call learner.backward"):
+        IMAML(model).meta_loss([])
+    with pytest.raises(ValueError, match="meta-batch is empty"):
+        IMAML(model).backward([])
+
+
+def test_imaml_names_the_fix_when_forward_mode_fails_through_the_loss() -> None:
+    model = nn.Linear(3, 1).double()
+    tasks = _regression_tasks(torch.Generator().manual_seed(12), 2, 3)
+    with pytest.raises(HVPMethodError, match="hvp_method='reverse-over-reverse'"):
+        IMAML(model, inner_steps=2, loss_fn=F.mse_loss, hvp_method="forward-over-reverse").backward(
+            tasks
+        )
+    IMAML(model, inner_steps=2, loss_fn=F.mse_loss).backward(tasks)  # reverse-over-reverse
+    reverse = _flat_grad(model).clone()
+    model.zero_grad()
+    IMAML(model, inner_steps=2, loss_fn=_mse, hvp_method="forward-over-reverse").backward(tasks)
+    torch.testing.assert_close(_flat_grad(model), reverse, rtol=0, atol=1e-13)
+
+
+def test_imaml_names_the_task_when_cg_meets_negative_curvature() -> None:
+    """Maximising the MSE makes H negative definite; with lam small, I + H/lam is too."""
+    model = nn.Linear(3, 1).double()
+    tasks = _regression_tasks(torch.Generator().manual_seed(6), 2, 3)
+    learner = IMAML(model, lam=1e-3, inner_steps=0, loss_fn=lambda o, y: -_mse(o, y))
+    with pytest.raises(ValueError, match="task 0.*indefinite.*Pass cg_damping > 0"):
+        learner.backward(tasks)
+
+
+# --------------------------------------------------------------------------- Reptile
+
+
+def _sgd_reference(
+    model: nn.Module, data: tuple[Tensor, Tensor], steps: int, lr: float, names: list[str] | None
+) -> dict[str, Tensor]:
+    """Plain PyTorch: a copy of the model, torch.optim.SGD, a manual loop."""
+    clone = copy.deepcopy(model)
+    params = [p for n, p in clone.named_parameters() if names is None or n in names]
+    opt = torch.optim.SGD(params, lr=lr)
+    for _ in range(steps):
+        opt.zero_grad()
+        F.cross_entropy(clone(data[0]), data[1]).backward()
+        opt.step()
+    return {n: p.detach() for n, p in clone.named_parameters()}
+
+
+@pytest.mark.parametrize("train_on_query", [False, True])
+def test_reptile_grad_is_theta_minus_sgd_weights(train_on_query: bool) -> None:
+    torch.manual_seed(7)
+    model = MLP(3, [6], 4, activation=nn.Tanh).double()
+    tasks = _classification_tasks(torch.Generator().manual_seed(7), 3)
+    tasks[1].steps, tasks[2].steps = 2, 7  # per-task step counts
+    lr, k = 0.3, 5
+    theta = {n: p.detach().clone() for n, p in model.named_parameters()}
+    directions, query_losses = [], []
+    for t in tasks:
+        data = t.support
+        if train_on_query:
+            data = (torch.cat([t.support[0], t.query[0]]), torch.cat([t.support[1], t.query[1]]))
+        phi = _sgd_reference(model, data, k if t.steps is None else t.steps, lr, None)
+        directions.append({n: theta[n] - phi[n] for n in theta})
+        clone = copy.deepcopy(model)
+        clone.load_state_dict(phi)
+        query_losses.append(F.cross_entropy(clone(t.query[0]), t.query[1]).detach())
+    learner = Reptile(model, inner_lr=lr, inner_steps=k, train_on_query=train_on_query)
+    metrics = learner.backward(tasks)
+    for n, p in model.named_parameters():
+        expected = torch.stack([d[n] for d in directions]).mean(0)
+        torch.testing.assert_close(p.grad, expected, rtol=0, atol=1e-12)
+    assert metrics.loss == pytest.approx(float(torch.stack(query_losses).mean()), abs=1e-12)
+
+
+def test_reptile_sgd_step_is_the_batched_update_and_grads_accumulate() -> None:
+    torch.manual_seed(8)
+    model = MLP(3, [6], 4, activation=nn.Tanh).double()
+    tasks = _classification_tasks(torch.Generator().manual_seed(8), 2)
+    learner = Reptile(model, inner_lr=0.3, inner_steps=4)
+    theta = _flat(model)
+    phis = [torch.cat([v.reshape(-1) for v in learner.adapt(t).values()]) for t in tasks]
+    eps = 0.25
+    opt = torch.optim.SGD(learner.parameters(), lr=eps)
+    opt.zero_grad()
+    learner.backward(tasks)
+    once = _flat_grad(model).clone()
+    learner.backward(tasks)  # accumulates, like loss.backward()
+    torch.testing.assert_close(_flat_grad(model), 2 * once, rtol=0, atol=1e-15)
+    opt.zero_grad()
+    learner.backward(tasks)
+    opt.step()
+    expected = theta + eps * (torch.stack(phis).mean(0) - theta)  # Nichol et al., Alg. 2
+    torch.testing.assert_close(_flat(model), expected, rtol=0, atol=1e-14)
+
+
+def test_reptile_one_step_is_joint_training() -> None:
+    """With k = 1 on the support set, theta - phi = alpha * grad L_support(theta) (joint
+    training): alpha times FOMAML with no inner step on tasks whose query is their support.
+    It is not FOMAML with one inner step, whose gradient is taken at phi on the query set."""
+    torch.manual_seed(9)
+    model = MLP(3, [6], 4, activation=nn.Tanh).double()
+    tasks = _classification_tasks(torch.Generator().manual_seed(9), 3)
+    alpha = 0.3
+    Reptile(model, inner_lr=alpha, inner_steps=1).backward(tasks)
+    reptile = _flat_grad(model).clone()
+    model.zero_grad()
+    joint = [Task(t.support, t.support) for t in tasks]
+    FOMAML(model, inner_steps=0, vectorize="loop").backward(joint)
+    torch.testing.assert_close(reptile, alpha * _flat_grad(model), rtol=0, atol=1e-14)
+
+
+def test_reptile_adapt_keys_move_only_those_parameters() -> None:
+    torch.manual_seed(10)
+    model = MLP(3, [6], 4, activation=nn.Tanh).double()
+    task = _classification_tasks(torch.Generator().manual_seed(10), 1)[0]
+    head = ["head.weight", "head.bias"]
+    Reptile(model, inner_lr=0.3, inner_steps=3, adapt_keys=head).backward([task])
+    phi = _sgd_reference(model, task.support, 3, 0.3, head)
+    for n, p in model.named_parameters():
+        torch.testing.assert_close(p.grad, p.detach() - phi[n], rtol=0, atol=1e-12)
+        if n not in head:
+            assert not p.grad.any()
+
+
+def test_reptile_metrics_match_evaluate_and_nonfinite_tasks_skip() -> None:
+    torch.manual_seed(11)
+    model = MLP(3, [6], 4, activation=nn.Tanh).double()
+    tasks = _classification_tasks(torch.Generator().manual_seed(11), 3)
+    learner = Reptile(model, inner_lr=0.3, inner_steps=4, on_nonfinite="skip")
+    metrics = learner.backward(tasks)
+    losses, accs = learner.evaluate(tasks)
+    assert metrics.loss == pytest.approx(float(losses.mean()), abs=1e-12)
+    assert metrics.accuracy == pytest.approx(float(accs.mean()), abs=1e-12)
+    model.zero_grad()
+    bad = Task((torch.full_like(tasks[0].support[0], math.nan), tasks[0].support[1]),
+               tasks[0].query)  # fmt: skip
+    skipped = learner.backward([bad, *tasks[1:]])
+    assert skipped.skipped == 1 and torch.isfinite(_flat_grad(model)).all()
+    with pytest.raises(NonFiniteLossError, match="task 0 at inner step 0"):
+        Reptile(model).backward([bad])
+
+
+def test_reptile_rejects_bad_settings() -> None:
+    model = nn.Linear(2, 3).double()
+    with pytest.raises(ValueError, match="first order by definition"):
+        Reptile(model, first_order=False)
+    with pytest.raises(ValueError, match="vectorize='loop' or 'auto'"):
+        Reptile(model, vectorize="vmap")
+    with pytest.raises(NotImplementedError, match="call learner.backward"):
+        Reptile(model).meta_loss([])
+    with pytest.raises(ValueError, match="meta-batch is empty"):
+        Reptile(model).backward([])
