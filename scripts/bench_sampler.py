@@ -20,7 +20,7 @@ import time
 
 import torch
 
-from metalearn.data import load_omniglot, omniglot_samplers
+from metalearn.data import EpisodicSampler, load_omniglot, omniglot_samplers
 
 SETTINGS = [(5, 1, 15), (5, 5, 15), (20, 1, 5), (20, 5, 15)]  # (ways, shots, queries)
 
@@ -39,20 +39,34 @@ def time_loads(data_root: str | None, workers: list[int | None]) -> None:
         print(f"load workers={label}: first {first:.2f} s, cached {cached:.2f} s")
 
 
-def time_sampling(data_root: str | None, tasks: int, repeats: int, split: str) -> None:
+def make_sampler(data, split: str, ways: int, shots: int, queries: int, device: str):
+    """The train-set sampler, on real data or (``data=None``) on random Omniglot-shaped data."""
+    if data is None:  # 1100 characters x 4 rotations, as MAML's train split
+        images = torch.randint(0, 256, (1100, 20, 1, 28, 28), dtype=torch.uint8, device=device)
+        rotations = (0, 1, 2, 3)
+        return EpisodicSampler(images, ways=ways, shots=shots, queries=queries, rotations=rotations)
+    samplers = omniglot_samplers(
+        data, split, ways=ways, shots=shots, queries=queries, device=device
+    )
+    return samplers["train"]
+
+
+def time_sampling(data, tasks: int, repeats: int, split: str, device: str) -> None:
     """Print median tasks/s per setting (meta-batches of ``tasks``)."""
-    data = load_omniglot(data_root, progress=False)
-    print(f"\n{split} split, train set, meta-batch of {tasks} tasks, median of {repeats}:")
+    source = "random data" if data is None else f"{split} split"
+    print(f"\n{source}, train set, {device}, meta-batch of {tasks} tasks, median of {repeats}:")
     print("| ways | shots | queries | classes | ms / meta-batch | tasks / s |")
     print("|---|---|---|---|---|---|")
     for ways, shots, queries in SETTINGS:
-        sampler = omniglot_samplers(data, split, ways=ways, shots=shots, queries=queries)["train"]
+        sampler = make_sampler(data, split, ways, shots, queries, device)
         generator = torch.Generator().manual_seed(0)
         sampler.batch(tasks, generator)  # warm-up
         times = []
         for _ in range(repeats):
             start = time.perf_counter()
             sampler.batch(tasks, generator)
+            if device.startswith("cuda"):
+                torch.cuda.synchronize()
             times.append(time.perf_counter() - start)
         median = statistics.median(times)
         print(
@@ -70,12 +84,15 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=50, help="timed meta-batches")
     parser.add_argument("--split", default="maml", choices=["maml", "alphabet"])
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
+    parser.add_argument("--device", default="cpu", help="where images stay resident")
     parser.add_argument("--skip-load", action="store_true", help="only time sampling")
+    parser.add_argument("--synthetic", action="store_true", help="random data, no Omniglot")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    if not args.skip_load:
+    if not (args.skip_load or args.synthetic):
         time_loads(args.data_root, workers=[None, 0])
-    time_sampling(args.data_root, args.tasks, args.repeats, args.split)
+    data = None if args.synthetic else load_omniglot(args.data_root, progress=False)
+    time_sampling(data, args.tasks, args.repeats, args.split, args.device)
 
 
 if __name__ == "__main__":

@@ -400,15 +400,19 @@ def test_uint8_images_come_out_scaled_like_to_float(tiny, tmp_path):
         assert torch.equal(task.query[0][2 * j : 2 * j + 2], ref[2:])
 
 
-def test_sampler_draws_every_class_and_example_evenly():
-    # 3 of 12 classes, 4 of 7 examples, 4000 tasks: each class is drawn w.p. 1/4 and each
-    # example w.p. 4/7; the bounds are >5 binomial standard deviations (27, 54, 17.5).
-    sampler = EpisodicSampler(_distinct_images(), ways=3, shots=1, queries=3, rotations=(0, 1))
+@pytest.mark.parametrize("ways", [3, 5])  # 3 * 3 <= 12: rejection path; 5 * 5 > 12: topk
+def test_sampler_draws_every_class_and_example_evenly(ways):
+    # `ways` of 12 classes and 4 of 7 examples over 4000 tasks: a class is drawn w.p. ways/12,
+    # an example w.p. 4/7, a class gets label 0 w.p. 1/12. The bounds are > 5 binomial
+    # standard deviations (at most 31, 54 and 17.5 counts).
+    sampler = EpisodicSampler(_distinct_images(), ways=ways, shots=1, queries=3, rotations=(0, 1))
     classes, examples = sampler.sample_indices(torch.Generator().manual_seed(0), tasks=4000)
+    assert not any(len(set(row)) < ways for row in classes.tolist())
+    assert not any(len(set(row)) < 4 for row in examples.flatten(0, 1).tolist())
     class_counts = torch.bincount(classes.flatten(), minlength=12)
-    assert (class_counts - 1000).abs().max() < 150, class_counts
+    assert (class_counts - 4000 * ways / 12).abs().max() < 160, class_counts
     example_counts = torch.bincount(examples.flatten(), minlength=7)
-    assert (example_counts - 12000 * 4 / 7).abs().max() < 300, example_counts
+    assert (example_counts - 4000 * ways * 4 / 7).abs().max() < 5 * 54 * math.sqrt(ways / 3)
     first_label = torch.bincount(classes[:, 0], minlength=12)  # label order is random too
     assert (first_label - 4000 / 12).abs().max() < 90, first_label
 

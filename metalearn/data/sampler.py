@@ -12,8 +12,8 @@ characters and then a random rotation for each, so they never do; the class pool
 same.)
 
 All randomness comes from the ``torch.Generator`` passed in: the same seed gives the same
-tasks. The rotated copies are made once, so a meta-batch of ``T`` tasks costs two
-``rand``/``topk`` pairs and one row gather in all; uint8 images (Omniglot's cache) are kept
+tasks. The rotated copies are made once, so a meta-batch of ``T`` tasks costs a few
+batched draws and one row gather in all; uint8 images (Omniglot's cache) are kept
 as they are and scaled to [0, 1] after the gather, at a quarter of the memory and traffic
 of resident floats (``scripts/bench_sampler.py`` measures it).
 """
@@ -91,9 +91,6 @@ class EpisodicSampler:
     def sample_indices(self, generator: torch.Generator, tasks: int = 1) -> tuple[Tensor, Tensor]:
         """Draw the classes and examples of ``tasks`` tasks at once.
 
-        Distinct draws use the top ``n`` of i.i.d. uniform keys: a uniformly random subset
-        in uniformly random order, batched over tasks in one ``rand`` and one ``topk``.
-
         Returns:
             ``classes`` long ``[T, N]`` (distinct within a task, in ``[0, num_classes)``;
             class ``c`` is base class ``c // R`` turned ``rotations[c % R]``; label ``j`` is
@@ -103,11 +100,10 @@ class EpisodicSampler:
         check_generator(generator)
         if tasks < 1:
             raise ValueError(f"tasks must be >= 1, got {tasks}")
-        # float64 keys: ties (which topk breaks by position) are then practically impossible.
-        draw = dict(generator=generator, device=generator.device, dtype=torch.float64)
-        classes = torch.rand(tasks, self.num_classes, **draw).topk(self.ways, dim=1).indices
-        keys = torch.rand(tasks, self.ways, self.examples, **draw)
-        examples = keys.topk(self.shots + self.queries, dim=2).indices
+        classes = _distinct(generator, (tasks,), self.ways, self.num_classes)
+        examples = _distinct(
+            generator, (tasks, self.ways), self.shots + self.queries, self.examples
+        )
         return classes, examples
 
     def tasks_from_indices(self, classes: Tensor, examples: Tensor) -> list[Task]:
@@ -143,6 +139,32 @@ class EpisodicSampler:
             f"EpisodicSampler({self.ways}-way {self.shots}-shot, {self.queries} queries, "
             f"{self.num_classes} classes, rotations={self.rotations})"
         )
+
+
+def _distinct(generator: torch.Generator, batch: tuple[int, ...], n: int, high: int) -> Tensor:
+    """``[*batch, n]`` draws from ``range(high)``, distinct along the last dimension.
+
+    Each row is uniform over ordered n-tuples of distinct values (a random subset in random
+    order). When ``n * n <= high`` a row of i.i.d. draws repeats a value with probability
+    below 1/2, so rows are drawn i.i.d. and redrawn until distinct (rejection sampling:
+    exact, and cheap when ``n`` is far below ``high``, as 5 of 4400 classes). Otherwise
+    the top ``n`` of ``high`` i.i.d. uniform keys (float64, so ties are practically
+    impossible) are taken.
+    """
+    draw = dict(generator=generator, device=generator.device)
+    if n * n > high:
+        keys = torch.rand(*batch, high, dtype=torch.float64, **draw)
+        return keys.topk(n, dim=-1).indices
+    rows = torch.randint(high, (*batch, n), **draw)
+    while (repeats := _repeats(rows)).any():
+        rows[repeats] = torch.randint(high, (int(repeats.sum()), n), **draw)
+    return rows
+
+
+def _repeats(rows: Tensor) -> Tensor:
+    """Bool ``[*batch]``: does the row hold a value twice?"""
+    ordered = rows.sort(dim=-1).values
+    return (ordered[..., 1:] == ordered[..., :-1]).any(dim=-1)
 
 
 def _check_arguments(
