@@ -16,6 +16,7 @@ Three ways to compute H v (Pearlmutter, 1994), all exact:
 from __future__ import annotations
 
 import math
+import warnings
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Literal, NamedTuple
 
@@ -154,9 +155,39 @@ def hvp(
     # only stops the *outer* graph from being recorded when nobody asked for it.
     with torch.enable_grad() if create_graph else torch.no_grad():
         if method == "forward-over-reverse":
-            return jvp(grad(scalar_f), (params,), (v,))[1]
+            try:
+                return jvp(grad(scalar_f), (params,), (v,))[1]
+            except (RuntimeError, NotImplementedError) as error:
+                if not _forward_mode_unsupported(error):
+                    raise
+                _warn_forward_fallback(error)
         _, vjp_fn = vjp(grad(scalar_f), params)
         return vjp_fn(v)[0]
+
+
+# Some ops' backward formulas have no forward-mode derivative in torch (measured, torch 2.13:
+# F.mse_loss with mean reduction fails with "ZeroTensors are immutable", F.huber_loss has no
+# forward AD formula). Reverse-over-reverse gives the same exact H v, so fall back to it, once
+# warned, rather than make the default method fail on common losses.
+_FORWARD_MODE_ERRORS = ("ZeroTensors are immutable", "forward AD", "forward-mode", "jvp")
+_warned_fallback = False
+
+
+def _forward_mode_unsupported(error: BaseException) -> bool:
+    return any(marker in str(error) for marker in _FORWARD_MODE_ERRORS)
+
+
+def _warn_forward_fallback(error: BaseException) -> None:
+    global _warned_fallback
+    if not _warned_fallback:
+        _warned_fallback = True
+        warnings.warn(
+            "forward-over-reverse HVP is not supported by an op in f (torch said: "
+            f"{str(error).splitlines()[0][:160]}); using reverse-over-reverse, which is equally "
+            "exact. Pass method='reverse-over-reverse' to silence this.",
+            RuntimeWarning,
+            stacklevel=3,
+        )
 
 
 def _hvp_autograd(f: Callable[[Tree], Tensor], params: Tree, v: Tree, create_graph: bool) -> Tree:

@@ -841,3 +841,25 @@ def test_hutchinson_trace_needs_two_samples():
     f, params = make_problem("mlp")
     with pytest.raises(ValueError, match="samples must be >= 2"):
         hessian_trace(f, params, samples=1)
+
+
+@pytest.mark.parametrize("loss", [F.mse_loss, F.huber_loss])
+def test_forward_over_reverse_falls_back_where_torch_lacks_forward_mode(loss):
+    # torch 2.13: mse_loss(mean) fails forward-over-reverse ("ZeroTensors are immutable") and
+    # huber_loss has no forward-AD formula; the default method must still give the exact H v.
+    import metalearn.second_order as so
+
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(6, 3, generator=gen, dtype=torch.float64)
+    y = torch.randn(6, 1, generator=gen, dtype=torch.float64)
+    params = {"w": torch.randn(3, 1, generator=gen, dtype=torch.float64)}
+    v = {"w": torch.randn(3, 1, generator=gen, dtype=torch.float64)}
+
+    def f(p):
+        return loss(torch.tanh(x @ p["w"]), y)
+
+    so._warned_fallback = False
+    with pytest.warns(RuntimeWarning, match="reverse-over-reverse"):
+        hv = hvp(f, params, v)
+    dense = hessian(f, params) @ v["w"].reshape(-1)
+    assert torch.allclose(hv["w"].reshape(-1), dense, rtol=1e-10, atol=1e-14)
