@@ -1,18 +1,24 @@
 """The MAML family on `metalearn.outer`: each algorithm a small `MetaLearner` subclass."""
 
 from metalearn.algorithms.base import MetaLearner, StepMetrics
+from metalearn.algorithms.imaml import IMAML, IMAMLMetrics, implicit_meta_gradient
 from metalearn.algorithms.maml import ANIL, FOMAML, MAML
 from metalearn.algorithms.mamlpp import MAMLpp, msl_weights, multi_step_task_loss
 from metalearn.algorithms.metasgd import MetaSGD
+from metalearn.algorithms.reptile import Reptile
 
 __all__ = [
     "ANIL",
     "FOMAML",
+    "IMAML",
+    "IMAMLMetrics",
     "MAML",
     "MAMLpp",
     "MetaLearner",
     "MetaSGD",
+    "Reptile",
     "StepMetrics",
+    "implicit_meta_gradient",
     "msl_weights",
     "multi_step_task_loss",
 ]
