@@ -107,7 +107,11 @@ class EpisodicSampler:
         return classes, examples
 
     def tasks_from_indices(self, classes: Tensor, examples: Tensor) -> list[Task]:
-        """Build the tasks of `sample_indices`' output (class-major within each set)."""
+        """Build the tasks of `sample_indices`' output (class-major within each set).
+
+        The tasks' images are slices of one batch tensor and their label tensors are shared:
+        treat tasks as read-only (nothing in the engine writes to them).
+        """
         device = self._rows.device
         rows = classes.to(device)[..., None] * self.examples + examples.to(device)  # [T, N, K+Q]
         tasks, ways, _ = rows.shape
