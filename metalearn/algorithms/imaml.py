@@ -19,7 +19,7 @@ optimum and CG converges; the paper runs few of both (16 GD steps, 5 CG steps on
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -37,7 +37,6 @@ from metalearn.second_order import CGResult, HVPMethod, conjugate_gradient, hvp
 
 __all__ = [
     "IMAML",
-    "HVPMethodError",
     "IMAMLMetrics",
     "ImplicitResult",
     "implicit_meta_gradient",
@@ -90,29 +89,6 @@ def proximal_adapt(
             regularizer=proximal, stop=stop, check_finite=True, task_index=task_index,
         )  # fmt: skip
     return fast
-
-
-class HVPMethodError(ValueError):
-    """The chosen HVP method cannot differentiate this model or loss."""
-
-
-def _hvp(
-    f: Callable[[dict[str, Tensor]], Tensor],
-    phi: dict[str, Tensor],
-    u: dict[str, Tensor],
-    method: HVPMethod,
-) -> dict[str, Tensor]:
-    try:
-        return hvp(f, phi, u, method=method)
-    except RuntimeError as error:
-        if method != "forward-over-reverse":
-            raise
-        # Measured on torch 2.13: forward-mode AD through F.mse_loss (reduction="mean") fails
-        # with "ZeroTensors are immutable", and F.huber_loss has no forward derivative.
-        raise HVPMethodError(
-            f"the forward-over-reverse HVP failed through this model or loss ({error}); "
-            "pass hvp_method='reverse-over-reverse' (exact, needs only double backward)"
-        ) from error
 
 
 class ImplicitResult(NamedTuple):
@@ -207,14 +183,12 @@ def implicit_meta_gradient(
         return ImplicitResult(g_query, loss, _accuracy(out, query[1]), phi, g_query, None)
 
     def matvec(u: dict[str, Tensor]) -> dict[str, Tensor]:
-        return tree_scale(1.0 / lam, _hvp(support_loss, phi, u, hvp_method))
+        return tree_scale(1.0 / lam, hvp(support_loss, phi, u, method=hvp_method))
 
     try:
         cg = conjugate_gradient(
             matvec, g_query, damping=1.0 + cg_damping, max_iter=cg_steps, tol=cg_tol
         )
-    except HVPMethodError:
-        raise
     except ValueError as error:  # non-positive curvature: I + H/lam is indefinite
         where = f"task {task_index}" if task_index is not None else "the task"
         raise ValueError(
