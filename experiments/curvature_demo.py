@@ -18,7 +18,6 @@ skip it).
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import math
 import os
@@ -32,6 +31,7 @@ from torch.func import functional_call, grad
 from tqdm import tqdm
 
 from metalearn import hessian_trace, top_eigenvalues
+from metalearn.cli import parse_dataclass
 
 
 @dataclass
@@ -173,28 +173,7 @@ def main(cfg: Config) -> list[dict]:
 
 def parse_args(argv: list[str] | None = None) -> Config:
     """Build a Config from --flags named after its fields (help text from the docstrings)."""
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    docs = _field_docs(Config)
-    for f in dataclasses.fields(Config):
-        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
-        parser.add_argument(
-            f"--{f.name.replace('_', '-')}", type=type(default), default=default,
-            help=f"{docs.get(f.name, '')} (default: {default})",
-        )  # fmt: skip
-    return Config(**vars(parser.parse_args(argv)))
-
-
-def _field_docs(cls: type) -> dict[str, str]:
-    """The docstring under each dataclass field, read from the source."""
-    import ast
-    import inspect
-
-    body = ast.parse(inspect.getsource(cls)).body[0].body
-    docs = {}
-    for node, nxt in zip(body, body[1:]):
-        if isinstance(node, ast.AnnAssign) and isinstance(nxt, ast.Expr):
-            docs[node.target.id] = str(nxt.value.value)
-    return docs
+    return parse_dataclass(Config, argv, description=__doc__.split("\n\n")[0])
 
 
 if __name__ == "__main__":

@@ -1,0 +1,57 @@
+"""parse_dataclass: typed flags from an argument dataclass, presets, help from docstrings."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+import pytest
+
+from metalearn.cli import field_docs, parse_dataclass
+
+
+@dataclass
+class Args:
+    """Example arguments."""
+
+    preset: Literal["small", "big"] = "small"
+    """Named configuration."""
+    steps: int = 3
+    """How many steps."""
+    lr: float = 0.5
+    """Learning rate."""
+    root: str | None = None
+    """Where data lives."""
+    track: bool = True
+    """Log to W&B."""
+
+
+PRESETS = {"small": {}, "big": {"steps": 100, "lr": 0.1}}
+
+
+def test_types_defaults_and_flags():
+    args = parse_dataclass(Args, ["--steps", "7", "--root", "/d", "--no-track"], presets=PRESETS)
+    assert args == Args(steps=7, lr=0.5, root="/d", track=False)
+    assert parse_dataclass(Args, [], presets=PRESETS) == Args()
+    assert parse_dataclass(Args, ["--root", "none"], presets=PRESETS).root is None
+
+
+def test_preset_applies_and_explicit_flags_win():
+    args = parse_dataclass(Args, ["--preset", "big", "--lr", "0.2"], presets=PRESETS)
+    assert (args.preset, args.steps, args.lr) == ("big", 100, 0.2)
+
+
+def test_bad_values_are_rejected(capsys):
+    with pytest.raises(SystemExit):
+        parse_dataclass(Args, ["--preset", "huge"], presets=PRESETS)
+    with pytest.raises(SystemExit):
+        parse_dataclass(Args, ["--steps", "many"], presets=PRESETS)
+    assert "invalid int value" in capsys.readouterr().err
+
+
+def test_help_comes_from_field_docstrings(capsys):
+    assert field_docs(Args)["lr"] == "Learning rate."
+    with pytest.raises(SystemExit):
+        parse_dataclass(Args, ["--help"], presets=PRESETS)
+    out = capsys.readouterr().out
+    assert "How many steps. (default: 3)" in out and "--no-track" in out
