@@ -10,6 +10,20 @@ import torch
 torch.set_num_threads(1)
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _session_data_cache(tmp_path_factory):
+    """One decoded-Omniglot cache for the whole session (decoding 32k PNGs takes ~10 s)."""
+    import os
+
+    previous = os.environ.get("METALEARN_CACHE")
+    os.environ["METALEARN_CACHE"] = str(tmp_path_factory.mktemp("metalearn-cache"))
+    yield
+    if previous is None:
+        os.environ.pop("METALEARN_CACHE", None)
+    else:
+        os.environ["METALEARN_CACHE"] = previous
+
+
 @pytest.fixture(autouse=True)
 def _isolated_wandb(tmp_path, monkeypatch):
     """wandb reads its environment once per process; point it into tmp and reset after."""

@@ -275,13 +275,13 @@ def test_safe_extract_rejects_symlinks_and_corrupt_members(tmp_path):
 
 
 @pytest.fixture(scope="session")
-def omniglot(tmp_path_factory):
+def omniglot():
     if REAL_ROOT is None:
         pytest.skip(
             "full Omniglot not found: set METALEARN_DATA or put it at ../shared/data/omniglot"
         )
-    cache = tmp_path_factory.mktemp("omniglot-cache")
-    return load_omniglot(REAL_ROOT, cache_dir=cache, progress=False, download=False)
+    # The session's $METALEARN_CACHE (conftest.py): decoded once, shared with other tests.
+    return load_omniglot(REAL_ROOT, progress=False, download=False)
 
 
 @needs_real

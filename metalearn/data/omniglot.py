@@ -45,6 +45,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from metalearn.checkpoint import save_checkpoint
 from metalearn.data.sampler import EpisodicSampler
 
 __all__ = [
@@ -395,20 +396,6 @@ def _decode_all(
     return torch.from_numpy(np.stack(arrays))
 
 
-def _save_atomic(obj: dict, path: Path) -> None:
-    """Write to a temporary file beside ``path``, then rename: readers never see half a file."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            torch.save(obj, f)
-        os.chmod(tmp, 0o644)  # mkstemp makes it private; a cache need not be
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
 def _load_cache(path: Path, fingerprint: str) -> dict | None:
     """The cached dict if ``path`` is a readable cache for ``fingerprint``, else None."""
     if not path.is_file():
@@ -471,7 +458,7 @@ def load_omniglot(
             "background": torch.tensor([c[2] for c in characters]),
             "fingerprint": fingerprint,
         }
-        _save_atomic(cached, path)
+        save_checkpoint(path, cached)
     return OmniglotImages(
         images=cached["images"],
         characters=tuple(cached["characters"]),

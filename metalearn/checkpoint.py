@@ -1,0 +1,55 @@
+"""Checkpoints written atomically and read back safely.
+
+A checkpoint is written to a temporary file beside its target, flushed to disk, then
+renamed over the target (``os.replace`` is atomic on POSIX and Windows), so a crash or a
+SIGTERM mid-write leaves the previous checkpoint intact, never half a file. Reading uses
+``torch.load(weights_only=True)``: only tensors and plain containers, no pickled code.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+
+__all__ = ["load_checkpoint", "save_checkpoint"]
+
+
+def save_checkpoint(path: str | os.PathLike, obj: Any) -> Path:
+    """Atomically write ``obj`` (tensors, numbers, strings, dicts, lists) to ``path``.
+
+    Returns:
+        The path written.
+    """
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            torch.save(obj, f)
+            f.flush()
+            os.fsync(f.fileno())  # the rename must not land before the data does
+        os.chmod(tmp, 0o644)  # mkstemp makes the file private; a checkpoint need not be
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return path
+
+
+def load_checkpoint(path: str | os.PathLike, map_location: Any = "cpu") -> Any:
+    """Read a checkpoint written by `save_checkpoint` (``weights_only=True``).
+
+    Raises:
+        FileNotFoundError: no checkpoint at ``path`` (the message says how to start fresh).
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(
+            f"no checkpoint at {path}; check --out-dir/--run-name, or drop --resume to start "
+            "a new run"
+        )
+    return torch.load(path, map_location=map_location, weights_only=True)
