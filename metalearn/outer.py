@@ -165,6 +165,8 @@ class MetaBatch(NamedTuple):
     """Mean query accuracy over the kept tasks, ``Tensor[]``."""
     task_losses: Tensor
     """Per-task query losses, ``Tensor[T]`` in task order (skipped tasks included)."""
+    task_accuracies: Tensor
+    """Per-task query accuracies, ``Tensor[T]`` (NaN for skipped tasks and regression)."""
     skipped: list[int]
     """Indices of tasks dropped for a non-finite loss (``on_nonfinite="skip"``)."""
     vectorized: int
@@ -370,6 +372,7 @@ def _combine(
     kept = [r for i, r in enumerate(results) if i not in skipped and r is not None]
     nan = torch.full((), float("nan"), device=next(iter(params.values())).device)
     task_losses = torch.stack([r.loss.detach() if r is not None else nan for r in results])
+    task_accuracies = torch.stack([r.accuracy.detach() if r is not None else nan for r in results])
     if not kept:
         raise FloatingPointError(
             f"all {len(results)} tasks of the meta-batch had non-finite losses; lower the "
@@ -377,4 +380,4 @@ def _combine(
         )
     loss = torch.stack([r.loss for r in kept]).mean()
     accuracy = torch.stack([r.accuracy for r in kept]).mean().detach()
-    return MetaBatch(loss, accuracy, task_losses, skipped, vectorized)
+    return MetaBatch(loss, accuracy, task_losses, task_accuracies, skipped, vectorized)

@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from metalearn.inner import LearningRate, LossFn, adapt
-from metalearn.outer import InnerLoop, MetaBatch, Task, Vectorize, meta_batch, task_loss
+from metalearn.outer import InnerLoop, MetaBatch, Task, Vectorize, meta_batch
 
 __all__ = ["MetaLearner", "StepMetrics"]
 
@@ -145,22 +145,17 @@ class MetaLearner(nn.Module):
         """Query loss and accuracy per task after ``steps`` inner steps: ``([T], [T])``.
 
         No outer graph is built (evaluation never needs the meta-gradient), so this is the
-        first-order inner loop, which gives the same adapted weights.
+        first-order inner loop, which gives the same adapted weights. Runs through
+        `meta_batch`, so evaluation is vmapped exactly when training would be.
         """
         inner = self.inner_loop(steps, first_order=True)
         inner.lr = _detached(inner.lr)
-        losses, accs = [], []
         with torch.no_grad():
-            theta = _detached(self.theta())
-            for i, task in enumerate(tasks):
-                r = task_loss(
-                    self.model, theta, task.support, task.query, inner,
-                    buffers=dict(self.model.named_buffers()), steps=steps,
-                    model_kwargs=task.model_kwargs, check_finite=True, task_index=i,
-                )  # fmt: skip
-                losses.append(r.loss)
-                accs.append(r.accuracy)
-        return torch.stack(losses), torch.stack(accs)
+            result = meta_batch(
+                self.model, _detached(self.theta()), tasks, inner,
+                buffers=dict(self.model.named_buffers()), vectorize=self.vectorize,
+            )  # fmt: skip
+        return result.task_losses, result.task_accuracies
 
 
 def _metrics(result: MetaBatch) -> StepMetrics:
