@@ -98,6 +98,8 @@ class Args:
     """W&B project."""
     device: str = "cuda" if torch.cuda.is_available() else "cpu"
     """Torch device."""
+    threads: int = 0
+    """Torch CPU threads (0: torch's default, one per core)."""
 
 
 # The MAML paper's Omniglot settings (Finn et al., 2017, Sec. 5.2 and appendix A.1).
@@ -255,6 +257,8 @@ def initial_state(args: Args, learner: MetaLearner) -> dict:
 
 def main(args: Args) -> dict[str, float]:
     """Meta-train, test the best-validation weights, log everything; returns the results."""
+    if args.threads > 0:
+        torch.set_num_threads(args.threads)
     data = load_omniglot(args.data_root)
     samplers = omniglot_samplers(data, args.split, ways=args.ways, shots=args.shots,
                                  queries=args.query, device=args.device)  # fmt: skip
