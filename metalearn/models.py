@@ -30,7 +30,8 @@ def batch_norm(x: Tensor, weight: Tensor, bias: Tensor, eps: float = 1e-5) -> Te
     training and evaluation, so query examples are normalised with their own batch's
     statistics. It equals ``F.batch_norm(x, None, None, weight, bias, training=True,
     eps=eps)`` (biased variance) but is built from ``mean`` and elementwise ops, so its
-    second derivatives are right under ``vmap`` and it costs little under forward-mode AD.
+    second derivatives are right under ``vmap`` (the fused kernel's are not, see
+    ``DESIGN.md``).
 
     Args:
         x: input ``[N, C]``, ``[N, C, L]`` or ``[N, C, H, W]``; statistics are taken per
@@ -55,8 +56,10 @@ def batch_norm(x: Tensor, weight: Tensor, bias: Tensor, eps: float = 1e-5) -> Te
         )
     dims = (0, *range(2, x.dim()))
     shape = (1, channels) + (1,) * (x.dim() - 2)
-    # Centre once and reuse it for the variance: one reduction pass fewer than x.var(), and
-    # the tangent of `centred` is shared by both uses under forward-mode AD.
+    # Measured on the Omniglot Conv4 (batch 80, torch 2.13 CPU, one thread): rewriting this
+    # with sums times 1/N, torch.var_mean, addcmul or E[x^2] - E[x]^2 changes the number of
+    # full-size ops in an HVP by up to 20% but not its time beyond the noise (about 10%), so
+    # the plain two-pass form stays.
     centred = x - x.mean(dims, keepdim=True)
     var = (centred * centred).mean(dims, keepdim=True)
     # Fold the scale into one per-channel factor ([1, C, 1, 1]) before touching the big
