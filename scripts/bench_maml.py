@@ -57,13 +57,16 @@ from typing import Literal
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.func import vmap
 
 from metalearn.algorithms import FOMAML, MAML
 from metalearn.models import Conv4
-from metalearn.outer import InnerLoop, Task, choose_vectorize
+from metalearn.outer import InnerLoop, Task, choose_vectorize, task_loss
 
 WAYS, SHOTS, INNER_LR, OUTER_LR = 5, 1, 0.4, 1e-3
 METHODS = ("loop", "vmap", "auto", "learn2learn", "higher")
+OPTIONAL_METHODS = ("compile",)
+"""Run only when named in ``--methods``: ``compile`` spends minutes compiling per setting."""
 BASELINES = {"learn2learn": "learn2learn", "higher": "higher"}  # method -> module to import
 FLOAT64_TOLERANCE = 1e-9
 """Max relative difference of a float64 meta-gradient from metalearn's loop to call it equal."""
@@ -84,7 +87,19 @@ class Setting:
 SETTINGS = {
     s.name: s for s in (Setting(1, False), Setting(1, True), Setting(15, False), Setting(15, True))
 }
+"""The four workloads of the tables; `parse_setting` also takes any other ``q<N>-<order>``."""
 HEADLINE = "q1-second"
+
+
+def parse_setting(name: str) -> Setting:
+    """``"q15-second"`` -> ``Setting(15, first_order=False)``."""
+    match = re.fullmatch(r"q(\d+)-(first|second)", name)
+    if match is None or int(match.group(1)) < 1:
+        raise ValueError(
+            f"unknown setting {name!r}; write q<query per class>-<first|second>, e.g. "
+            f"{', '.join(SETTINGS)}"
+        )
+    return Setting(int(match.group(1)), match.group(2) == "first")
 
 
 @dataclass
@@ -96,7 +111,7 @@ class BenchArgs:
     warmup: int = 3
     """Untimed rounds before timing (allocator, oneDNN and autograd caches warm up)."""
     settings: list[str] = field(default_factory=lambda: list(SETTINGS))
-    """Which workloads to run, names from `SETTINGS`."""
+    """Which workloads to run: ``q<query per class>-<first|second>`` (see `parse_setting`)."""
     methods: list[str] = field(default_factory=lambda: list(METHODS))
     """Which methods to run; a baseline that is not installed is skipped with a message."""
     tasks: int = 32
@@ -108,7 +123,11 @@ class BenchArgs:
     baseline_norm: Literal["fused", "meta"] = "fused"
     """Batch norm of the baselines' network: ``nn.BatchNorm2d`` or metalearn's module."""
     threads: int = 0
-    """torch intra-op threads (0: torch's default)."""
+    """torch intra-op threads (0: torch's default). On a busy machine use 1: OpenMP threads
+    that spin at barriers while a sibling is descheduled made 2-thread steps 10-40x slower."""
+    clock: Literal["wall", "cpu"] = "wall"
+    """``wall`` (perf_counter) or ``cpu`` (process CPU time: steadier on a shared machine,
+    the same as wall on a quiet one with one thread; counts every thread's spinning too)."""
     seed: int = 0
     """Seed of the initial weights and the random tasks."""
     profile: str = ""
@@ -199,14 +218,40 @@ def higher_gradient(model: nn.Module, setting: Setting) -> MetaGradient:
     return run
 
 
+def compiled_gradient(model: nn.Module, setting: Setting) -> MetaGradient:
+    """metalearn's vmapped `task_loss` under ``torch.compile`` (inductor), one backward.
+
+    The whole meta-loss, inner gradient included, is one compiled graph; AOTAutograd
+    derives its backward. The first call compiles (minutes on 2 cores): keep ``--warmup``.
+    """
+    inner = InnerLoop(steps=1, lr=INNER_LR, first_order=setting.first_order)
+
+    def meta_loss(params: dict[str, Tensor], *stacked: Tensor) -> Tensor:
+        def one(xs: Tensor, ys: Tensor, xq: Tensor, yq: Tensor) -> Tensor:
+            return task_loss(model, params, (xs, ys), (xq, yq), inner).loss
+
+        return vmap(one)(*stacked).mean()
+
+    compiled = torch.compile(meta_loss)
+
+    def run(tasks: Sequence[Task]) -> None:
+        stacked = [torch.stack(column) for column in zip(*((*t.support, *t.query) for t in tasks))]
+        compiled(dict(model.named_parameters()), *stacked).backward()
+
+    return run
+
+
 def make_gradient(method: str, model: nn.Module, setting: Setting) -> MetaGradient:
     if method in ("loop", "vmap", "auto"):
         return metalearn_gradient(model, setting, method)
+    if method == "compile":
+        return compiled_gradient(model, setting)
     if method == "learn2learn":
         return learn2learn_gradient(model, setting)
     if method == "higher":
         return higher_gradient(model, setting)
-    raise ValueError(f"unknown method {method!r}; choose from {', '.join(METHODS)}")
+    names = ", ".join(METHODS + OPTIONAL_METHODS)
+    raise ValueError(f"unknown method {method!r}; choose from {names}")
 
 
 @dataclass
@@ -224,7 +269,7 @@ class MetaStep:
 
 
 def make_step(method: str, setting: Setting, dtype: torch.dtype, args: BenchArgs) -> MetaStep:
-    norm = "meta" if method in ("loop", "vmap", "auto") else args.baseline_norm
+    norm = args.baseline_norm if method in BASELINES else "meta"
     model = make_model(dtype, args.seed, norm)
     opt = torch.optim.Adam(model.parameters(), lr=OUTER_LR)
     return MetaStep(model, make_gradient(method, model, setting), opt)
@@ -234,6 +279,9 @@ def available(methods: Sequence[str]) -> list[str]:
     """The methods whose package imports; says which baselines are skipped and why."""
     kept = []
     for method in methods:
+        if method not in METHODS + OPTIONAL_METHODS:
+            names = ", ".join(METHODS + OPTIONAL_METHODS)
+            raise ValueError(f"unknown method {method!r} in --methods; choose from {names}")
         if method in BASELINES:
             try:
                 __import__(BASELINES[method])
@@ -257,14 +305,15 @@ def time_methods(
     tasks = make_tasks(setting, args.tasks, torch.float32, args.seed)
     steps = {m: make_step(m, setting, torch.float32, args) for m in methods}
     times: dict[str, list[float]] = {m: [] for m in methods}
+    clock = time.process_time if args.clock == "cpu" else time.perf_counter
     for r in range(args.warmup + args.repeats):
         order = list(methods[r % len(methods) :]) + list(methods[: r % len(methods)])
         for method in order:
             gc.collect()
-            start = time.perf_counter()
+            start = clock()
             steps[method](tasks)
             if r >= args.warmup:
-                times[method].append(time.perf_counter() - start)
+                times[method].append(clock() - start)
     inner = InnerLoop(steps=1, lr=INNER_LR, first_order=setting.first_order)
     return times, choose_vectorize(make_model(torch.float32, args.seed), tasks, inner, "auto")
 
@@ -354,16 +403,14 @@ def main(args: BenchArgs) -> str:
     """Run the benchmark, print the tables; returns the last line (the headline)."""
     if args.threads:
         torch.set_num_threads(args.threads)
-    unknown = [s for s in args.settings if s not in SETTINGS]
-    if unknown:
-        raise ValueError(f"unknown settings {unknown}; choose from {', '.join(SETTINGS)}")
+    settings = {name: parse_setting(name) for name in args.settings}
     if args.probe_memory:
         method, name = args.probe_memory.split(":")
-        print(json.dumps({"peak_mb": probe_memory(method, SETTINGS[name], args)}))
+        print(json.dumps({"peak_mb": probe_memory(method, parse_setting(name), args)}))
         return ""
     if args.profile:
         method, name = args.profile.split(":")
-        profile_step(method, SETTINGS[name], args)
+        profile_step(method, parse_setting(name), args)
         return ""
     methods = available(args.methods)
     print(
@@ -371,23 +418,25 @@ def main(args: BenchArgs) -> str:
         f"1 inner step, inner lr {INNER_LR}\n\ntorch {torch.__version__}, "
         f"{torch.get_num_threads()} threads, {os.cpu_count()} CPUs, load average "
         f"{os.getloadavg()[0]:.1f}; baselines' batch norm: {args.baseline_norm}; "
-        f"{args.repeats} repeats after {args.warmup} warm-up, interleaved\n"
+        f"{args.repeats} repeats after {args.warmup} warm-up, interleaved; {args.clock} clock\n"
     )
-    medians = report_times(methods, args)
+    medians = report_times(methods, settings, args)
     if args.memory:
-        report_memory(methods, args)
+        report_memory(methods, settings, args)
     if args.float64_check:
-        report_float64(methods, args)
+        report_float64(methods, settings, args)
     last = headline(medians, methods)
     print(last)
     return last
 
 
-def report_times(methods: Sequence[str], args: BenchArgs) -> dict[str, dict[str, float]]:
+def report_times(
+    methods: Sequence[str], settings: dict[str, Setting], args: BenchArgs
+) -> dict[str, dict[str, float]]:
     medians: dict[str, dict[str, float]] = {}
     rows = []
-    for name in args.settings:
-        times, auto_mode = time_methods(methods, SETTINGS[name], args)
+    for name, setting in settings.items():
+        times, auto_mode = time_methods(methods, setting, args)
         medians[name] = {m: statistics.median(t) for m, t in times.items()}
         cells = [f"{1e3 * medians[name][m]:.0f}" for m in methods]
         ratio = "-"
@@ -397,24 +446,23 @@ def report_times(methods: Sequence[str], args: BenchArgs) -> dict[str, dict[str,
         print(
             f"timed {name}: " + ", ".join(f"{m} {c} ms" for m, c in zip(methods, cells)), flush=True
         )
-    print("\n## Meta-step time, median ms\n")
+    print(f"\n## Meta-step time, median ms ({args.clock} clock)\n")
     print(markdown_table(["setting", *methods, "auto ran", "learn2learn / auto"], rows) + "\n")
     return medians
 
 
-def report_memory(methods: Sequence[str], args: BenchArgs) -> None:
+def report_memory(methods: Sequence[str], settings: dict[str, Setting], args: BenchArgs) -> None:
     rows = []
-    for name in args.settings:
-        peaks = [memory_in_subprocess(m, SETTINGS[name], args) for m in methods]
+    for name, setting in settings.items():
+        peaks = [memory_in_subprocess(m, setting, args) for m in methods]
         rows.append([name, *("failed" if p is None else f"{p:.0f}" for p in peaks)])
     print("## Peak memory of a meta-step, MB above the step's starting RSS (fresh process)\n")
     print(markdown_table(["setting", *methods], rows) + "\n")
 
 
-def report_float64(methods: Sequence[str], args: BenchArgs) -> None:
+def report_float64(methods: Sequence[str], settings: dict[str, Setting], args: BenchArgs) -> None:
     rows = []
-    for name in args.settings:
-        setting = SETTINGS[name]
+    for name, setting in settings.items():
         reference = float64_gradients("loop", setting, args)
         diffs = [
             max_relative_difference(float64_gradients(m, setting, args), reference) for m in methods
@@ -441,6 +489,7 @@ def parse_args(argv: Sequence[str] | None = None) -> BenchArgs:
     p.add_argument("--memory", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument("--baseline-norm", choices=("fused", "meta"), default=defaults.baseline_norm)
     p.add_argument("--threads", type=int, default=defaults.threads)
+    p.add_argument("--clock", choices=("wall", "cpu"), default=defaults.clock)
     p.add_argument("--seed", type=int, default=defaults.seed)
     p.add_argument("--profile", default="", metavar="METHOD:SETTING")
     p.add_argument("--probe-memory", default="", help=argparse.SUPPRESS)
@@ -448,7 +497,8 @@ def parse_args(argv: Sequence[str] | None = None) -> BenchArgs:
     args = BenchArgs(
         repeats=ns.repeats, warmup=ns.warmup, settings=ns.settings.split(","),
         methods=ns.methods.split(","), tasks=ns.tasks, float64_check=ns.float64_check,
-        memory=ns.memory, baseline_norm=ns.baseline_norm, threads=ns.threads, seed=ns.seed,
+        memory=ns.memory, baseline_norm=ns.baseline_norm, threads=ns.threads, clock=ns.clock,
+        seed=ns.seed,
         profile=ns.profile, probe_memory=ns.probe_memory,
     )  # fmt: skip
     if ns.quick:
