@@ -157,6 +157,8 @@ class RunRecord:
     config: dict[str, Any]
     summary: dict[str, Any]
     history: list[dict[str, Any]] = field(default_factory=list)
+    start_time: str = ""
+    """ISO 8601 start time (sorts runs in the order they were started)."""
 
     def series(self, key: str) -> tuple[list[float], list[float]]:
         """(steps, values) of a logged metric, in logging order."""
@@ -192,6 +194,7 @@ def read_offline_run(run_dir: str | Path) -> RunRecord:
         path=str(run_dir), name=summary.get("name") or summary.get("run_id", run_dir.name),
         group=group, tags=list(summary.get("tags") or []), state=summary.get("state", "?"),
         config=config, summary=dict(summary.get("summary") or {}), history=history,
+        start_time=summary.get("start_time", ""),
     )  # fmt: skip
 
 

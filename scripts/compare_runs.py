@@ -37,7 +37,8 @@ def load(sources: list[str], filters: dict[str, Any]) -> list[RunRecord]:
             dirs = find_run_dirs(path)
             if not dirs:
                 raise FileNotFoundError(f"no W&B runs under {path} (looked for */run-*.wandb)")
-            runs.extend(read_offline_run(d) for d in dirs)
+            # Directory names sort by second only; the recorded start time breaks ties.
+            runs.extend(sorted((read_offline_run(d) for d in dirs), key=lambda r: r.start_time))
         elif src.count("/") == 1:
             runs.extend(read_online_runs(src, filters))
         else:

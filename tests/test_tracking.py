@@ -48,7 +48,7 @@ def test_compare_runs_table_and_plot(tmp_path, capsys):
     _make_runs(tmp_path)
     out = tmp_path / "cmp.png"
     text = compare_runs.main([str(tmp_path / "wandb"), "--out", str(out)])
-    header, _, row1, row2 = text.splitlines()
+    header, _, row1, row2 = text.splitlines()  # runs in the order they were started
     assert "inner_lr" in header and "seed" not in header  # only differing config keys
     assert "val/acc (best)" in header
     assert "| lr0.1 |" in row1 and "0.8" in row1  # best val/acc = 0.5 + 0.3
