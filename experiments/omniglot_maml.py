@@ -98,8 +98,9 @@ class Args:
     """W&B project."""
     device: str = "cuda" if torch.cuda.is_available() else "cpu"
     """Torch device."""
-    threads: int = 0
-    """Torch CPU threads (0: torch's default, one per core)."""
+    threads: int = 1
+    """Torch CPU threads (0: torch's default). 1 is robust on small shared machines: with
+    other load, 2 threads made tiny per-task ops up to 7x slower here."""
 
 
 # The MAML paper's Omniglot settings (Finn et al., 2017, Sec. 5.2 and appendix A.1).
