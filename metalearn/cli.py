@@ -84,7 +84,8 @@ def parse_dataclass(
     for f in dataclasses.fields(cls):
         default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
         flag = "--" + f.name.replace("_", "-")
-        help_text = f"{docs.get(f.name, '')} (default: {default})"
+        # argparse %-formats help strings: a literal "95%" must reach it as "95%%".
+        help_text = f"{docs.get(f.name, '')} (default: {default})".replace("%", "%%")
         if hints[f.name] is bool:
             parser.add_argument(
                 flag, action=argparse.BooleanOptionalAction, default=None, help=help_text

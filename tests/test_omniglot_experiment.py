@@ -94,6 +94,13 @@ def test_every_algorithm_runs_a_meta_step(tmp_path, algorithm):
     assert 0.0 <= results["test/acc"] <= 1.0
 
 
+def test_help_lists_every_documented_flag(capsys):
+    with pytest.raises(SystemExit):
+        om.parse_dataclass(om.Args, ["--help"], presets=om.PRESETS)
+    out = capsys.readouterr().out
+    assert "95% confidence interval" in out and "--no-track" in out and "--resume" in out
+
+
 def test_presets_and_flags():
     args = om.parse_dataclass(om.Args, ["--preset", "paper-20w1s", "--iterations", "5"],
                               presets=om.PRESETS)  # fmt: skip
