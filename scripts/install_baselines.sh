@@ -20,11 +20,11 @@
 # * higher 0.2.1 is pure Python and installs as it is.
 set -euo pipefail
 
-VENV="${1:-.venv-baselines}"
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+VENV="$(realpath -m "${1:-$ROOT/.venv-baselines}")"
 PYTHON="${PYTHON:-python3}"
 TORCH="${TORCH_SPEC:-torch==2.14.1}"
 TORCHVISION="${TORCHVISION_SPEC:-torchvision==0.29.1}"
-ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
 
 "$PYTHON" -m venv "$VENV"
@@ -38,9 +38,9 @@ trap 'rm -rf "$WORK"' EXIT
 "${PIP[@]}" download --no-deps --no-binary :all: learn2learn==0.2.0 -d "$WORK"
 tar -xzf "$WORK"/learn2learn-0.2.0.tar.gz -C "$WORK"
 SRC="$WORK/learn2learn-0.2.0"
-(cd "$SRC/learn2learn/data" && "$ROOT/$VENV/bin/cython" -3 meta_dataset.pyx task_dataset.pyx transforms.pyx)
-# --no-build-isolation: build with this venv's setuptools and numpy-free setup.py as is,
-# instead of an isolated env that would fetch Cython 0.29 for `setup_requires`.
+(cd "$SRC/learn2learn/data" && "$VENV/bin/cython" -3 meta_dataset.pyx task_dataset.pyx transforms.pyx)
+# --no-build-isolation: build with this venv's setuptools and Cython, not in an isolated
+# env that would fetch setup_requires' Cython for nothing (setup.py compiles the .c files).
 "${PIP[@]}" install --no-build-isolation "$SRC"
 
 "${PIP[@]}" install higher==0.2.1
