@@ -33,15 +33,6 @@ MAGNITUDES = [1e4, 1e30, "max"]
 FULL = dict(check_forward_ad=True, check_batched_grad=True, check_batched_forward_grad=True)
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny tensors: intra-op threads only add hand-off cost (ms per op on a busy machine)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 def _gen(seed: int = 0) -> torch.Generator:
     return torch.Generator().manual_seed(seed)
 

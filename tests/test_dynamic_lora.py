@@ -25,15 +25,6 @@ F64 = torch.float64
 Params = dict[str, Tensor]
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    # Tiny problems: intra-op threads only add overhead on the 2 shared cores.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 def _theta(model: nn.Module) -> Params:
     return {k: v.detach().clone().requires_grad_() for k, v in model.named_parameters()}
 

@@ -30,15 +30,6 @@ F64 = torch.float64
 Params = dict[str, Tensor]
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    # Tiny problems: intra-op threads only add overhead on the 2 shared cores.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 def _mlp(seed: int = 0) -> MLP:
     torch.manual_seed(seed)
     # tanh: smooth everywhere, so finite differences never straddle a kink.

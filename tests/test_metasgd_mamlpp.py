@@ -51,16 +51,6 @@ def tasks(shape: tuple[int, ...], n: int = 2, seed: int = 1) -> list[Task]:
 IMAGES, VECTORS = (1, 8, 8), (4,)
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """These models are tiny: intra-op threads only add overhead (60x measured on 2 busy
-    cores: 0.46 s against 8 ms per meta-loss)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 def grads(learner: nn.Module, tasks_: list[Task]) -> tuple[float, dict[str, Tensor]]:
     """Meta-loss and the gradient of every learner parameter (zeros where unused)."""
     learner.zero_grad(set_to_none=True)

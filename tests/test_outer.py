@@ -23,15 +23,6 @@ F64 = torch.float64
 Params = dict[str, Tensor]
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    # Tiny problems: intra-op threads only add overhead on the 2 shared cores.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 def _conv(norm: str = "meta", seed: int = 0) -> Conv4:
     """Conv4 with MetaBatchNorm ("meta"), no batch norm ("none") or the fused kernel."""
     torch.manual_seed(seed)

@@ -33,16 +33,6 @@ from metalearn.second_order import (
 F64 = torch.float64
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    # The problems are tiny: intra-op threads only add overhead (measured 10x on the conv net
-    # with 2 threads on 2 busy cores). Restore the setting for other modules.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 def gen(seed: int) -> torch.Generator:
     return torch.Generator().manual_seed(seed)
 
