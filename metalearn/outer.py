@@ -173,11 +173,12 @@ class MetaBatch(NamedTuple):
     """How many tasks ran under vmap (the rest ran in the loop)."""
 
 
-# Measured on 2 CPU cores, torch 2.13, conv4, 5-way 1-shot (see DESIGN.md and
-# scripts/bench_maml.py): vmap beats the loop ~2x when a task holds few examples (1 query per
-# class: 10 images) and loses 1.3-3.5x at 15 query per class (80 images), at 20-30x the
-# memory. On a GPU the loop is launch-bound, so vmap's batching pays off much further.
-AUTO_VMAP_MAX_EXAMPLES = {"cpu": 32, "cuda": 1024}
+# Measured on 2 CPU cores, conv4, 5-way 1-shot, 32 tasks (scripts/bench_maml.py, query sizes
+# swept): vmap beats the loop 2.3-2.9x at 10 examples per task (1 query per class) and still
+# at 20 (3 query: 493 vs 598 ms), loses at 30 (5 query: 864 vs 698 ms) and loses 1.5-2x at
+# 80, at about twice the loop's memory. On a GPU the loop is launch-bound, so vmap should pay
+# off much further; the CUDA limit is a guess until measured.
+AUTO_VMAP_MAX_EXAMPLES = {"cpu": 25, "cuda": 1024}
 
 
 def choose_vectorize(
