@@ -173,12 +173,13 @@ class MetaBatch(NamedTuple):
     """How many tasks ran under vmap (the rest ran in the loop)."""
 
 
-# Measured on 2 CPU cores, conv4, 5-way 1-shot, 32 tasks (scripts/bench_maml.py, query sizes
-# swept): vmap beats the loop 2.3-2.9x at 10 examples per task (1 query per class) and still
-# at 20 (3 query: 493 vs 598 ms), loses at 30 (5 query: 864 vs 698 ms) and loses 1.5-2x at
-# 80, at about twice the loop's memory. On a GPU the loop is launch-bound, so vmap should pay
-# off much further; the CUDA limit is a guess until measured.
-AUTO_VMAP_MAX_EXAMPLES = {"cpu": 25, "cuda": 1024}
+# Measured on 2 CPU cores, conv4, 5-way 1-shot (scripts/bench_maml.py and the Omniglot run):
+# what matters is the batched tensors' size, i.e. the meta-batch's examples in all. vmap beats
+# the loop at 32 tasks x 10 examples (2.3-2.9x), 16 x 30 (1.35x) and 32 x 20 (1.2x), and
+# loses at 32 x 30 (1.24x) and 32 x 80 (1.5-2x), where its [tasks, batch, 64, 14, 14]
+# activations outgrow the cache. On a GPU the loop is launch-bound, so vmap should pay off
+# much further; the CUDA limit is a guess until measured.
+AUTO_VMAP_MAX_EXAMPLES = {"cpu": 800, "cuda": 65536}
 
 
 def choose_vectorize(
@@ -189,7 +190,8 @@ def choose_vectorize(
     The ``"auto"`` rule: the loop when any task needs data-dependent control flow (an early
     stop rule), when checkpointing is on, when the model holds a fused batch-norm or affine
     layer-norm module (its vmapped second derivative is wrong), or when a task holds more
-    examples (support + query) than `AUTO_VMAP_MAX_EXAMPLES` for the device; vmap otherwise.
+    when the meta-batch holds more examples in all (support + query, summed over tasks) than
+    `AUTO_VMAP_MAX_EXAMPLES` for the device; vmap otherwise.
     """
     if vectorize not in ("vmap", "loop", "auto"):
         raise ValueError(f"vectorize must be 'vmap', 'loop' or 'auto', got {vectorize!r}")
@@ -204,8 +206,8 @@ def choose_vectorize(
         return "loop"
     x = tasks[0].support[0]
     limit = AUTO_VMAP_MAX_EXAMPLES.get(x.device.type, AUTO_VMAP_MAX_EXAMPLES["cpu"])
-    largest = max(t.support[0].shape[0] + t.query[0].shape[0] for t in tasks)
-    return "vmap" if largest <= limit else "loop"
+    total = sum(t.support[0].shape[0] + t.query[0].shape[0] for t in tasks)
+    return "vmap" if total <= limit else "loop"
 
 
 def _vmap_blockers(model: nn.Module, tasks: Sequence[Task], inner: InnerLoop) -> list[str]:

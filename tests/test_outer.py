@@ -278,8 +278,8 @@ def test_tensor_kwargs_bucket_by_identity_not_by_their_rounded_repr() -> None:
 def test_choose_vectorize_auto_rule() -> None:
     model = _mlp()
     inner = InnerLoop()
-    small = [_vector_task(i) for i in range(3)]  # 12 examples per task
-    big = [_vector_task(i, shots=6) for i in range(3)]  # 36 > 25 (the CPU limit)
+    small = [_vector_task(i) for i in range(3)]  # 3 x 12 examples in all
+    big = [_vector_task(i, shots=6) for i in range(30)]  # 30 x 36 = 1080 > 800 (the CPU limit)
     stopping = [*small, _vector_task(9, stop=lambda s, loss: False)]
     assert choose_vectorize(model, small, inner, "auto") == "vmap"
     assert choose_vectorize(model, small[:1], inner, "auto") == "loop"  # nothing to batch
