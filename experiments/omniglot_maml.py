@@ -147,7 +147,7 @@ def evaluate(
     The tasks come from a generator seeded with ``seed``, so every evaluation of a run sees
     the same tasks and validation curves compare like with like.
     """
-    gen = torch.Generator(device=sampler_device(sampler)).manual_seed(seed)
+    gen = torch.Generator().manual_seed(seed)  # the sampler draws indices on the CPU
     accs = []
     for start in range(0, n_tasks, 50):
         tasks = sampler.batch(min(50, n_tasks - start), gen)
@@ -155,10 +155,6 @@ def evaluate(
     acc = torch.cat(accs).double()
     half = 1.96 * acc.std().item() / math.sqrt(len(acc)) if len(acc) > 1 else float("nan")
     return acc.mean().item(), half
-
-
-def sampler_device(sampler: EpisodicSampler) -> str:
-    return "cpu"  # task sampling draws its indices on the CPU; images may live elsewhere
 
 
 def train(args: Args, learner: MetaLearner, samplers: dict, state: dict, run: Any) -> dict:
