@@ -26,7 +26,7 @@ from torch import Tensor, nn
 from metalearn.inner import LearningRate, LossFn, adapt
 from metalearn.outer import InnerLoop, MetaBatch, Task, Vectorize, meta_batch
 
-__all__ = ["MetaLearner", "StepMetrics"]
+__all__ = ["MetaLearner", "StepMetrics", "accumulate_grad", "check_loop_only"]
 
 
 @dataclass
@@ -131,15 +131,14 @@ class MetaLearner(nn.Module):
 
     def adapt(self, task: Task, steps: int | None = None) -> dict[str, Tensor]:
         """Fast weights for one task, detached (for evaluation and deployment)."""
+        inner = self.inner_loop(steps, first_order=True)
         with torch.no_grad():  # torch.func.grad inside adapt still differentiates
-            fast = adapt(
-                self.model, _detached(self.theta()), task.support,
-                steps=self.inner_steps if steps is None else steps,
-                lr=_detached(self.learning_rate()),
-                loss_fn=self.loss_fn, first_order=True, adapt_keys=self.adapt_keys,
-                buffers=dict(self.model.named_buffers()), model_kwargs=task.model_kwargs,
+            return adapt(
+                self.model, _detached(self.theta()), task.support, steps=inner.steps,
+                lr=_detached(inner.lr), loss_fn=inner.loss_fn, first_order=True,
+                adapt_keys=inner.adapt_keys, buffers=dict(self.model.named_buffers()),
+                model_kwargs=task.model_kwargs,
             )  # fmt: skip
-        return fast
 
     def evaluate(self, tasks: Sequence[Task], steps: int | None = None) -> tuple[Tensor, Tensor]:
         """Query loss and accuracy per task after ``steps`` inner steps: ``([T], [T])``.
@@ -173,3 +172,37 @@ def _detached(tree: Mapping | Sequence | Tensor | float) -> Mapping | Sequence |
     if isinstance(tree, (list, tuple)):
         return type(tree)(_detached(v) for v in tree)
     return tree
+
+
+def accumulate_grad(params: Mapping[str, Tensor], grads: Mapping[str, Tensor]) -> None:
+    """Add ``grads[name]`` into ``params[name].grad``, as ``loss.backward()`` would.
+
+    For algorithms whose meta-gradient is not the gradient of a loss (Reptile, iMAML).
+    Parameters that do not require grad are left alone.
+
+    Args:
+        params: theta, name -> leaf tensor (``dict(model.named_parameters())``).
+        grads: name -> tensor shaped like the parameter.
+    """
+    with torch.no_grad():
+        for name, p in params.items():
+            if not p.requires_grad:
+                continue
+            if p.grad is None:
+                p.grad = grads[name].detach().clone()
+            else:
+                p.grad.add_(grads[name])
+
+
+def check_loop_only(learner: MetaLearner, name: str) -> None:
+    """Raise if a learner that runs its tasks in a loop was asked for ``vectorize="vmap"``."""
+    if learner.vectorize not in ("auto", "loop"):
+        raise ValueError(
+            f"{name} runs its tasks in a Python loop; vectorize={learner.vectorize!r} is not "
+            "supported, pass vectorize='loop' or 'auto'"
+        )
+    if learner.checkpoint:
+        raise ValueError(
+            f"{name} keeps no graph through the inner loop, so checkpoint=True does nothing; "
+            "drop it"
+        )

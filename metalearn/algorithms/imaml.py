@@ -28,8 +28,13 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.func import functional_call, grad_and_value
 
-from metalearn.algorithms.base import MetaLearner, StepMetrics, _detached
-from metalearn.algorithms.reptile import accumulate_grad, check_loop_only
+from metalearn.algorithms.base import (
+    MetaLearner,
+    StepMetrics,
+    _detached,
+    accumulate_grad,
+    check_loop_only,
+)
 from metalearn.functional import tree_dot, tree_scale
 from metalearn.inner import LearningRate, LossFn, NonFiniteLossError, StopRule, adapt
 from metalearn.outer import MetaBatch, Task, _accuracy

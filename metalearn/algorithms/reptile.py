@@ -14,18 +14,24 @@ No graph to theta is built: the inner loop is first order by construction.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 from torch.func import functional_call
 
-from metalearn.algorithms.base import MetaLearner, StepMetrics, _detached
+from metalearn.algorithms.base import (
+    MetaLearner,
+    StepMetrics,
+    _detached,
+    accumulate_grad,
+    check_loop_only,
+)
 from metalearn.inner import NonFiniteLossError, adapt
 from metalearn.outer import MetaBatch, Task, _accuracy
 
-__all__ = ["Reptile", "accumulate_grad", "check_loop_only"]
+__all__ = ["Reptile"]
 
 
 class Reptile(MetaLearner):
@@ -138,37 +144,3 @@ class Reptile(MetaLearner):
         if not torch.isfinite(loss):
             raise NonFiniteLossError("query", index, None, float(loss))
         return fast, loss, _accuracy(out, task.query[1])
-
-
-def accumulate_grad(params: Mapping[str, Tensor], grads: Mapping[str, Tensor]) -> None:
-    """Add ``grads[name]`` into ``params[name].grad``, as ``loss.backward()`` would.
-
-    For algorithms whose meta-gradient is not the gradient of a loss (Reptile, iMAML).
-    Parameters that do not require grad are left alone.
-
-    Args:
-        params: theta, name -> leaf tensor (``dict(model.named_parameters())``).
-        grads: name -> tensor shaped like the parameter.
-    """
-    with torch.no_grad():
-        for name, p in params.items():
-            if not p.requires_grad:
-                continue
-            if p.grad is None:
-                p.grad = grads[name].detach().clone()
-            else:
-                p.grad.add_(grads[name])
-
-
-def check_loop_only(learner: MetaLearner, name: str) -> None:
-    """Raise if a learner that runs its tasks in a loop was asked for ``vectorize="vmap"``."""
-    if learner.vectorize not in ("auto", "loop"):
-        raise ValueError(
-            f"{name} runs its tasks in a Python loop; vectorize={learner.vectorize!r} is not "
-            "supported, pass vectorize='loop' or 'auto'"
-        )
-    if learner.checkpoint:
-        raise ValueError(
-            f"{name} keeps no graph through the inner loop, so checkpoint=True does nothing; "
-            "drop it"
-        )
