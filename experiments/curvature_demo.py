@@ -20,10 +20,10 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import os
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal
 
 import torch
 from torch import Tensor, nn
@@ -32,6 +32,7 @@ from tqdm import tqdm
 
 from metalearn import hessian_trace, top_eigenvalues
 from metalearn.cli import parse_dataclass
+from metalearn.tracking import init_run
 
 
 @dataclass
@@ -56,8 +57,8 @@ class Config:
     """Seeds data, initial weights and probes."""
     out_dir: str = "runs"
     """Where the plot (and the W&B offline run) is written."""
-    wandb_mode: str = field(default_factory=lambda: os.environ.get("WANDB_MODE", "offline"))
-    """W&B mode: offline (default), online, or disabled."""
+    wandb_mode: Literal["auto", "online", "offline", "disabled"] = "auto"
+    """auto: $WANDB_MODE if set, else online when logged in and reachable, else offline."""
     wandb_project: str = "metalearn"
     """W&B project name."""
 
@@ -144,15 +145,10 @@ def plot(rows: list[dict], cfg: Config, path: Path) -> Path | None:
 
 def main(cfg: Config) -> list[dict]:
     """Run the demo: train, print a table, save a plot, log to W&B."""
-    run = None
-    if cfg.wandb_mode != "disabled":
-        import wandb
-
-        Path(cfg.out_dir).mkdir(parents=True, exist_ok=True)
-        run = wandb.init(
-            project=cfg.wandb_project, config=dataclasses.asdict(cfg), dir=cfg.out_dir,
-            mode=cfg.wandb_mode, group="curvature_demo", tags=["hvp", "curvature"],
-        )  # fmt: skip
+    run = init_run(
+        dataclasses.asdict(cfg), project=cfg.wandb_project, mode=cfg.wandb_mode,
+        dir=cfg.out_dir, group="curvature_demo", tags=["hvp", "curvature"],
+    )  # fmt: skip
     start = time.perf_counter()
     try:
         rows = train(cfg, run)
