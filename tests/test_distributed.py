@@ -1,0 +1,126 @@
+"""metalearn.distributed on 2 real gloo processes (torchrun), against one process.
+
+Two launches: ``tests/dist_worker.py`` (the library on float64 problems, checked here against
+a single-process reference over the union of the same tasks) and the Omniglot experiment
+(a rank killed mid-run ends the job with an error rather than a hang, and the job resumes
+from rank 0's last checkpoint).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import dist_worker as worker  # noqa: E402
+
+from metalearn import distributed as dist  # noqa: E402
+
+DATA = Path(os.environ.get("METALEARN_DATA", ROOT.parent / "shared" / "data" / "omniglot"))
+TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
+LAUNCH_TIMEOUT_S = 240  # far above a normal launch (~20 s): reaching it means a hang
+
+
+def torchrun(args: list[str], **kwargs) -> subprocess.CompletedProcess:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    return subprocess.run([*TORCHRUN, *args], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=LAUNCH_TIMEOUT_S, **kwargs)  # fmt: skip
+
+
+# --------------------------------------------------------------------------- pure helpers
+
+
+def test_shard_slices_partition_in_order():
+    for n in range(0, 12):
+        for world in range(1, 5):
+            parts = [list(range(n))[dist.shard_slice(n, r, world)] for r in range(world)]
+            assert sum(parts, []) == list(range(n))
+            assert max(map(len, parts)) - min(map(len, parts)) <= 1
+    assert dist.shard(list("abcde"), 0, 2) == list("abc")
+    assert dist.shard(torch.arange(5), 1, 2).tolist() == [3, 4]
+    with pytest.raises(ValueError, match="rank 2 of 2"):
+        dist.shard_slice(4, 2, 2)
+
+
+def test_without_a_process_group_everything_is_the_identity(monkeypatch):
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    info = dist.init_from_env(device="cpu")
+    assert (info.rank, info.world_size, info.distributed, info.is_main) == (0, 1, False, True)
+    learner = worker.make_learners(seed=1)["maml-loop"]
+    metrics = learner.backward(worker.make_tasks(torch.Generator().manual_seed(0), 2))
+    before = [p.grad.clone() for p in learner.parameters()]
+    assert dist.average_meta_step(learner, metrics, 2) is metrics
+    assert all(torch.equal(a, p.grad) for a, p in zip(before, learner.parameters()))
+    assert dist.gather_tensor(before[0]) is before[0] and dist.from_main(lambda: 7) == 7
+    with pytest.raises(ValueError, match="timeout_s must be > 0"):
+        dist.init_from_env(timeout_s=0)
+
+
+# --------------------------------------------------------------------------- 2 processes
+
+
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory) -> list[dict]:
+    out = tmp_path_factory.mktemp("dist-worker")
+    done = torchrun(["tests/dist_worker.py", str(out)])
+    assert done.returncode == 0, done.stderr[-3000:]
+    return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in (0, 1)] + [
+        torch.load(out / "stall.pt", weights_only=False)
+    ]
+
+
+def reference(name: str) -> dict:
+    """One process, the whole meta-batch: the step-0 meta-gradient and the final weights."""
+    learner = worker.make_learners(seed=1)[name]
+    opt = torch.optim.Adam(learner.parameters(), lr=0.05)
+    gen = torch.Generator().manual_seed(0)
+    ref = {"init": {k: v.detach().clone() for k, v in learner.state_dict().items()}}
+    for step in range(worker.STEPS):
+        opt.zero_grad()
+        metrics = learner.backward(worker.make_tasks(gen, worker.META_BATCH))
+        if step == 0:
+            ref["grad"], ref["loss"] = worker.grads(learner), metrics.loss
+        opt.step()
+    ref["final"] = dict(learner.state_dict())
+    return ref
+
+
+@pytest.mark.parametrize("name", ["maml-vmap", "maml-loop", "reptile"])
+def test_averaged_meta_gradient_equals_the_single_process_one(ranks, name):
+    ref = reference(name)
+    assert [r[f"{name}/local_tasks"] for r in ranks[:2]] == [3, 2]  # unequal shares
+    for r in ranks[:2]:
+        for k, v in ref["init"].items():  # rank 1 started from other weights: broadcast
+            assert torch.equal(r[f"{name}/init"][k], v), k
+        for k, g in ref["grad"].items():
+            assert r[f"{name}/grad"][k].dtype == torch.float64
+            torch.testing.assert_close(r[f"{name}/grad"][k], g, atol=1e-12, rtol=0)
+        assert r[f"{name}/loss"] == pytest.approx(ref["loss"], abs=1e-12)
+
+
+@pytest.mark.parametrize("name", ["maml-vmap", "maml-loop", "reptile"])
+def test_parameters_stay_identical_across_ranks(ranks, name):
+    ref = reference(name)
+    for k, v in ref["final"].items():
+        assert torch.equal(ranks[0][f"{name}/final"][k], ranks[1][f"{name}/final"][k]), k
+        torch.testing.assert_close(ranks[0][f"{name}/final"][k], v, atol=1e-10, rtol=0)
+
+
+def test_gather_broadcast_and_divergence_check(ranks):
+    for r in ranks[:2]:
+        assert r["gathered"].flatten().tolist() == [100.0, 101.0, 102.0]  # rank 0 held none
+        assert r["from_main"] == "made on rank 0"
+        assert "raised on rank 0 only" in r["from_main_error"]  # re-raised on every rank
+        assert "differ between rank 0 and ranks [1]" in r["check_same_error"]
+
+
+def test_a_stalled_rank_times_out_with_a_clear_error(ranks):
+    stall = ranks[2]
+    assert "stalled for over the 6 s timeout" in stall["error"], stall["error"]
+    assert worker.TIMEOUT_S <= stall["seconds"] < worker.TIMEOUT_S + 30
