@@ -1,0 +1,246 @@
+"""metalearn.deploy and scripts/export_adapted.py: an experiment-format checkpoint, adapted
+on a folder of real Omniglot PNGs, exported with torch.export and reloaded, must give the
+eager adapted model's outputs; bad inputs fail with messages that name the fix."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import shutil
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from metalearn.checkpoint import save_checkpoint
+from metalearn.deploy import (
+    FrozenBatchNorm,
+    adapt_to_support,
+    adapted_model,
+    build_learner,
+    export_adapted,
+    load_exported,
+    load_learner,
+    load_support_folder,
+    predict,
+)
+from metalearn.models import MetaBatchNorm
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "experiments"))
+sys.path.insert(0, str(ROOT / "scripts"))
+import omniglot_maml as om  # noqa: E402
+
+DATA = Path(os.environ.get("METALEARN_DATA", ROOT.parent / "shared" / "data" / "omniglot"))
+needs_data = pytest.mark.skipif(
+    not (DATA / "images_evaluation").is_dir(),
+    reason="Omniglot not found: set METALEARN_DATA or put it at ../shared/data/omniglot",
+)
+CHARACTERS = DATA / "images_evaluation" / "Angelic"
+
+
+def _args(**overrides) -> om.Args:
+    return dataclasses.replace(om.Args(hidden=8, device="cpu"), **overrides)
+
+
+def _checkpoint(path: Path, args: om.Args, best: bool = True) -> Path:
+    """A checkpoint in the experiment's format, weights from its own make_learner."""
+    learner = om.make_learner(args)
+    with torch.no_grad():  # move the weights off their initial values, so loading shows
+        for p in learner.parameters():
+            p.add_(0.01 * torch.randn_like(p))
+    state = {k: v.detach().clone() for k, v in learner.state_dict().items()}
+    saved = {"args": dataclasses.asdict(args), "learner": state, "iteration": 2,
+             "best_learner": state if best else None, "best_val": 0.5}  # fmt: skip
+    return save_checkpoint(path / "run" / "checkpoint.pt", saved)
+
+
+def _support_folder(path: Path, shots: int = 2, ways: int = 5, offset: int = 0) -> Path:
+    """``ways`` class folders of ``shots`` real Omniglot PNGs each."""
+    folder = path / f"support-{offset}"
+    for c in range(ways):
+        source = CHARACTERS / f"character{c + 1:02d}"
+        (folder / f"class{c}").mkdir(parents=True)
+        for png in sorted(source.glob("*.png"))[offset : offset + shots]:
+            shutil.copy(png, folder / f"class{c}" / png.name)
+    return folder
+
+
+@pytest.mark.parametrize("algorithm", ["maml", "fomaml", "anil", "metasgd", "mamlpp", "imaml",
+                                       "reptile"])  # fmt: skip
+def test_build_learner_matches_the_experiments_make_learner(algorithm) -> None:
+    args = _args(algorithm=algorithm, inner_steps=2)
+    ours, theirs = build_learner(dataclasses.asdict(args)), om.make_learner(args)
+    assert type(ours) is type(theirs)
+    assert (ours.inner_lr, ours.inner_steps) == (theirs.inner_lr, theirs.inner_steps)
+    assert {k: v.shape for k, v in ours.state_dict().items()} == {
+        k: v.shape for k, v in theirs.state_dict().items()
+    }
+
+
+def test_load_learner_restores_the_chosen_weights(tmp_path) -> None:
+    args = _args(algorithm="mamlpp", inner_steps=2)  # learned rates and BN copies in its state
+    path = _checkpoint(tmp_path, args)
+    saved = torch.load(path, weights_only=True)
+    saved["learner"] = {k: v + 1 for k, v in saved["learner"].items()}
+    save_checkpoint(path, saved)
+    for which in ("best", "last"):
+        learner, loaded_args = load_learner(path, which=which)
+        assert loaded_args == dataclasses.asdict(args)
+        for key, value in learner.state_dict().items():
+            assert torch.equal(
+                value, saved[f"{which}_learner" if which == "best" else "learner"][key]
+            )
+
+
+def test_load_learner_errors(tmp_path) -> None:
+    with pytest.raises(FileNotFoundError, match="no checkpoint at"):
+        load_learner(tmp_path / "missing.pt")
+    path = _checkpoint(tmp_path, _args(), best=False)
+    with pytest.raises(ValueError, match="no best-validation weights yet.*which='last'"):
+        load_learner(path)
+    assert load_learner(path, which="last")[0].inner_steps == 1
+    with pytest.raises(ValueError, match="which='newest'; choose 'best'"):
+        load_learner(path, which="newest")
+    saved = torch.load(path, weights_only=True)
+    saved["args"]["hidden"] = 16
+    save_checkpoint(path, saved)
+    with pytest.raises(ValueError, match="do not fit the maml learner.*hidden=16"):
+        load_learner(path, which="last")
+
+
+@needs_data
+def test_load_support_folder_decodes_like_the_training_data(tmp_path) -> None:
+    folder = _support_folder(tmp_path, shots=2)
+    (folder / ".DS_Store").write_bytes(b"x")  # hidden files are skipped
+    support = load_support_folder(folder, ways=5)
+    assert support.x.shape == (10, 1, 28, 28) and support.x.dtype == torch.float32
+    assert support.y.tolist() == [0, 0, 1, 1, 2, 2, 3, 3, 4, 4]
+    assert support.class_names == ("class0", "class1", "class2", "class3", "class4")
+    # Reference: the MAML convention written out with PIL: grayscale, Lanczos, ink = 1 - png.
+    first = sorted((folder / "class0").glob("*.png"))[0]
+    with Image.open(first) as image:
+        gray = np.asarray(image.convert("L").resize((28, 28), Image.Resampling.LANCZOS))
+    want = torch.from_numpy(255 - gray.astype(np.int64)).float() / 255
+    assert torch.equal(support.x[0, 0], want)
+
+
+@needs_data
+def test_load_support_folder_errors(tmp_path) -> None:
+    with pytest.raises(FileNotFoundError, match="does not exist or is not a folder"):
+        load_support_folder(tmp_path / "nowhere")
+    (tmp_path / "none").mkdir()
+    with pytest.raises(ValueError, match="holds no class sub-folders"):
+        load_support_folder(tmp_path / "none")
+    folder = _support_folder(tmp_path, shots=1)
+    with pytest.raises(ValueError, match="holds 5 class folders .* but the model predicts 20"):
+        load_support_folder(folder, ways=20)
+    (folder / "class5").mkdir()
+    with pytest.raises(ValueError, match="class folder .*class5 is empty"):
+        load_support_folder(folder)
+    (folder / "class5" / "notes.txt").write_text("hello")
+    with pytest.raises(ValueError, match=r"not images \(notes.txt\)"):
+        load_support_folder(folder)
+    (folder / "class5" / "notes.txt").unlink()
+    (folder / "class5" / "broken.png").write_bytes(b"not a png")
+    with pytest.raises(ValueError, match="cannot decode .*broken.png"):
+        load_support_folder(folder)
+    shutil.rmtree(folder / "class5")
+    (folder / "stray.png").write_bytes(b"")
+    with pytest.raises(ValueError, match=r"files beside the class folders \(stray.png\)"):
+        load_support_folder(folder)
+
+
+@pytest.fixture(scope="module")
+def adapted(tmp_path_factory):
+    """A 5-way learner from an experiment checkpoint, adapted on real PNGs (2 per class)."""
+    if not CHARACTERS.is_dir():
+        pytest.skip("Omniglot not found")
+    tmp = tmp_path_factory.mktemp("deploy")
+    learner, args = load_learner(_checkpoint(tmp, _args()))
+    support = load_support_folder(_support_folder(tmp), ways=args["ways"])
+    params = adapt_to_support(learner, support.x, support.y, steps=3)
+    query = load_support_folder(_support_folder(tmp, shots=3, offset=5)).x  # 15 other images
+    return learner, support, params, query, tmp
+
+
+def test_adapt_to_support_is_the_learners_inner_loop(adapted) -> None:
+    learner, support, params, *_ = adapted
+    theta = dict(learner.model.named_parameters())
+    assert set(params) == set(theta)
+    # Reference: three plain SGD steps on the support loss, written out with autograd.
+    fast = {k: v.detach().clone().requires_grad_() for k, v in theta.items()}
+    for _ in range(3):
+        out = torch.func.functional_call(learner.model, fast, (support.x,))
+        grads = torch.autograd.grad(torch.nn.functional.cross_entropy(out, support.y),
+                                    list(fast.values()))  # fmt: skip
+        fast = {k: (v - learner.inner_lr * g).detach().requires_grad_()
+                for (k, v), g in zip(fast.items(), grads)}  # fmt: skip
+    for key in theta:
+        torch.testing.assert_close(params[key], fast[key], atol=1e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("norm", ["support", "transductive"])
+def test_exported_program_equals_the_adapted_model(adapted, norm) -> None:
+    learner, support, params, query, tmp = adapted
+    model = adapted_model(learner, params, norm=norm, support_x=support.x)
+    path = export_adapted(model, support.x, tmp / f"{norm}.pt2", metadata={"norm": norm})
+    program, meta = load_exported(path)
+    assert meta == {"norm": norm}
+    assert not list(tmp.glob(".*.tmp.pt2"))  # the atomic write left no temporary file
+    for x in (query, query[:4], support.x):  # 15 and 4 images: not the example's 10
+        with torch.inference_mode():
+            eager, exported = model(x), program.module()(x)
+        torch.testing.assert_close(exported, eager, atol=1e-5, rtol=0)
+    prediction = predict(path, query)
+    with torch.inference_mode():
+        probabilities = torch.softmax(model(query), -1)
+    torch.testing.assert_close(prediction.probabilities, probabilities, atol=1e-6, rtol=0)
+    assert torch.equal(prediction.classes, probabilities.argmax(-1))
+
+
+def test_frozen_statistics_reproduce_the_support_batch_and_drop_the_batch_dependence(
+    adapted,
+) -> None:
+    learner, support, params, query, _ = adapted
+    frozen = adapted_model(learner, params, norm="support", support_x=support.x)
+    live = adapted_model(learner, params, norm="transductive")
+    assert sum(isinstance(m, FrozenBatchNorm) for m in frozen.modules()) == 4
+    assert not any(isinstance(m, MetaBatchNorm) for m in frozen.modules())
+    with torch.inference_mode():
+        # On the support batch itself, frozen statistics are the batch's own statistics.
+        torch.testing.assert_close(frozen(support.x), live(support.x), atol=1e-5, rtol=0)
+        # Frozen: an image's logits do not depend on its batch; transductive: they do.
+        torch.testing.assert_close(frozen(query[:1])[0], frozen(query)[0], atol=1e-5, rtol=0)
+        assert (live(query[:2])[0] - live(query)[0]).abs().max() > 1e-3
+
+
+def test_adapt_to_support_errors(adapted) -> None:
+    learner, support, *_ = adapted
+    with pytest.raises(ValueError, match=r"labels span 1\.\.5 but the model predicts 5"):
+        adapt_to_support(learner, support.x, support.y + 1)
+    with pytest.raises(TypeError, match="support\\[0\\] is torch.float64.*to\\(torch.float32\\)"):
+        adapt_to_support(learner, support.x.double(), support.y)
+    with pytest.raises(TypeError, match="labels must be class indices"):
+        adapt_to_support(learner, support.x, support.y.float())
+    with pytest.raises(ValueError, match=r"must be \[N, C, H, W\] and labels \[N\]"):
+        adapt_to_support(learner, support.x[:, 0], support.y)
+
+
+def test_export_script_prints_the_path_and_the_self_check(tmp_path, capsys) -> None:
+    if not CHARACTERS.is_dir():
+        pytest.skip("Omniglot not found")
+    import export_adapted as script
+
+    checkpoint = _checkpoint(tmp_path, _args(eval_inner_steps=2))
+    report = script.main(script.Args(checkpoint=str(checkpoint), support=str(
+        _support_folder(tmp_path, shots=1)), which="last", dynamic_batch=False))  # fmt: skip
+    printed = capsys.readouterr().out
+    assert report.path == checkpoint.parent / "adapted.pt2" and report.path.is_file()
+    assert f"exported: {report.path}" in printed and "inner steps: 2" in printed
+    assert "self-check: max |exported - eager| logit on the support set = " in printed
+    assert report.max_abs_diff <= 1e-5
+    assert load_exported(report.path)[1]["class_names"] == [f"class{c}" for c in range(5)]
