@@ -10,19 +10,29 @@ Command:
     python experiments/omniglot_maml.py --algorithm anil --ways 20 --shots 1
     python experiments/omniglot_maml.py --resume                # continue a stopped run
     python experiments/omniglot_maml.py --help                  # every option
+    torchrun --nproc_per_node=2 experiments/omniglot_maml.py    # 2 processes (docs/distributed.md)
 
 Data: ``--data-root`` or ``$METALEARN_DATA`` pointing at the extracted Omniglot folder
 (``images_background/``, ``images_evaluation/``); downloaded when absent and the network
 allows. Expected result of the default run (5-way 1-shot, 2 CPU cores, see README.md):
 about 15 minutes, test accuracy printed as ``test/acc: 0.9xx ± 0.00x``.
+
+Under ``torchrun`` each rank computes the meta-gradient of its share of every meta-batch
+and the shares are averaged (`metalearn.distributed`); every rank draws the same global
+meta-batch, so N processes train on exactly the tasks one process sees. Rank 0 alone logs,
+writes checkpoints and shows progress; evaluation tasks are split across ranks.
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import math
+import signal
+import threading
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -30,6 +40,7 @@ from typing import Any, Literal
 import torch
 from tqdm import tqdm
 
+from metalearn import distributed
 from metalearn.algorithms import ANIL, FOMAML, IMAML, MAML, MAMLpp, MetaLearner, MetaSGD, Reptile
 from metalearn.checkpoint import load_checkpoint, save_checkpoint
 from metalearn.cli import parse_dataclass
@@ -101,6 +112,9 @@ class Args:
     threads: int = 1
     """Torch CPU threads (0: torch's default). 1 is robust on small shared machines: with
     other load, 2 threads made tiny per-task ops up to 7x slower here."""
+    dist_timeout: float = 600.0
+    """Under torchrun: seconds a rank waits for the others in a collective before the job
+    fails, so a stalled rank ends the job (then --resume) instead of hanging it."""
 
 
 # The MAML paper's Omniglot settings (Finn et al., 2017, Sec. 5.2 and appendix A.1).
@@ -146,12 +160,19 @@ def evaluate(
 
     The tasks come from a generator seeded with ``seed``, so every evaluation of a run sees
     the same tasks and validation curves compare like with like.
+    Under torchrun every rank draws the same tasks, evaluates its share of each chunk, and
+    the accuracies are gathered in task order, so every rank returns the same numbers.
     """
     gen = torch.Generator().manual_seed(seed)  # the sampler draws indices on the CPU
     accs = []
     for start in range(0, n_tasks, 50):
-        tasks = sampler.batch(min(50, n_tasks - start), gen)
-        accs.append(learner.evaluate(tasks, steps=steps)[1])
+        classes, examples = sampler.sample_indices(gen, min(50, n_tasks - start))
+        part = distributed.shard_slice(len(classes))
+        local = torch.empty(0)
+        if part.stop > part.start:
+            tasks = sampler.tasks_from_indices(classes[part], examples[part])
+            local = learner.evaluate(tasks, steps=steps)[1]
+        accs.append(distributed.gather_tensor(local.float()))
     acc = torch.cat(accs).double()
     half = 1.96 * acc.std().item() / math.sqrt(len(acc)) if len(acc) > 1 else float("nan")
     return acc.mean().item(), half
@@ -173,14 +194,16 @@ def train(args: Args, learner: MetaLearner, samplers: dict, state: dict, run: An
         desc="meta-train",
         unit="step",
         dynamic_ncols=True,
+        disable=not distributed.is_main(),
     )
     snapshot = _snapshot(learner, opt, gen, state)
     try:
         for it in bar:
             start = time.perf_counter()
-            tasks = samplers["train"].batch(args.meta_batch, gen)
+            tasks = _my_tasks(samplers["train"], args.meta_batch, gen)
             opt.zero_grad(set_to_none=True)
             metrics = learner.backward(tasks)
+            metrics = distributed.average_meta_step(learner, metrics, len(tasks))
             opt.step()
             seconds = time.perf_counter() - start
             row = {
@@ -202,11 +225,51 @@ def train(args: Args, learner: MetaLearner, samplers: dict, state: dict, run: An
             bar.set_postfix(loss=f"{metrics.loss:.3f}", acc=f"{metrics.accuracy:.3f}",
                             val=f"{state['best_val']:.3f}")  # fmt: skip
             if state["iteration"] % args.checkpoint_every == 0:
-                save_checkpoint(ckpt_path, {"args": dataclasses.asdict(args), **snapshot})
+                distributed.check_same(learner.parameters())  # a diverged rank fails loudly
+                if distributed.is_main():
+                    save_checkpoint(ckpt_path, {"args": dataclasses.asdict(args), **snapshot})
     finally:
         # Ctrl-C / SIGTERM / an error: keep the last completed step, so --resume continues.
-        save_checkpoint(ckpt_path, {"args": dataclasses.asdict(args), **snapshot})
+        # No collective here: the other ranks may be gone.
+        if distributed.is_main():
+            with _signals_held():
+                save_checkpoint(ckpt_path, {"args": dataclasses.asdict(args), **snapshot})
     return state
+
+
+@contextlib.contextmanager
+def _signals_held() -> Iterator[None]:
+    """Hold SIGINT/SIGTERM until the block ends, then raise KeyboardInterrupt if one came.
+
+    When one rank fails, torchrun sends SIGTERM to the others, often while rank 0 is
+    writing its final checkpoint: without this the write is cut short (atomic, so the
+    previous checkpoint survives, but the last steps are lost).
+    """
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    held: list[int] = []
+    signals = (signal.SIGINT, signal.SIGTERM)
+    previous = {s: signal.signal(s, lambda signum, frame: held.append(signum)) for s in signals}
+    try:
+        yield
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+    if held:
+        raise KeyboardInterrupt(f"received signal {held[0]}")
+
+
+def _my_tasks(sampler: EpisodicSampler, meta_batch: int, gen: torch.Generator) -> list:
+    """This rank's share of the global meta-batch (all of it in a single process).
+
+    Every rank draws the whole meta-batch's indices from the same generator (microseconds
+    per task) and builds only its own tasks, so N ranks train on exactly the tasks one
+    process would, and the generator state is the same on every rank (resume, any N).
+    """
+    classes, examples = sampler.sample_indices(gen, meta_batch)
+    part = distributed.shard_slice(meta_batch)
+    return sampler.tasks_from_indices(classes[part], examples[part])
 
 
 def _snapshot(learner: MetaLearner, opt, gen: torch.Generator, state: dict) -> dict:
@@ -238,25 +301,48 @@ def initial_state(args: Args, learner: MetaLearner) -> dict:
     """A fresh run's state, or the checkpoint's when resuming."""
     name = args.run_name or f"{args.algorithm}-{args.ways}w{args.shots}s-seed{args.seed}"
     path = Path(args.out_dir) / name / "checkpoint.pt"
-    if args.resume:
-        saved = load_checkpoint(path)  # raises FileNotFoundError naming the path and fix
+    # Rank 0 reads (only its machine need hold the file) and every rank gets its answer.
+    saved = distributed.from_main(_read_start, path, args.resume)
+    if saved is not None:
         learner.load_state_dict(saved.pop("learner"))
         torch.set_rng_state(saved.pop("torch_rng"))
         saved.pop("args")
         return saved
+    return {"run_name": name, "iteration": 0, "best_val": -1.0, "best_iteration": 0,
+            "best_learner": None, "wandb_id": None}  # fmt: skip
+
+
+def _read_start(path: Path, resume: bool) -> dict | None:
+    """The checkpoint to resume from, or None for a fresh run (refusing to overwrite one)."""
+    if resume:
+        return load_checkpoint(path)  # raises FileNotFoundError naming the path and fix
     if path.exists():
         raise FileExistsError(
             f"{path} exists: pass --resume to continue that run, or --run-name NEW for a new one"
         )
-    return {"run_name": name, "iteration": 0, "best_val": -1.0, "best_iteration": 0,
-            "best_learner": None, "wandb_id": None}  # fmt: skip
+    return None
 
 
 def main(args: Args) -> dict[str, float]:
     """Meta-train, test the best-validation weights, log everything; returns the results."""
     if args.threads > 0:
         torch.set_num_threads(args.threads)
-    data = load_omniglot(args.data_root)
+    dist = distributed.init_from_env(device=args.device, timeout_s=args.dist_timeout)
+    try:
+        return _main(dataclasses.replace(args, device=str(dist.device)) if dist.distributed
+                     else args, dist)  # fmt: skip
+    finally:
+        distributed.cleanup()
+
+
+def _main(args: Args, dist: distributed.DistInfo) -> dict[str, float]:
+    if args.meta_batch < dist.world_size:
+        raise ValueError(
+            f"meta_batch={args.meta_batch} is below the {dist.world_size} processes: every "
+            "rank needs a task; raise --meta-batch or launch fewer processes"
+        )
+    with distributed.main_first():  # one process per machine fills the cache (or downloads)
+        data = load_omniglot(args.data_root)
     samplers = omniglot_samplers(data, args.split, ways=args.ways, shots=args.shots,
                                  queries=args.query, device=args.device)  # fmt: skip
     eval_samplers = omniglot_samplers(data, args.split, ways=args.ways, shots=args.shots,
@@ -264,10 +350,12 @@ def main(args: Args) -> dict[str, float]:
     samplers.update({k: v for k, v in eval_samplers.items() if k != "train"})
     learner = make_learner(args)
     state = initial_state(args, learner)
+    distributed.broadcast_params(learner)  # every rank starts from rank 0's weights
     run = None
-    if args.track:
+    if args.track and dist.is_main:
         run = init_run(
-            {**dataclasses.asdict(args), "dataset": "omniglot", "params": _count(learner)},
+            {**dataclasses.asdict(args), "dataset": "omniglot", "params": _count(learner),
+             "world_size": dist.world_size},
             project=args.wandb_project, mode=args.wandb_mode, name=state["run_name"],
             group=f"{args.algorithm}-{args.ways}w{args.shots}s",
             tags=[args.algorithm, "omniglot", f"{args.ways}w{args.shots}s", args.split],
@@ -282,17 +370,19 @@ def main(args: Args) -> dict[str, float]:
         results["perf/total_minutes"] = (time.perf_counter() - started) / 60
         if run is not None:
             run.summary.update(results)
-    except KeyboardInterrupt:
+    except (KeyboardInterrupt, distributed.PeerError):
+        where = f"rank {dist.rank}: " if dist.distributed else ""
         print(
-            f"\nstopped at step {state['iteration']}; continue with --resume "
+            f"\n{where}stopped at step {state['iteration']}; continue with --resume "
             f"--run-name {state['run_name']}"
         )
         raise
     finally:
         if run is not None:
             run.finish()
-    print(" ".join(f"{k}: {v:.4f}" for k, v in results.items() if k != "test/acc_ci95"))
-    print(f"test/acc: {results['test/acc']:.4f} ± {results['test/acc_ci95']:.4f}")
+    if dist.is_main:
+        print(" ".join(f"{k}: {v:.4f}" for k, v in results.items() if k != "test/acc_ci95"))
+        print(f"test/acc: {results['test/acc']:.4f} ± {results['test/acc_ci95']:.4f}")
     return results
 
 

@@ -9,8 +9,10 @@ from rank 0's last checkpoint).
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -21,6 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import dist_worker as worker  # noqa: E402
 
 from metalearn import distributed as dist  # noqa: E402
+from metalearn.checkpoint import load_checkpoint  # noqa: E402
 
 DATA = Path(os.environ.get("METALEARN_DATA", ROOT.parent / "shared" / "data" / "omniglot"))
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
@@ -124,3 +127,86 @@ def test_a_stalled_rank_times_out_with_a_clear_error(ranks):
     stall = ranks[2]
     assert "stalled for over the 6 s timeout" in stall["error"], stall["error"]
     assert worker.TIMEOUT_S <= stall["seconds"] < worker.TIMEOUT_S + 30
+
+
+# --------------------------------------------------------------------------- the experiment
+
+needs_omniglot = pytest.mark.skipif(
+    not (DATA / "images_background").is_dir(),
+    reason="full Omniglot not found: set METALEARN_DATA or put it at ../shared/data/omniglot",
+)
+
+
+def experiment_args(out: Path, iterations: int) -> list[str]:
+    """A tiny 2-rank Omniglot run: conv4 with 8 filters, 2 tasks per step (one per rank)."""
+    return [
+        "experiments/omniglot_maml.py", "--data-root", str(DATA), "--out-dir", str(out),
+        "--run-name", "crash", "--iterations", str(iterations), "--meta-batch", "2",
+        "--query", "1", "--eval-query", "2", "--hidden", "8", "--val-every", "100000",
+        "--val-tasks", "2", "--test-tasks", "2", "--eval-inner-steps", "1",
+        "--checkpoint-every", "2", "--no-track", "--device", "cpu", "--dist-timeout", "60",
+    ]  # fmt: skip
+
+
+def workers_of(launcher: int) -> dict[int, int]:
+    """{RANK: pid} of the processes torchrun started, read from /proc (Linux)."""
+    found = {}
+    for entry in Path("/proc").iterdir():
+        try:
+            stat = (entry / "stat").read_text()
+            if entry.name.isdigit() and int(stat.rsplit(")", 1)[1].split()[1]) == launcher:
+                env = dict(
+                    v.split("=", 1) for v in (entry / "environ").read_text().split("\0") if "=" in v
+                )
+                if "RANK" in env:
+                    found[int(env["RANK"])] = int(entry.name)
+        except (OSError, ValueError, IndexError):
+            continue  # the process ended meanwhile, or is not ours
+    return found
+
+
+def wait_for_checkpoint(path: Path, iteration: int, job: subprocess.Popen) -> None:
+    deadline = time.monotonic() + LAUNCH_TIMEOUT_S
+    while time.monotonic() < deadline and job.poll() is None:
+        try:
+            if load_checkpoint(path)["iteration"] >= iteration:
+                return
+        except (FileNotFoundError, EOFError, RuntimeError):
+            pass  # not written yet (writes are atomic, so never half a file)
+        time.sleep(0.1)
+    job.kill()
+    raise AssertionError(f"no checkpoint at step {iteration}: {job.communicate()[1][-3000:]}")
+
+
+@needs_omniglot
+@pytest.mark.skipif(not Path("/proc/self/environ").exists(), reason="reads /proc (Linux)")
+def test_a_killed_rank_ends_the_job_and_it_resumes_from_the_checkpoint(tmp_path):
+    ckpt = tmp_path / "crash" / "checkpoint.pt"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    job = subprocess.Popen([*TORCHRUN, *experiment_args(tmp_path, 100_000)], cwd=ROOT, env=env,
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
+    wait_for_checkpoint(ckpt, 4, job)
+    os.kill(workers_of(job.pid)[1], signal.SIGKILL)  # rank 1 dies mid-run, no goodbye
+    try:
+        out, err = job.communicate(timeout=LAUNCH_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        job.kill()
+        raise AssertionError("the job hung after a rank was killed") from None
+    assert job.returncode != 0
+    assert "ChildFailedError" in err and "rank      : 1" in err, err[-3000:]
+    assert "Signal 9 (SIGKILL)" in err, err[-3000:]
+    saved = load_checkpoint(ckpt)  # rank 0 kept the last completed step
+    start = saved["iteration"]
+    assert start >= 4
+    if "stopped at step" in out:  # rank 0 may be stopped by torchrun before it can say so
+        assert f"rank 0: stopped at step {start}; continue with --resume" in out, out
+
+    done = torchrun([*experiment_args(tmp_path, start + 2), "--resume"])
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "test/acc:" in done.stdout
+    resumed = load_checkpoint(ckpt)
+    assert resumed["iteration"] == start + 2
+    adam_steps = {int(s["step"]) for s in resumed["optimizer"]["state"].values()}
+    assert adam_steps == {start + 2}  # the optimizer state was resumed, not restarted
+    weights = resumed["learner"]["model.head.weight"]
+    assert not torch.equal(weights, saved["learner"]["model.head.weight"])
