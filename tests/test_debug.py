@@ -259,3 +259,24 @@ def test_anomaly_guard_leaves_a_clean_computation_unchanged() -> None:
     assert torch.equal(loss, guarded_loss)
     assert all(torch.equal(g, h) for g, h in zip(grads, guarded_grads))
     assert not torch.is_anomaly_enabled()  # the guard restored the previous mode
+
+
+def test_anomaly_guard_lets_intended_values_through_but_not_what_they_make() -> None:
+    mask = torch.tensor([[True, False], [True, True]])
+    logits = torch.tensor([[1.0, 2.0], [3.0, 4.0]])
+    with anomaly_guard():
+        placeholder = torch.full((), float("nan"))  # e.g. the accuracy of a skipped task
+        losses = torch.stack([torch.tensor(0.5), placeholder])
+        part = logits.masked_fill(mask, -torch.inf)[0].softmax(-1)  # one unmasked: finite
+    assert losses[1].isnan() and torch.equal(part, torch.tensor([0.0, 1.0]))
+    # A fully masked row: softmax makes NaN out of -inf, a new kind: reported.
+    with pytest.raises(NonFiniteError, match=r"aten\._softmax\.default produced 2 NaN"):
+        with anomaly_guard():
+            logits.masked_fill(mask, -torch.inf)[1].softmax(-1)
+
+
+def test_anomaly_guard_is_not_fooled_by_a_sum_that_overflows() -> None:
+    big = torch.full((4,), 3e38)  # finite, but its sum overflows float32 (the fast check)
+    with anomaly_guard():
+        doubled = big * 1.0
+    assert torch.equal(doubled, big)
