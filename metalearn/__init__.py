@@ -12,6 +12,7 @@ from metalearn.autograd import (
     safe_log_softmax,
     safe_sigmoid,
 )
+from metalearn.debug import anomaly_guard, check_consistent, check_function
 from metalearn.second_order import (
     HVP_METHODS,
     CGResult,
@@ -43,4 +44,7 @@ __all__ = [
     "safe_log",
     "safe_log_softmax",
     "safe_sigmoid",
+    "anomaly_guard",
+    "check_consistent",
+    "check_function",
 ]
