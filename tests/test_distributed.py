@@ -125,6 +125,7 @@ def test_gather_broadcast_and_divergence_check(ranks):
 
 def test_a_stalled_rank_times_out_with_a_clear_error(ranks):
     stall = ranks[2]
+    assert "Timed out" in stall["error"], stall["error"]  # gloo's own words, wrapped
     assert "stalled for over the 6 s timeout" in stall["error"], stall["error"]
     assert worker.TIMEOUT_S <= stall["seconds"] < worker.TIMEOUT_S + 30
 
