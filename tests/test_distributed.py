@@ -9,6 +9,7 @@ from rank 0's last checkpoint).
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -24,6 +25,7 @@ import dist_worker as worker  # noqa: E402
 
 from metalearn import distributed as dist  # noqa: E402
 from metalearn.checkpoint import load_checkpoint  # noqa: E402
+from metalearn.data import load_omniglot, omniglot_samplers  # noqa: E402
 
 DATA = Path(os.environ.get("METALEARN_DATA", ROOT.parent / "shared" / "data" / "omniglot"))
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
@@ -144,7 +146,7 @@ def experiment_args(out: Path, iterations: int) -> list[str]:
         "experiments/omniglot_maml.py", "--data-root", str(DATA), "--out-dir", str(out),
         "--run-name", "crash", "--iterations", str(iterations), "--meta-batch", "2",
         "--query", "1", "--eval-query", "2", "--hidden", "8", "--val-every", "100000",
-        "--val-tasks", "2", "--test-tasks", "2", "--eval-inner-steps", "1",
+        "--val-tasks", "2", "--test-tasks", "5", "--eval-inner-steps", "1",
         "--checkpoint-every", "2", "--no-track", "--device", "cpu", "--dist-timeout", "60",
     ]  # fmt: skip
 
@@ -211,3 +213,20 @@ def test_a_killed_rank_ends_the_job_and_it_resumes_from_the_checkpoint(tmp_path)
     assert adam_steps == {start + 2}  # the optimizer state was resumed, not restarted
     weights = resumed["learner"]["model.head.weight"]
     assert not torch.equal(weights, saved["learner"]["model.head.weight"])
+    # The 5 test tasks were split 3 + 2 and gathered: one process must get the same accuracy.
+    printed = float(re.search(r"^test/acc: ([0-9.]+) ±", done.stdout, re.M).group(1))
+    assert printed == pytest.approx(single_process_test_accuracy(resumed), abs=1e-4)
+
+
+def single_process_test_accuracy(checkpoint: dict) -> float:
+    """The experiment's test accuracy of the checkpoint's best weights, in this process."""
+    sys.path.insert(0, str(ROOT / "experiments"))
+    import omniglot_maml as om
+
+    args = om.Args(**{**checkpoint["args"], "device": "cpu"})
+    samplers = omniglot_samplers(load_omniglot(DATA), args.split, ways=args.ways,
+                                 shots=args.shots, queries=args.eval_query)  # fmt: skip
+    learner = om.make_learner(args)
+    learner.load_state_dict(checkpoint["best_learner"])
+    acc, _ = om.evaluate(learner, samplers["test"], args.test_tasks, args.eval_inner_steps, 2)
+    return acc
