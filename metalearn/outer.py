@@ -32,15 +32,18 @@ from metalearn.inner import (
     StopRule,
     adapt_with_losses,
 )
+from metalearn.models import fused_norm
 
 __all__ = [
     "InnerLoop",
     "MetaBatch",
     "Task",
     "TaskResult",
+    "AllTasksSkippedError",
     "choose_vectorize",
     "meta_batch",
     "task_loss",
+    "vmap_blockers",
 ]
 
 Vectorize = Literal["vmap", "loop", "auto"]
@@ -197,7 +200,7 @@ def choose_vectorize(
         raise ValueError(f"vectorize must be 'vmap', 'loop' or 'auto', got {vectorize!r}")
     if vectorize == "loop":
         return "loop"
-    blockers = _vmap_blockers(model, tasks, inner)
+    blockers = vmap_blockers(model, tasks, inner)
     if vectorize == "vmap":
         if blockers:
             raise ValueError(f"vectorize='vmap' cannot run this meta-batch: {'; '.join(blockers)}")
@@ -210,7 +213,8 @@ def choose_vectorize(
     return "vmap" if total <= limit else "loop"
 
 
-def _vmap_blockers(model: nn.Module, tasks: Sequence[Task], inner: InnerLoop) -> list[str]:
+def vmap_blockers(model: nn.Module, tasks: Sequence[Task], inner: InnerLoop) -> list[str]:
+    """Why a meta-batch cannot run under vmap (empty when it can), one reason per entry."""
     blockers = []
     if any(t.stop is not None for t in tasks):
         blockers.append("a task has an early-stopping rule (data-dependent control flow)")
@@ -293,11 +297,14 @@ def meta_batch(
     for i, task in enumerate(tasks):
         if results[i] is None and i not in skipped:
             try:
-                results[i] = task_fn(
-                    model, params, task.support, task.query, inner,
-                    steps=task.steps, model_kwargs=task.model_kwargs, stop=task.stop,
-                    check_finite=True, task_index=i, **common,
-                )  # fmt: skip
+                # No transform runs here, so batch norm may take the fused kernel (faster);
+                # not under checkpointing, whose recomputation must replay the same ops.
+                with fused_norm(not inner.checkpoint):
+                    results[i] = task_fn(
+                        model, params, task.support, task.query, inner,
+                        steps=task.steps, model_kwargs=task.model_kwargs, stop=task.stop,
+                        check_finite=True, task_index=i, **common,
+                    )  # fmt: skip
             except NonFiniteLossError:
                 if on_nonfinite == "raise":
                     raise
@@ -366,6 +373,17 @@ def _nonfinite(result: TaskResult, index: int) -> NonFiniteLossError | None:
     return None
 
 
+class AllTasksSkippedError(FloatingPointError):
+    """Every task of a meta-batch had a non-finite loss (``on_nonfinite="skip"``)."""
+
+    def __init__(self, n_tasks: int) -> None:
+        self.n_tasks = n_tasks
+        super().__init__(
+            f"all {n_tasks} tasks of the meta-batch had non-finite losses; lower the inner "
+            "learning rate or check the data for NaNs"
+        )
+
+
 def _combine(
     results: list[TaskResult | None],
     skipped: list[int],
@@ -377,10 +395,7 @@ def _combine(
     task_losses = torch.stack([r.loss.detach() if r is not None else nan for r in results])
     task_accuracies = torch.stack([r.accuracy.detach() if r is not None else nan for r in results])
     if not kept:
-        raise FloatingPointError(
-            f"all {len(results)} tasks of the meta-batch had non-finite losses; lower the "
-            "inner learning rate or check the data for NaNs"
-        )
+        raise AllTasksSkippedError(len(results))
     loss = torch.stack([r.loss for r in kept]).mean()
     accuracy = torch.stack([r.accuracy for r in kept]).mean().detach()
     return MetaBatch(loss, accuracy, task_losses, task_accuracies, skipped, vectorized)

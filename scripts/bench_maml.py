@@ -7,7 +7,10 @@ learning rate 0.4, in four settings (1 or 15 query examples per class x second o
 order). Methods:
 
 * ``loop``, ``vmap``, ``auto``: `metalearn.algorithms.MAML` / `FOMAML` with that
-  ``vectorize``; one graph for the meta-batch, one ``backward``.
+  ``vectorize`` and the default ``chunk_size="auto"``: the meta-batch runs in chunks (one
+  task per chunk in the loop; a few tasks per vmapped chunk), one backward per chunk.
+* ``whole`` (only when named in ``--methods``): ``auto`` with ``chunk_size=None``, one graph
+  for the whole meta-batch and one ``backward`` (the engine before chunking).
 * ``learn2learn``: ``l2l.algorithms.MAML`` (``clone`` / ``adapt``), one ``backward`` per
   task, as in learn2learn's Omniglot example.
 * ``higher``: ``higher.innerloop_ctx`` with SGD, one ``backward`` per task; first order
@@ -66,12 +69,13 @@ from torch import Tensor, nn
 from torch.func import vmap
 
 from metalearn.algorithms import FOMAML, MAML
+from metalearn.chunking import ChunkSize, plan_chunks
 from metalearn.models import Conv4
 from metalearn.outer import InnerLoop, Task, choose_vectorize, task_loss
 
 WAYS, SHOTS, INNER_LR, OUTER_LR = 5, 1, 0.4, 1e-3
 METHODS = ("loop", "vmap", "auto", "learn2learn", "higher")
-OPTIONAL_METHODS = ("compile",)
+OPTIONAL_METHODS = ("whole", "compile")
 """Run only when named in ``--methods``: ``compile`` spends minutes compiling per setting."""
 BASELINES = {"learn2learn": "learn2learn", "higher": "higher"}  # method -> module to import
 FLOAT64_TOLERANCE = 1e-9
@@ -177,12 +181,16 @@ MetaGradient = Callable[[Sequence[Task]], None]
 """Fills ``.grad`` of the method's model parameters with the meta-gradient of the tasks."""
 
 
-def metalearn_gradient(model: nn.Module, setting: Setting, vectorize: str) -> MetaGradient:
+def metalearn_gradient(
+    model: nn.Module, setting: Setting, vectorize: str, chunk_size: ChunkSize = "auto"
+) -> MetaGradient:
     cls = FOMAML if setting.first_order else MAML
-    learner = cls(model, inner_lr=INNER_LR, inner_steps=1, vectorize=vectorize)
+    learner = cls(
+        model, inner_lr=INNER_LR, inner_steps=1, vectorize=vectorize, chunk_size=chunk_size
+    )
 
     def run(tasks: Sequence[Task]) -> None:
-        learner.backward(tasks)  # mean query loss over tasks, one backward
+        learner.backward(tasks)  # mean query loss over tasks, one backward per chunk
 
     return run
 
@@ -250,6 +258,8 @@ def compiled_gradient(model: nn.Module, setting: Setting) -> MetaGradient:
 def make_gradient(method: str, model: nn.Module, setting: Setting) -> MetaGradient:
     if method in ("loop", "vmap", "auto"):
         return metalearn_gradient(model, setting, method)
+    if method == "whole":
+        return metalearn_gradient(model, setting, "auto", chunk_size=None)
     if method == "compile":
         return compiled_gradient(model, setting)
     if method == "learn2learn":
@@ -320,8 +330,16 @@ def time_methods(
             steps[method](tasks)
             if r >= args.warmup:
                 times[method].append(clock() - start)
+    return times, auto_plan(tasks, setting, args)
+
+
+def auto_plan(tasks: Sequence[Task], setting: Setting, args: BenchArgs) -> str:
+    """What ``auto`` runs, e.g. ``"vmap, 4x8"`` (4 chunks of 8 tasks) or ``"loop, 32x1"``."""
+    model = make_model(torch.float32, args.seed)
     inner = InnerLoop(steps=1, lr=INNER_LR, first_order=setting.first_order)
-    return times, choose_vectorize(make_model(torch.float32, args.seed), tasks, inner, "auto")
+    chunks = plan_chunks(model, tasks, inner, "auto")
+    mode = choose_vectorize(model, [tasks[i] for i in chunks[0]], inner, "auto")
+    return f"{mode}, {len(chunks)}x{len(chunks[0])}"
 
 
 def float64_gradients(method: str, setting: Setting, args: BenchArgs) -> dict[str, Tensor]:

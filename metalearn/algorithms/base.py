@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from metalearn.chunking import ChunkSize, meta_backward, plan_chunks
 from metalearn.inner import LearningRate, LossFn, adapt
 from metalearn.outer import InnerLoop, MetaBatch, Task, Vectorize, meta_batch
 
@@ -57,6 +58,10 @@ class MetaLearner(nn.Module):
         vectorize: ``"vmap"``, ``"loop"`` or ``"auto"``: how a meta-batch runs.
         checkpoint: recompute inner steps in the backward pass (memory flat in steps).
         on_nonfinite: ``"raise"`` or ``"skip"`` tasks whose loss is not finite.
+        chunk_size: tasks per chunk of the meta-batch: each chunk's graph is built,
+            differentiated and freed in turn (same meta-gradient, less memory; on a CPU
+            also faster, see `metalearn.chunking`). ``"auto"`` (default) picks by workload,
+            None runs the whole meta-batch as one graph.
     """
 
     def __init__(
@@ -71,6 +76,7 @@ class MetaLearner(nn.Module):
         vectorize: Vectorize = "auto",
         checkpoint: bool = False,
         on_nonfinite: Literal["raise", "skip"] = "raise",
+        chunk_size: ChunkSize = "auto",
     ) -> None:
         super().__init__()
         if inner_steps < 0:
@@ -91,6 +97,7 @@ class MetaLearner(nn.Module):
         self.vectorize = vectorize
         self.checkpoint = checkpoint
         self.on_nonfinite = on_nonfinite
+        self.chunk_size = chunk_size
 
     # ------------------------------------------------------------------ pieces to override
 
@@ -123,9 +130,17 @@ class MetaLearner(nn.Module):
 
     def backward(self, tasks: Sequence[Task]) -> StepMetrics:
         """Accumulate the meta-gradient of a meta-batch into ``.grad`` (like loss.backward)."""
-        result = self.meta_loss(tasks)
-        result.loss.backward()
+        chunks = self.chunks(tasks, self.inner_loop())
+        if len(chunks) == 1:
+            result = self.meta_loss(tasks)
+            result.loss.backward()
+        else:
+            result = meta_backward(self.meta_loss, dict(self.named_parameters()), tasks, chunks)
         return _metrics(result)
+
+    def chunks(self, tasks: Sequence[Task], inner: InnerLoop) -> list[range]:
+        """How `backward` and `evaluate` split ``tasks`` (see `metalearn.chunking`)."""
+        return plan_chunks(self.model, tasks, inner, self.vectorize, self.chunk_size)
 
     # ------------------------------------------------------------------ using a learner
 
@@ -149,12 +164,16 @@ class MetaLearner(nn.Module):
         """
         inner = self.inner_loop(steps, first_order=True)
         inner.lr = _detached(inner.lr)
+        losses, accuracies = [], []
         with torch.no_grad():
-            result = meta_batch(
-                self.model, _detached(self.theta()), tasks, inner,
-                buffers=dict(self.model.named_buffers()), vectorize=self.vectorize,
-            )  # fmt: skip
-        return result.task_losses, result.task_accuracies
+            for chunk in self.chunks(tasks, inner):
+                result = meta_batch(
+                    self.model, _detached(self.theta()), [tasks[i] for i in chunk], inner,
+                    buffers=dict(self.model.named_buffers()), vectorize=self.vectorize,
+                )  # fmt: skip
+                losses.append(result.task_losses)
+                accuracies.append(result.task_accuracies)
+        return torch.cat(losses), torch.cat(accuracies)
 
 
 def _metrics(result: MetaBatch) -> StepMetrics:
