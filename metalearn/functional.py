@@ -136,3 +136,19 @@ def call(
     tensors = dict(buffers or {})
     tensors.update(params)
     return functional_call(model, tensors, args, kwargs, strict=False)
+
+
+def transforms_active() -> bool:
+    """Whether any ``torch.func`` transform (vmap, grad, jvp, ...) is running right now.
+
+    Fast paths that are only right, or only fast, in plain autograd (the fused batch-norm
+    kernel, ``torch.autograd.grad`` in the inner loop) check this first. It reads
+    functorch's interpreter stack through a private API; if that API moves, the answer is
+    True, which sends every caller to its transform-safe path.
+    """
+    try:
+        from torch._functorch.pyfunctorch import retrieve_all_functorch_interpreters
+
+        return len(retrieve_all_functorch_interpreters()) > 0
+    except (ImportError, AttributeError):
+        return True

@@ -7,20 +7,46 @@ dict, batched over tasks with `torch.func.vmap` and differentiated to second ord
   updates);
 * batch norm is `batch_norm`, written from elementary ops, because the fused
   ``F.batch_norm(training=True)`` gives wrong second-order gradients under ``vmap``
-  (measured on torch 2.13, see ``DESIGN.md``);
+  (measured on torch 2.13, see ``DESIGN.md``); the engine's loop path, where no transform
+  runs, switches it to the fused kernel with `fused_norm` (faster there, measured);
 * the classifier is a submodule called ``head`` and everything before it ``features``, so
   ANIL adapts ``head.*`` only by passing those keys.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import contextlib
+import contextvars
+from collections.abc import Callable, Iterator, Sequence
 from typing import Literal
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
-__all__ = ["MLP", "Conv4", "ConvBlock", "MetaBatchNorm", "batch_norm"]
+from metalearn.functional import transforms_active
+
+__all__ = ["MLP", "Conv4", "ConvBlock", "MetaBatchNorm", "batch_norm", "fused_norm"]
+
+_FUSED_NORM = contextvars.ContextVar("metalearn_fused_norm", default=False)
+
+
+@contextlib.contextmanager
+def fused_norm(enabled: bool = True) -> Iterator[None]:
+    """Let `batch_norm` use the fused ``F.batch_norm`` kernel where no transform runs.
+
+    Same maths, and its first and second derivatives are right in plain autograd; only its
+    vmapped second derivative is wrong, so `batch_norm` still takes the elementary path
+    whenever a ``torch.func`` transform is active. The engine's loop path turns this on:
+    there it made a conv4 meta-step 10-16% faster (scripts/bench_maml.py). It stays off by
+    default because it made Hessian-vector products by double backward slower (bench_hvp:
+    113 vs 84 ms on conv4).
+    """
+    token = _FUSED_NORM.set(enabled)
+    try:
+        yield
+    finally:
+        _FUSED_NORM.reset(token)
 
 
 def batch_norm(x: Tensor, weight: Tensor, bias: Tensor, eps: float = 1e-5) -> Tensor:
@@ -54,6 +80,9 @@ def batch_norm(x: Tensor, weight: Tensor, bias: Tensor, eps: float = 1e-5) -> Te
             f"weight {tuple(weight.shape)} and bias {tuple(bias.shape)} must both have shape "
             f"({channels},) to match the input's channel dimension (dim 1 of {tuple(x.shape)})"
         )
+    # The fused kernel refuses one value per channel (the elementary form gives bias there).
+    if _FUSED_NORM.get() and x.numel() > channels and not transforms_active():
+        return F.batch_norm(x, None, None, weight, bias, training=True, eps=eps)
     dims = (0, *range(2, x.dim()))
     shape = (1, channels) + (1,) * (x.dim() - 2)
     # Measured on the Omniglot Conv4 (batch 80, torch 2.13 CPU, one thread): rewriting this

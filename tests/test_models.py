@@ -10,7 +10,7 @@ from torch import nn
 from torch.func import functional_call, grad, vmap
 
 from metalearn.functional import flatten_tree, unflatten_like
-from metalearn.models import MLP, Conv4, MetaBatchNorm, batch_norm
+from metalearn.models import MLP, Conv4, MetaBatchNorm, batch_norm, fused_norm
 from metalearn.second_order import HVP_METHODS, hessian, hvp
 
 F64 = torch.float64
@@ -237,3 +237,61 @@ def test_vmapped_hessian_through_batch_norm_equals_rows(tiny_hessian) -> None:
     loss = _task_loss(model)
     H_vmap = hessian(lambda p: loss(p, x, y), params, method="vmap")
     torch.testing.assert_close(H_vmap, H, rtol=0, atol=1e-10)
+
+
+def _graph_nodes(t: torch.Tensor) -> set[str]:
+    """Names of every autograd node behind ``t``."""
+    seen, stack, names = set(), [t.grad_fn], set()
+    while stack:
+        node = stack.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        names.add(type(node).__name__)
+        stack.extend(next_fn for next_fn, _ in node.next_functions)
+    return names
+
+
+def test_fused_norm_takes_the_kernel_only_outside_transforms() -> None:
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(6, 3, 5, 5, generator=g, dtype=torch.float64)
+    w = torch.randn(3, dtype=torch.float64, requires_grad=True)
+    b = torch.randn(3, dtype=torch.float64, requires_grad=True)
+    plain = batch_norm(x, w, b)
+    with fused_norm():
+        fused = batch_norm(x, w, b)
+        single = batch_norm(x[:1, :, :1, :1], w, b)  # one value per channel: elementary
+        batched = vmap(batch_norm, in_dims=(0, None, None))(x.reshape(2, 3, 3, 5, 5), w, b)
+    torch.testing.assert_close(fused, plain, rtol=0, atol=1e-12)
+    assert any("NativeBatchNorm" in n for n in _graph_nodes(fused))
+    assert not any("NativeBatchNorm" in n for n in _graph_nodes(plain))
+    torch.testing.assert_close(single, b.reshape(1, 3, 1, 1).detach().expand(1, 3, 1, 1))
+    for i in range(2):  # under vmap: the elementary form (what makes it right)
+        torch.testing.assert_close(batched[i], batch_norm(x[3 * i : 3 * i + 3], w, b))
+
+
+def test_loop_path_uses_the_fused_kernel_and_agrees_with_vmap() -> None:
+    from metalearn.outer import InnerLoop, Task, meta_batch
+
+    torch.manual_seed(0)
+    model = Conv4(ways=3, hidden=3).to(torch.float64)
+    theta = {k: v.detach().clone().requires_grad_() for k, v in model.named_parameters()}
+    g = torch.Generator().manual_seed(1)
+    tasks = []
+    for _ in range(3):
+        x = torch.randn(12, 1, 8, 8, generator=g, dtype=torch.float64)
+        y = torch.arange(12) % 3
+        tasks.append(Task((x[:6], y[:6]), (x[6:], y[6:])))
+    inner = InnerLoop(steps=2)
+    looped = meta_batch(model, theta, tasks, inner, vectorize="loop")
+    vmapped = meta_batch(model, theta, tasks, inner, vectorize="vmap")
+    assert any("NativeBatchNorm" in n for n in _graph_nodes(looped.loss))
+    assert not any("NativeBatchNorm" in n for n in _graph_nodes(vmapped.loss))
+    for a, b in zip(
+        torch.autograd.grad(looped.loss, list(theta.values())),
+        torch.autograd.grad(vmapped.loss, list(theta.values())),
+    ):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-12)
+    # Checkpointing replays the forward in the backward pass: it keeps the elementary form.
+    ckpt = meta_batch(model, theta, tasks, InnerLoop(steps=2, checkpoint=True), vectorize="loop")
+    torch.testing.assert_close(ckpt.loss, looped.loss, rtol=0, atol=1e-12)
