@@ -16,14 +16,9 @@
   1.33x (vmapped tasks) to 2.0x (looped tasks) plain, 1.8x-3.9x with ``backward_origin``.
 """
 
-from metalearn.debug.functions import (
-    FunctionCheck,
-    FunctionCheckError,
-    NonFiniteError,
-    anomaly_guard,
-    check_consistent,
-    check_function,
-)
+from metalearn.debug.anomaly import NonFiniteError, anomaly_guard
+from metalearn.debug.consistency import check_consistent
+from metalearn.debug.functions import FunctionCheck, FunctionCheckError, check_function
 
 __all__ = [
     "FunctionCheck",

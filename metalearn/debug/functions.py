@@ -1,49 +1,21 @@
-"""Debugging tools: check a custom autograd Function, tensors' devices/dtypes, find NaNs.
+"""`check_function`: a custom autograd Function's derivatives against finite differences.
 
-* `check_function` runs ``gradcheck`` and ``gradgradcheck`` on a function (typically a
-  custom ``torch.autograd.Function``'s ``apply``) in float64, then checks it under the
-  ``torch.func`` transforms (``vjp``, ``vmap``, ``jvp``) against eager autograd, loops and
-  finite differences. A failure raises `FunctionCheckError` saying which check failed,
-  where (output, input, element) and by how much.
-* `check_consistent` checks that the tensors of models, batches and dicts share one device
-  and one floating dtype, and names every tensor that does not.
-* `anomaly_guard` is a context manager that checks the output of every aten op, forward and
-  backward, and raises `NonFiniteError` at the first NaN or infinity, naming the op (and in
-  backward the autograd node and the forward line that made it) and the user code that ran
-  it. Unlike ``torch.autograd.detect_anomaly`` it also checks the forward pass, and works
-  under ``torch.func`` transforms (inside ``vmap``/``grad`` it sees the unbatched ops).
-  Overhead on a Conv4 MAML meta-step (``scripts/bench_anomaly_guard.py``, CPU time):
-  1.33x (vmapped tasks) to 2.0x (looped tasks) plain, 1.8x-3.9x with ``backward_origin``.
+``gradcheck`` and ``gradgradcheck`` in float64, then the ``torch.func`` transforms (``vjp``,
+``vmap``, ``jvp``) against eager autograd, loops and finite differences. A failure raises
+`FunctionCheckError` naming the check, the output and input, the worst element and by how much.
 """
 
 from __future__ import annotations
 
 import math
-import traceback
-from collections import Counter
-from collections.abc import Callable, Iterator, Mapping, Sequence
-from contextlib import contextmanager, nullcontext
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import torch
-from torch import Tensor, nn
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
-from torch.utils.weak import WeakIdKeyDictionary
+from torch import Tensor
 
-__all__ = [
-    "FunctionCheck",
-    "FunctionCheckError",
-    "NonFiniteError",
-    "anomaly_guard",
-    "check_consistent",
-    "check_function",
-]
-
-
-# --------------------------------------------------------------------------- check_function
+__all__ = ["FunctionCheck", "FunctionCheckError", "check_function"]
 
 
 class FunctionCheckError(AssertionError):
@@ -270,8 +242,29 @@ def _replace(xs: list[Tensor], i: int, value: Tensor) -> list[Tensor]:
     return [value.clone() if j == i else x.clone() for j, x in enumerate(xs)]
 
 
+# A transform check: (label, run it, the reference result, the reference's name).
+_TransformCheck = tuple[str, Callable[[], Sequence[Tensor]], Callable[[], Sequence[Tensor]], str]
+
+
 def _check_transforms(fn, args, diff, name, eps, atol, rtol) -> list[str]:
     """vjp vs eager, vmap vs loop, vmap(vjp) vs loop, jvp vs finite differences."""
+    checks = _transform_checks(fn, args, diff, eps)
+    for label, run, reference, ref_name in checks:
+        try:
+            got = run()
+        except Exception as err:
+            raise FunctionCheckError(
+                f"check_function({name}): fails under {label}: {_first_line(err)}. A custom "
+                "Function needs the setup_context style (forward without ctx, a "
+                "setup_context staticmethod), generate_vmap_rule = True (or a vmap "
+                "staticmethod) for vmap, and a jvp staticmethod for forward mode"
+            ) from err
+        _compare(label, got, reference(), ref_name, name, atol, rtol)
+    return [label for label, *_ in checks]
+
+
+def _transform_checks(fn, args, diff, eps) -> list[_TransformCheck]:
+    """The transform checks, in order, with eager gradients and finite differences computed."""
     from torch.func import jvp, vjp, vmap
 
     xs = [args[i].detach() for i in diff]
@@ -294,7 +287,7 @@ def _check_transforms(fn, args, diff, name, eps, atol, rtol) -> list[str]:
         fd = [(p - m) / (2 * eps) for p, m in zip(
             f(*[x + eps * t for x, t in zip(xs, tans)]),
             f(*[x - eps * t for x, t in zip(xs, tans)]))]  # fmt: skip
-    checks = [
+    return [
         ("torch.func.vjp", lambda: pullback(*xs), lambda: eager, "eager autograd.grad"),
         ("torch.func.vmap", lambda: vmap(f)(*batch), lambda: _loop(f, batch), "a Python loop"),
         ("vmap of torch.func.vjp", lambda: vmap(pullback)(*batch), lambda: _loop(pullback, batch),
@@ -302,18 +295,6 @@ def _check_transforms(fn, args, diff, name, eps, atol, rtol) -> list[str]:
         ("torch.func.jvp", lambda: jvp(f, tuple(xs), tans)[1], lambda: fd,
          f"finite differences (eps={eps:g})"),
     ]  # fmt: skip
-    for label, run, reference, ref_name in checks:
-        try:
-            got = run()
-        except Exception as err:
-            raise FunctionCheckError(
-                f"check_function({name}): fails under {label}: {_first_line(err)}. A custom "
-                "Function needs the setup_context style (forward without ctx, a "
-                "setup_context staticmethod), generate_vmap_rule = True (or a vmap "
-                "staticmethod) for vmap, and a jvp staticmethod for forward mode"
-            ) from err
-        _compare(label, got, reference(), ref_name, name, atol, rtol)
-    return [label for label, *_ in checks]
 
 
 def _loop(f, batch: list[Tensor]) -> tuple[Tensor, ...]:
@@ -331,261 +312,3 @@ def _compare(label, got, want, ref_name, name, atol, rtol) -> None:
                 f"(atol {atol:g}, rtol {rtol:g}); a vmap or jvp staticmethod of the Function "
                 "disagrees with its forward/backward"
             )
-
-
-# --------------------------------------------------------------------------- check_consistent
-
-
-def check_consistent(
-    *items: Any,
-    device: torch.device | str | None = None,
-    dtype: torch.dtype | None = None,
-    **named: Any,
-) -> tuple[torch.device, torch.dtype | None]:
-    """Check that tensors share one device and floating-point tensors one dtype.
-
-    Items may be tensors, modules (their parameters and buffers), dicts, lists and tuples
-    of those, nested; other values are ignored. Tensors are named by where they sit:
-    ``model.head.weight``, ``batch[0]``, ``params['head.bias']``; positional items are
-    ``arg0``, ``arg1``..., keyword items take their keyword. Integer and bool tensors (labels,
-    masks) count for the device but not the dtype.
-
-    Args:
-        *items: what to check, e.g. ``check_consistent(model=model, batch=(x, y))``.
-        device: the expected device; None: the device most tensors are on.
-        dtype: the expected floating dtype; None: the one most floating tensors have.
-        **named: items under their own names.
-
-    Returns:
-        ``(device, dtype)`` shared by all (dtype None when no tensor is floating-point).
-
-    Raises:
-        ValueError: a tensor on another device; every such tensor is named.
-        TypeError: a floating tensor of another dtype; every such tensor is named.
-    """
-    tensors = [t for i, item in enumerate(items) for t in _named_tensors(f"arg{i}", item)]
-    tensors += [t for key, item in named.items() for t in _named_tensors(key, item)]
-    if not tensors:
-        raise ValueError("check_consistent found no tensors in its arguments; pass tensors, "
-                         "modules, or dicts/lists/tuples of them")  # fmt: skip
-    found_device = _expect([t.device for _, t in tensors], device and torch.device(device))
-    bad = [(n, t.device) for n, t in tensors if not _same_device(t.device, found_device)]
-    if bad:
-        raise ValueError(
-            _mismatch_message("devices", found_device, len(tensors), bad, device is not None)
-            + f"; move them with .to({str(found_device)!r}) (a module: module.to(...))"
-        )
-    floats = [(n, t) for n, t in tensors if t.is_floating_point()]
-    if not floats:
-        return found_device, None
-    found_dtype = _expect([t.dtype for _, t in floats], dtype)
-    bad = [(n, t.dtype) for n, t in floats if t.dtype != found_dtype]
-    if bad:
-        raise TypeError(
-            _mismatch_message("floating dtypes", found_dtype, len(floats), bad, dtype is not None)
-            + f"; convert them with .to({found_dtype}) (a module: module.to({found_dtype}))"
-        )
-    return found_device, found_dtype
-
-
-def _named_tensors(name: str, item: Any) -> Iterator[tuple[str, Tensor]]:
-    if isinstance(item, Tensor):
-        yield name, item
-    elif isinstance(item, nn.Module):
-        for key, t in (*item.named_parameters(), *item.named_buffers()):
-            yield f"{name}.{key}", t
-    elif isinstance(item, Mapping):
-        for key, value in item.items():
-            yield from _named_tensors(f"{name}[{key!r}]", value)
-    elif isinstance(item, (list, tuple)):
-        for i, value in enumerate(item):
-            yield from _named_tensors(f"{name}[{i}]", value)
-
-
-def _expect(values: list[Any], given: Any) -> Any:
-    """``given`` if set, else the most common value (the first seen on a tie)."""
-    if given is not None:
-        return given
-    counts = Counter(values)
-    top = max(counts.values())
-    return next(v for v in values if counts[v] == top)
-
-
-def _same_device(actual: torch.device, expected: torch.device) -> bool:
-    if expected.index is None:  # "cuda" matches any cuda:N
-        return actual.type == expected.type
-    return actual == expected
-
-
-def _mismatch_message(what: str, expected: Any, total: int, bad: list, given: bool) -> str:
-    why = "as asked" if given else f"held by {total - len(bad)} of {total} tensors"
-    shown = ", ".join(f"{n} is {v}" for n, v in bad[:6])
-    more = f" and {len(bad) - 6} more" if len(bad) > 6 else ""
-    return f"tensors of different {what}: expected {expected} ({why}), but {shown}{more}"
-
-
-# --------------------------------------------------------------------------- anomaly_guard
-
-
-class NonFiniteError(FloatingPointError):
-    """An op made (or received) the first NaN/infinity inside `anomaly_guard`.
-
-    Attributes:
-        op: the aten op, e.g. ``"aten.log.default"``.
-        phase: ``"forward"`` or ``"backward"``.
-        node: in backward, the autograd node being run (e.g. ``"SqrtBackward0"``), else None.
-    """
-
-    def __init__(self, message: str, op: str, phase: str, node: str | None) -> None:
-        super().__init__(message)
-        self.op, self.phase, self.node = op, phase, node
-
-
-# Ops whose output is uninitialised memory: NaNs there are not a bug.
-_UNINITIALISED = {"empty", "empty_like", "empty_strided", "empty_permuted", "new_empty",
-                  "new_empty_strided", "resize_"}  # fmt: skip
-_HERE = str(Path(__file__).resolve())
-_TORCH = str(Path(torch.__file__).resolve().parent)
-
-
-# Ops that write a given value: a NaN/inf they make was asked for (a placeholder, a mask).
-_FILLS = {"full", "full_like", "new_full", "fill", "fill_", "scalar_tensor", "masked_fill",
-          "masked_fill_", "index_fill", "index_fill_", "lift_fresh", "lift_fresh_copy"}  # fmt: skip
-
-
-class _FiniteMode(TorchDispatchMode):
-    """Checks every op's floating outputs; tracks the non-finite values written on purpose."""
-
-    def __init__(self, nan_only: bool) -> None:
-        super().__init__()
-        self.nan_only = nan_only
-        self.intended = WeakIdKeyDictionary()  # tensors whose NaN/inf were asked for
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        name = func.overloadpacket.__name__
-        outs = [t for t in tree_flatten(out)[0] if self._checked(t)]
-        if all(self._clean(t) for t in outs) or name in _UNINITIALISED:
-            return out  # the fast path: one reduction per output
-        bad_outs = [(o, t) for o, t in enumerate(outs) if self._kinds(t)]
-        if name in _FILLS:
-            self._mark(outs)
-            return out
-        inputs = [a for a in tree_flatten((args, kwargs))[0] if self._checked(a)]
-        bad_ins = [(i, a) for i, a in enumerate(inputs) if self._kinds(a)]
-        if bad_ins and all(a in self.intended for _, a in bad_ins):
-            # Propagating an intended value is fine; making a new kind (inf * 0 = NaN) is not.
-            carried = set().union(*(self._kinds(a) for _, a in bad_ins))
-            if all(self._kinds(t) <= carried for _, t in bad_outs):
-                self._mark(outs)
-                return out
-            bad_ins = []
-        o, t = bad_outs[0]
-        raise _non_finite_error(str(func), o, t, [i for i, a in bad_ins if a not in self.intended])
-
-    def _checked(self, t: Any) -> bool:
-        return isinstance(t, Tensor) and t.is_floating_point() and t.device.type != "meta"
-
-    def _clean(self, t: Tensor) -> bool:
-        # A sum is finite only if every term is (NaN and +-inf propagate; inf - inf is NaN),
-        # and one read-only pass is cheap: a guarded Conv4 meta-step cost 3.7x a plain one
-        # with isfinite(t).all() here, 1.33x with the sum (scripts/bench_anomaly_guard.py).
-        # A sum that overflows from finite terms alone goes on to the exact check.
-        if bool(t.sum().isfinite()):
-            return True
-        return not self._kinds(t)
-
-    def _kinds(self, t: Tensor) -> set[str]:
-        """Which of "nan", "inf" ``t`` holds (only "nan" is looked for with check="nan")."""
-        kinds = {"nan"} if t.isnan().any() else set()
-        if not self.nan_only and t.isinf().any():
-            kinds.add("inf")
-        return kinds
-
-    def _mark(self, tensors: list[Tensor]) -> None:
-        for t in tensors:
-            self.intended[t] = True
-
-
-def _non_finite_error(op: str, o: int, t: Tensor, inputs: list[int]) -> NonFiniteError:
-    node = torch._C._current_autograd_node()
-    phase = "forward" if node is None else "backward"
-    nans, infs = int(t.isnan().sum()), int(t.isinf().sum())
-    where = f"in forward at {_user_frame()}"
-    if node is not None:
-        made = node.metadata.get("traceback_")
-        origin = f", created in forward at {_last_frame(made)}" if made else ""
-        where = f"in backward of {node.name()}{origin} (backward called at {_user_frame()})"
-    if inputs:
-        cause = (
-            f"its input {inputs[0]} was already non-finite, so the value came from outside "
-            "the guard: check the data, the parameters and the loss scale"
-        )
-    else:
-        cause = (
-            "its inputs were finite, so this op made the first non-finite value: check its "
-            "inputs' range (log or sqrt of <= 0, 0/0, exp overflow) or use "
-            "metalearn.autograd's safe_log / safe_sigmoid / safe_cross_entropy"
-        )
-    message = (
-        f"{op} produced {nans} NaN and {infs} infinite values among {t.numel()} "
-        f"(output {o}, shape {tuple(t.shape)}, {t.dtype}) {where}; {cause}"
-    )
-    return NonFiniteError(message, op, phase, None if node is None else node.name())
-
-
-def _user_frame() -> str:
-    """The innermost stack frame outside torch and this module, as ``file:line in fn: code``."""
-    for frame in reversed(traceback.extract_stack()):
-        if frame.filename != _HERE and not frame.filename.startswith(_TORCH):
-            return f"{frame.filename}:{frame.lineno} in {frame.name}: {(frame.line or '').strip()}"
-    return "<unknown>"
-
-
-def _last_frame(formatted: list[str]) -> str:
-    """The innermost user frame of a traceback recorded by anomaly mode."""
-    for entry in reversed(formatted):
-        if _TORCH not in entry and _HERE not in entry:
-            return " ".join(part.strip() for part in entry.strip().splitlines())
-    return formatted[-1].strip()
-
-
-@contextmanager
-def anomaly_guard(
-    *, check: Literal["nonfinite", "nan"] = "nonfinite", backward_origin: bool = True
-) -> Iterator[None]:
-    """Raise `NonFiniteError` at the first op whose output holds a NaN (or an infinity).
-
-    Every aten op run inside the block, forward and backward (``loss.backward()`` or
-    ``torch.autograd.grad`` called inside it), and inside ``torch.func`` transforms, has its
-    floating-point outputs checked. The error names the op (``aten.log.default``), its
-    output's shape and counts, the user code that ran it, and in backward the autograd
-    node (``SqrtBackward0``) and, with ``backward_origin``, the forward line that made it.
-    Results are unchanged when nothing is non-finite. Values written on purpose are not
-    reported: a NaN or inf made by a fill (``torch.full(..., nan)``, ``masked_fill(mask,
-    -inf)``, ``torch.tensor([nan])``) and what ops carry over from it unchanged in kind (a
-    NaN placeholder stacked with losses); a new kind made from it (``-inf`` logits whose
-    softmax is NaN) is reported.
-
-    Example::
-
-        with anomaly_guard():
-            loss = model(x).log().mean()
-            loss.backward()
-
-    Args:
-        check: ``"nonfinite"`` (NaN and +-inf) or ``"nan"`` (NaN only: for code that uses
-            ``-inf`` on purpose, e.g. attention masks).
-        backward_origin: record where each autograd node was created (turns on
-            ``torch.autograd`` anomaly mode without its NaN check), so a backward error
-            names the forward line; costs more (see ``docs/deploy.md``).
-
-    Raises:
-        NonFiniteError: from the first op whose output is not finite.
-    """
-    if check not in ("nonfinite", "nan"):
-        raise ValueError(f"check={check!r}; choose 'nonfinite' (NaN and inf) or 'nan'")
-    # Anomaly mode is only switched on, never off: a caller may have it on already.
-    origin = torch.autograd.set_detect_anomaly(True, check_nan=False) if backward_origin else None
-    with origin or nullcontext(), _FiniteMode(nan_only=check == "nan"):
-        yield
