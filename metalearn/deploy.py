@@ -39,7 +39,7 @@ from torch.export import Dim, ExportedProgram
 
 from metalearn.algorithms import ANIL, FOMAML, IMAML, MAML, MAMLpp, MetaLearner, MetaSGD, Reptile
 from metalearn.checkpoint import load_checkpoint
-from metalearn.data.omniglot import RESAMPLE_FILTERS, _decode
+from metalearn.data.omniglot import RESAMPLE_FILTERS, decode_image
 from metalearn.debug import check_consistent
 from metalearn.models import Conv4, MetaBatchNorm
 from metalearn.outer import Task
@@ -215,7 +215,7 @@ def load_support_folder(
     images, labels = [], []
     for label, class_dir in enumerate(entries):
         paths = _class_images(class_dir)
-        images += [torch.from_numpy(_decode(str(p), image_size, resample)) for p in paths]
+        images += [torch.from_numpy(decode_image(str(p), image_size, resample)) for p in paths]
         labels += [label] * len(paths)
     x = torch.stack(images).unsqueeze(1).float().div_(255)
     return SupportSet(x, torch.tensor(labels), tuple(p.name for p in entries))

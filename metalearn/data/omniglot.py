@@ -56,6 +56,7 @@ __all__ = [
     "OmniglotImages",
     "SPLIT_ROTATIONS",
     "ZipSource",
+    "decode_image",
     "default_cache_dir",
     "download_omniglot",
     "ensure_omniglot",
@@ -336,8 +337,25 @@ def _fingerprint(root: Path, characters: list[tuple[str, str, bool, list[Path]]]
     return digest.hexdigest()
 
 
-def _decode(path: str, size: int, resample: str) -> np.ndarray:
-    """One drawing as ink, uint8 ``[size, size]`` (255 = stroke)."""
+def decode_image(path: str, size: int, resample: str) -> np.ndarray:
+    """Decode one drawing as `load_omniglot` does: grayscale, resized, inverted to ink.
+
+    `metalearn.deploy` decodes support images with it too, so a deployed model sees its
+    inputs exactly as it saw them in training.
+
+    Args:
+        path: an image file PIL can open (Omniglot's are binary PNGs, black strokes on white).
+        size: side of the square output, in pixels.
+        resample: one of `RESAMPLE_FILTERS`: ``"lanczos"`` or ``"bilinear"`` resize the
+            grayscale image; ``"nearest"`` resizes the image in its own mode (binary for
+            Omniglot) as MAML's preprocessing did, then converts it to grayscale.
+
+    Returns:
+        uint8 ``[size, size]``: the ink, 255 on a stroke and 0 on the background.
+
+    Raises:
+        ValueError: the file cannot be opened or decoded; the message names it.
+    """
     from PIL import Image
 
     filters = {"lanczos": Image.Resampling.LANCZOS, "bilinear": Image.Resampling.BILINEAR}
@@ -358,7 +376,7 @@ def _decode(path: str, size: int, resample: str) -> np.ndarray:
 
 def _decode_character(job: tuple[list[str], int, str]) -> np.ndarray:
     paths, size, resample = job
-    return np.stack([_decode(path, size, resample) for path in paths])
+    return np.stack([decode_image(path, size, resample) for path in paths])
 
 
 def _decode_all(
