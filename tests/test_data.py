@@ -483,3 +483,10 @@ def test_sine_is_reproducible_and_trains_an_mlp():
         SineTasks(amplitude=(5.0, 0.1))
     with pytest.raises(ValueError, match="expected a torch.Generator"):
         tasks.sample(None)
+
+
+def test_decode_image_names_a_bad_filter_before_opening_the_file(tmp_path) -> None:
+    from metalearn.data.omniglot import decode_image
+
+    with pytest.raises(ValueError, match="resample must be one of"):
+        decode_image(str(tmp_path / "missing.png"), 28, "cubic")

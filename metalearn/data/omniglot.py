@@ -354,9 +354,13 @@ def decode_image(path: str, size: int, resample: str) -> np.ndarray:
         uint8 ``[size, size]``: the ink, 255 on a stroke and 0 on the background.
 
     Raises:
-        ValueError: the file cannot be opened or decoded; the message names it.
+        ValueError: ``resample`` is unknown, or the file cannot be opened or decoded (the
+            message names it).
     """
     from PIL import Image
+
+    if resample not in RESAMPLE_FILTERS:
+        raise ValueError(f"resample must be one of {RESAMPLE_FILTERS}, got {resample!r}")
 
     filters = {"lanczos": Image.Resampling.LANCZOS, "bilinear": Image.Resampling.BILINEAR}
     try:
