@@ -58,7 +58,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--quick", action="store_true", help="tiny sizes, 3 repeats, no compile")
     p.add_argument("--repeats", type=int, default=None, help="timed rounds (default 11)")
     p.add_argument("--compile-steps", type=int, nargs="*", default=None, help="default 1 5")
-    p.add_argument("--checkpoint-steps", type=int, nargs="+", default=None, help="1 5 10 20")
+    p.add_argument("--checkpoint-steps", type=int, nargs="*", default=None, help="1 5 10 20")
     p.add_argument("--tasks", type=int, default=16, help="tasks per meta-batch (claims 5, 6)")
     p.add_argument("--hidden", type=int, default=64, help=argparse.SUPPRESS)
     p.add_argument("--warm-cache", action="store_true", help="keep inductor's on-disk cache")
@@ -81,7 +81,8 @@ def make_config(args: argparse.Namespace) -> Config:
     cfg.repeats = args.repeats or cfg.repeats
     if args.compile_steps is not None:
         cfg.compile_steps = args.compile_steps
-    cfg.checkpoint_steps = args.checkpoint_steps or cfg.checkpoint_steps
+    if args.checkpoint_steps is not None:
+        cfg.checkpoint_steps = args.checkpoint_steps
     return cfg
 
 
@@ -95,9 +96,9 @@ def main(argv: Sequence[str] | None = None) -> Config:
         return Config()
     cfg = make_config(args)
     only = sorted({"5" if c == "6" else c for c in args.only or CLAIMS})
-    compiles = "5" in only and cfg.compile_steps
-    if compiles and not args.warm_cache and "TORCHINDUCTOR_CACHE_DIR" not in os.environ:
-        # Cold compile times; the memory subprocesses inherit this (now warm) cache.
+    if "5" in only and cfg.compile_steps and not args.warm_cache:
+        # Cold compile times; the memory subprocesses inherit this (by then warm) cache.
+        # (Importing torch._inductor already set this variable to its default: override it.)
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp(prefix="bench_claims_inductor_")
     print(f"# Performance claims, measured\n\n{hardware()}\ncommand: {' '.join(sys.argv)}\n")
     for claim in only:

@@ -14,6 +14,8 @@ from typing import Any
 import torch
 from bench_hvp import peak_memory_bytes, print_table, time_round_robin
 
+import metalearn
+
 __all__ = [
     "Config",
     "hardware",
@@ -77,7 +79,20 @@ def progress(message: str) -> None:
 def hardware() -> str:
     """One line: torch version, CPU, threads, load (the tables' numbers depend on all)."""
     return (
-        f"torch {torch.__version__}, {platform.machine()} {platform.processor() or 'cpu'}, "
+        f"torch {torch.__version__}, {cpu_model()}, "
         f"{torch.get_num_threads()} thread(s) of {os.cpu_count()} cores, load average "
-        f"{os.getloadavg()[0]:.1f}, {time.strftime('%Y-%m-%d')}"
+        f"{os.getloadavg()[0]:.1f}, {time.strftime('%Y-%m-%d')}; metalearn from "
+        f"{os.path.dirname(os.path.dirname(metalearn.__file__))}"
     )
+
+
+def cpu_model() -> str:
+    """The CPU's model name from ``/proc/cpuinfo`` (Linux), else the machine type."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.machine()

@@ -121,7 +121,7 @@ def run(cfg: Config) -> None:
                 f"{r['hessian_ms'] / r['n'] / r['hvp_ms']:.3f}",
             ]
             + [f"{r['hessian_mb']:.2f}", f"{r['hvp_mb']:.3f}"]
-            + [f"{100 * (1 - r['hvp_mb'] / r['hessian_mb']):.1f}%", f"{r['rel_error']:.1e}"]
+            + [f"{100 * (1 - r['hvp_mb'] / r['hessian_mb']):.2f}%", f"{r['rel_error']:.1e}"]
         )
     header = ["n params", "Hessian ms", "HVP ms", "time ratio", "Hessian / (n HVPs)"]
     header += ["Hessian peak MB", "HVP peak MB", "memory saved", "H@v vs hvp"]
