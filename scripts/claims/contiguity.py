@@ -4,7 +4,9 @@ Each op runs on the same values twice: once from a contiguous tensor and once fr
 transposed view of it (same shape, swapped strides). Shapes are Conv4's on Omniglot: a
 meta-batch of 80 images ``[80, 1, 28, 28]`` and the first block's activation
 ``[80, 64, 14, 14]``; the matmul is a 1024 x 1024 layer. ``copy+op`` is the fix people
-apply, ``x.contiguous()`` then the op, timed together.
+apply, ``x.contiguous()`` then the op, timed together; ``clone+op`` is its control, the same
+fresh allocation and copy from the contiguous tensor (``x.clone()`` then the op), which
+separates the cost of the strides from the cost of touching freshly allocated memory.
 """
 
 from __future__ import annotations
@@ -92,6 +94,8 @@ def measure(size: str, cfg: Config, calls: int = 10) -> list[dict[str, float | s
                 "contiguous": lambda op=op, x=x_c: op(x),
                 "non-contiguous": lambda op=op, x=x_nc: op(x),
                 "copy+op": lambda op=op, x=x_nc: op(x.contiguous()),
+                # Control: the same fresh allocation and copy, from a contiguous source.
+                "clone+op": lambda op=op, x=x_c: op(x.clone()),
                 "copy alone": lambda x=x_nc: x.contiguous(),
             }
             reps = calls  # ops under a millisecond: time `calls` of them per round
@@ -124,9 +128,11 @@ def run(cfg: Config) -> None:
     for r in rows:
         c, nc, cp = r["contiguous"], r["non-contiguous"], r["copy+op"]
         copy = f"{r['copy alone']:.3f}" if "copy alone" in r else "(inside)"
+        clone = f"{r['clone+op'] / c:.2f}" if "clone+op" in r else ""
         table.append(
             [r["op"], r["shape"], f"{c:.3f}", f"{nc:.3f}", f"{nc / c:.2f}", copy, f"{cp / c:.2f}"]
+            + [clone]
         )
     header = ["op", "input", "contiguous ms", "transposed ms", "ratio", "copy ms", "copy+op ratio"]
-    print_table(header, table)
+    print_table([*header, "clone+op ratio"], table)
     print(f"\nchecks on a transposed [80, 64, 14, 14]: {checks}")
