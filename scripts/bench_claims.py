@@ -61,6 +61,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--checkpoint-steps", type=int, nargs="*", default=None, help="1 5 10 20")
     p.add_argument("--tasks", type=int, default=16, help="tasks per meta-batch (claims 5, 6)")
     p.add_argument("--hidden", type=int, default=64, help=argparse.SUPPRESS)
+    p.add_argument(
+        "--compile-float64", action="store_true", help="check compiled maths in float64 too"
+    )
     p.add_argument("--warm-cache", action="store_true", help="keep inductor's on-disk cache")
     p.add_argument("--json", default="", help="write every number measured to this file")
     p.add_argument("--plots", default="", help="write claims_*.png plots into this folder")
@@ -75,6 +78,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 
 def make_config(args: argparse.Namespace) -> Config:
     cfg = Config(quick=args.quick, tasks=args.tasks, hidden=args.hidden)
+    cfg.compile_float64 = args.compile_float64
     if args.quick:
         cfg.repeats, cfg.warmup, cfg.compile_steps, cfg.checkpoint_steps = 3, 1, [], [1, 2]
         cfg.tasks, cfg.hidden = min(args.tasks, 4), min(args.hidden, 16)

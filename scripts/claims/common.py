@@ -42,6 +42,8 @@ class Config:
     """Inner-step counts at which the meta-step is compiled (minutes each on 2 cores)."""
     checkpoint_steps: list[int] = field(default_factory=lambda: [1, 5, 10, 20])
     """Inner-step counts for the checkpointing comparison."""
+    compile_float64: bool = False
+    """Also compile each compiled method in float64 and compare it with the float64 loop."""
     tasks: int = 16
     """Tasks per meta-batch in claims 5 and 6."""
     hidden: int = 64

@@ -70,12 +70,16 @@ def memory_in_subprocess(method: str, work: Workload) -> float | None:
     return json.loads(out.stdout.strip().splitlines()[-1])["peak_mb"]
 
 
-def first_calls(methods: list[str], work: Workload) -> tuple[dict, dict[str, dict[str, float]]]:
-    """Build each method's step; its first call (compilation) timed, its gradient checked."""
-    tasks = work.make_tasks()
-    reference = meta_gradient(
-        make_step("loop", work, torch.float64), work.make_tasks(torch.float64)
-    )
+def first_calls(
+    methods: list[str], work: Workload, float64: bool = False
+) -> tuple[dict, dict[str, dict[str, float]]]:
+    """Build each method's step; its first call (compilation) timed, its gradient checked.
+
+    With ``float64``, compiled methods are also compiled in float64 (another compilation)
+    and compared with the float64 loop: that separates wrong maths from float32 rounding.
+    """
+    tasks, tasks64 = work.make_tasks(), work.make_tasks(torch.float64)
+    reference = meta_gradient(make_step("loop", work, torch.float64), tasks64)
     steps, info = {}, {}
     for method in methods:
         progress(f"claims 5/6: {work.steps} inner steps, first call of {method}")
@@ -91,12 +95,16 @@ def first_calls(methods: list[str], work: Workload) -> tuple[dict, dict[str, dic
             "graph_breaks": sum(torch._dynamo.utils.counters["graph_break"].values()),
             "graphs": torch._dynamo.utils.counters["stats"]["unique_graphs"],
         }
+        if float64 and method in COMPILED:
+            progress(f"claims 5/6: {work.steps} inner steps, {method} in float64")
+            exact = meta_gradient(make_step(method, work, torch.float64), tasks64)
+            info[method]["rel_diff_float64"] = max_relative_difference(exact, reference)
     return steps, info
 
 
 def measure_steps(methods: list[str], work: Workload, cfg: Config, memory: bool = True) -> dict:
     """Time (interleaved), first-call time, gradient agreement and peak memory per method."""
-    steps, info = first_calls(methods, work)
+    steps, info = first_calls(methods, work, cfg.compile_float64)
     tasks = work.make_tasks()
     repeats = min(cfg.repeats, 7) if work.steps <= 5 else min(cfg.repeats, 5)
     progress(f"claims 5/6: {work.steps} inner steps, timing {len(methods)} methods x {repeats}")
@@ -163,6 +171,13 @@ def report_compile(by_k: dict[int, dict]) -> None:
             )
     header = ["inner steps", "method", "ms", "x loop", "x vmap", "peak MB", "first call s"]
     print_table([*header, "graphs / breaks", "grad vs float64"], table)
+    for k, r in by_k.items():
+        for m in COMPILED:
+            if "rel_diff_float64" in r[m]:
+                print(
+                    f"{k} inner steps, {m} compiled in float64 vs float64 loop: "
+                    f"{r[m]['rel_diff_float64']:.1e}"
+                )
 
 
 def _graphs(row: dict) -> str:
