@@ -31,11 +31,13 @@ Expected: one markdown table per claim (claims 5 and 6 share one run and print t
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
+import shutil
 import sys
 import tempfile
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 import torch
 from claims import branch, contiguity, hessian_curve, metastep_bench, sparse
@@ -90,6 +92,29 @@ def make_config(args: argparse.Namespace) -> Config:
     return cfg
 
 
+@contextlib.contextmanager
+def cold_compile_cache(cold: bool) -> Iterator[None]:
+    """An empty inductor cache for the run (removed after it), so compile times are cold.
+
+    The memory subprocesses inherit it, by then warm. Importing ``torch._inductor`` already
+    set ``TORCHINDUCTOR_CACHE_DIR`` to its default, so it is overridden, then restored.
+    """
+    if not cold:
+        yield
+        return
+    saved = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+    folder = tempfile.mkdtemp(prefix="bench_claims_inductor_")
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = folder
+    try:
+        yield
+    finally:
+        if saved is None:
+            del os.environ["TORCHINDUCTOR_CACHE_DIR"]
+        else:
+            os.environ["TORCHINDUCTOR_CACHE_DIR"] = saved
+        shutil.rmtree(folder, ignore_errors=True)
+
+
 def main(argv: Sequence[str] | None = None) -> Config:
     args = parse_args(argv)
     torch.set_num_threads(1)
@@ -100,14 +125,11 @@ def main(argv: Sequence[str] | None = None) -> Config:
         return Config()
     cfg = make_config(args)
     only = sorted({"5" if c == "6" else c for c in args.only or CLAIMS})
-    if "5" in only and cfg.compile_steps and not args.warm_cache:
-        # Cold compile times; the memory subprocesses inherit this (by then warm) cache.
-        # (Importing torch._inductor already set this variable to its default: override it.)
-        os.environ["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp(prefix="bench_claims_inductor_")
     print(f"# Performance claims, measured\n\n{hardware()}\ncommand: {' '.join(sys.argv)}\n")
-    for claim in only:
-        progress(f"claim {claim}{' (and 6)' if claim == '5' else ''}")
-        CLAIMS[claim](cfg)
+    with cold_compile_cache("5" in only and bool(cfg.compile_steps) and not args.warm_cache):
+        for claim in only:
+            progress(f"claim {claim}{' (and 6)' if claim == '5' else ''}")
+            CLAIMS[claim](cfg)
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"hardware": hardware(), **cfg.results}, f, indent=1)

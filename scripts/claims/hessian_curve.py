@@ -108,6 +108,14 @@ def run(cfg: Config) -> None:
         rows.append(row)
     fits = int((ram_bytes() / (4 * overhead)) ** 0.5)
     cfg.results["hessian"] = {"rows": rows, "overhead": overhead, "max_n_in_ram": fits}
+    print_rows(rows)
+    print(
+        f"\nHessian peak = {overhead:.1f}x the n^2 float32 matrix at the largest size run; "
+        f"with {ram_bytes() / 2**30:.0f} GB RAM the dense Hessian stops fitting near n = {fits:,}"
+    )
+
+
+def print_rows(rows: list[dict[str, float]]) -> None:
     print(f"\n### Claim 3: dense Hessian vs one HVP, MLP({IN_FEATURES}, [h], {WAYS}), batch 80\n")
     table = []
     for r in rows:
@@ -126,7 +134,3 @@ def run(cfg: Config) -> None:
     header = ["n params", "Hessian ms", "HVP ms", "time ratio", "Hessian / (n HVPs)"]
     header += ["Hessian peak MB", "HVP peak MB", "memory saved", "H@v vs hvp"]
     print_table(header, table)
-    print(
-        f"\nHessian peak = {overhead:.1f}x the n^2 float32 matrix at the largest size run; "
-        f"with {ram_bytes() / 2**30:.0f} GB RAM the dense Hessian stops fitting near n = {fits:,}"
-    )
