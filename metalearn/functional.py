@@ -144,8 +144,12 @@ def transforms_active() -> bool:
     Fast paths that are only right, or only fast, in plain autograd (the fused batch-norm
     kernel, ``torch.autograd.grad`` in the inner loop) check this first. It reads
     functorch's interpreter stack through a private API; if that API moves, the answer is
-    True, which sends every caller to its transform-safe path.
+    True, which sends every caller to its transform-safe path. Under ``torch.compile``
+    the answer is True too: dynamo cannot trace the interpreter stack, and the
+    transform-safe paths are the traceable ones.
     """
+    if torch.compiler.is_compiling():
+        return True
     try:
         from torch._functorch.pyfunctorch import retrieve_all_functorch_interpreters
 

@@ -25,8 +25,6 @@ from torch import Tensor, nn
 from torch.func import functional_call, grad_and_value
 from torch.utils.checkpoint import checkpoint as torch_checkpoint
 
-from metalearn.functional import transforms_active
-
 __all__ = ["LearningRate", "NonFiniteLossError", "adapt", "adapt_with_losses", "lr_for"]
 
 LossFn = Callable[[Tensor, Tensor], Tensor]
@@ -181,29 +179,10 @@ def _step(
         adapted_in = {k: v.detach() for k, v in adapted.items()}
         grads, loss = grad_and_value(support_loss)(adapted_in, rest)
         grads = {k: g.detach() for k, g in grads.items()}
-    elif _plain_autograd(adapted):
-        # Same gradient; autograd.grad(create_graph=True) skips functorch's wrapping, a few
-        # percent of a loop-path meta-step (scripts/bench_maml.py).
-        loss = support_loss(adapted, rest)
-        found = torch.autograd.grad(
-            loss, list(adapted.values()), create_graph=True, allow_unused=True
-        )
-        grads = {
-            k: torch.zeros_like(v) if g is None else g for (k, v), g in zip(adapted.items(), found)
-        }
     else:
         grads, loss = grad_and_value(support_loss)(adapted, rest)
     new = {k: adapted[k] - lr_for(lr, k, step) * grads[k] for k in adapted}
     return new, loss
-
-
-def _plain_autograd(adapted: Mapping[str, Tensor]) -> bool:
-    """Whether autograd alone can take this step's gradient (no transform, graph tracked)."""
-    return (
-        torch.is_grad_enabled()
-        and all(v.requires_grad for v in adapted.values())
-        and not transforms_active()
-    )
 
 
 def _checkpointed_step(
