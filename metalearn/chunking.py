@@ -34,16 +34,20 @@ from metalearn.outer import (
     vmap_blockers,
 )
 
-__all__ = ["AUTO_CHUNK", "ChunkSize", "meta_backward", "plan_chunks"]
+__all__ = ["AUTO_CHUNK_EXAMPLES", "ChunkSize", "meta_backward", "plan_chunks"]
 
 ChunkSize = int | Literal["auto"] | None
 """Tasks per chunk: an int, ``"auto"`` (by workload) or None (the whole meta-batch)."""
 
-# Measured on 2 CPU cores, conv4, 5-way 1-shot, 32 tasks, second order (scripts/bench_maml.py):
-# see README "The auto rule". Per device: (max tasks per vmapped chunk, max examples in it).
-# On a GPU the loop is launch-bound and memory is the only reason to chunk; the CUDA numbers
-# are a guess until measured there.
-AUTO_CHUNK = {"cpu": (8, 320), "cuda": (1024, 65536)}
+# Examples (support + query, summed over tasks) per vmapped chunk, by device. Measured on 2
+# CPU cores, conv4, 5-way 1-shot, 32 tasks, median ms with 2 threads (1 thread in brackets):
+#   10 examples/task, 2nd order: chunks of 16 tasks 194 (276), 8 229 (291), 32 207 (302)
+#   30 examples/task, 2nd order: 8 tasks 376 (544), 16 434 (644), 32 549 (904)
+#   80 examples/task, 2nd order: 4 tasks 737 (1195), 8 830 (1477), loop 799-828 (1149-1189)
+#   10 / 80 examples/task, 1st order: 32 tasks 90 vs 16 97; 4 tasks 629 vs loop 596-635.
+# A 256-example chunk lands on or next to the best everywhere. On a GPU the loop is
+# launch-bound and only memory argues for chunks: the CUDA figure is a guess until measured.
+AUTO_CHUNK_EXAMPLES = {"cpu": 256, "cuda": 65536}
 
 
 def plan_chunks(
@@ -57,9 +61,11 @@ def plan_chunks(
 
     The ``"auto"`` rule: when the meta-batch must run in the loop (``vectorize="loop"``, or
     `metalearn.outer.choose_vectorize`'s blockers such as early stopping), one task per chunk,
-    so each task's graph is freed after its backward. Otherwise chunks of at most
-    ``AUTO_CHUNK[device]`` tasks and examples (support + query, per chunk); a task larger
-    than the example limit runs alone (in the loop).
+    so each task's graph is freed after its backward. Otherwise vmapped chunks of about
+    ``AUTO_CHUNK_EXAMPLES[device]`` examples (support + query): with ``E`` examples in the
+    meta-batch's ``T`` tasks, ``ceil(T / ceil(E / limit))`` tasks per chunk. On CPU, 32 tasks
+    of 10 examples make 2 chunks of 16, of 30 examples 4 of 8, of 80 examples 8 of 4; a task
+    larger than the limit runs alone (in the loop).
 
     Args:
         model: the network (for the vmap blockers).
@@ -91,9 +97,10 @@ def _auto_chunk_size(
     if vectorize == "vmap":
         choose_vectorize(model, tasks, inner, "vmap")  # raise early if vmap cannot be right
     device = tasks[0].support[0].device.type
-    max_tasks, max_examples = AUTO_CHUNK.get(device, AUTO_CHUNK["cpu"])
-    per_task = max(t.support[0].shape[0] + t.query[0].shape[0] for t in tasks)
-    return max(1, min(max_tasks, max_examples // per_task))
+    limit = AUTO_CHUNK_EXAMPLES.get(device, AUTO_CHUNK_EXAMPLES["cpu"])
+    total = sum(t.support[0].shape[0] + t.query[0].shape[0] for t in tasks)
+    n_chunks = -(-total // limit)  # ceil
+    return max(1, -(-len(tasks) // n_chunks))
 
 
 def meta_backward(

@@ -13,7 +13,7 @@ import torch
 from torch import Tensor
 
 from metalearn.algorithms import MAML, MAMLpp, MetaLearner, MetaSGD
-from metalearn.chunking import AUTO_CHUNK, meta_backward, plan_chunks
+from metalearn.chunking import AUTO_CHUNK_EXAMPLES, meta_backward, plan_chunks
 from metalearn.models import MLP, Conv4
 from metalearn.outer import AllTasksSkippedError, InnerLoop, Task
 
@@ -121,12 +121,17 @@ def test_plan_chunks_rule() -> None:
     torch.manual_seed(0)
     model = MLP(4, [5], 3).to(F64)
     inner = InnerLoop()
-    max_tasks, max_examples = AUTO_CHUNK["cpu"]
-    small = [_vector_task(i, per_task=10) for i in range(32)]
-    assert [len(c) for c in plan_chunks(model, small, inner)] == [max_tasks] * (32 // max_tasks)
-    big = [_vector_task(i, per_task=80) for i in range(10)]  # 320 // 80 = 4 tasks per chunk
-    assert [len(c) for c in plan_chunks(model, big, inner)] == [4, 4, 2]
-    huge = [_vector_task(i, per_task=max_examples + 2) for i in range(3)]
+    limit = AUTO_CHUNK_EXAMPLES["cpu"]
+    small = [_vector_task(i, per_task=10) for i in range(32)]  # 320 examples: 2 chunks of 16
+    assert [len(c) for c in plan_chunks(model, small, inner)] == [16, 16]
+    mid = [_vector_task(i, per_task=30) for i in range(32)]  # 960: 4 chunks of 8
+    assert [len(c) for c in plan_chunks(model, mid, inner)] == [8] * 4
+    big = [_vector_task(i, per_task=80) for i in range(32)]  # 2560: 10 chunks' worth -> 4 each
+    assert [len(c) for c in plan_chunks(model, big, inner)] == [4] * 8
+    assert [len(c) for c in plan_chunks(model, big[:10], inner)] == [3, 3, 3, 1]  # 800: 4 -> 3
+    few = [_vector_task(i, per_task=10) for i in range(5)]
+    assert plan_chunks(model, few, inner) == [range(5)]
+    huge = [_vector_task(i, per_task=limit + 2) for i in range(3)]
     assert [len(c) for c in plan_chunks(model, huge, inner)] == [1, 1, 1]
     assert [len(c) for c in plan_chunks(model, small, inner, "loop")] == [1] * 32
     stopping = [*small[:3], _vector_task(9, stop=lambda step, loss: False)]
