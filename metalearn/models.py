@@ -86,7 +86,9 @@ def batch_norm(x: Tensor, weight: Tensor, bias: Tensor, eps: float = 1e-5) -> Te
             f"({channels},) to match the input's channel dimension (dim 1 of {tuple(x.shape)})"
         )
     # The fused kernel refuses one value per channel (the elementary form gives bias there).
-    if _FUSED_NORM.get() and x.numel() > channels and not transforms_active():
+    # transforms_active() first: it is True under torch.compile, whose dynamo cannot trace
+    # the ContextVar read.
+    if not transforms_active() and x.numel() > channels and _FUSED_NORM.get():
         return F.batch_norm(x, None, None, weight, bias, training=True, eps=eps)
     dims = (0, *range(2, x.dim()))
     shape = (1, channels) + (1,) * (x.dim() - 2)

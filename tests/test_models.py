@@ -295,3 +295,12 @@ def test_loop_path_uses_the_fused_kernel_and_agrees_with_vmap() -> None:
     # Checkpointing replays the forward in the backward pass: it keeps the elementary form.
     ckpt = meta_batch(model, theta, tasks, InnerLoop(steps=2, checkpoint=True), vectorize="loop")
     torch.testing.assert_close(ckpt.loss, looped.loss, rtol=0, atol=1e-12)
+
+
+def test_batch_norm_compiles_without_graph_breaks() -> None:
+    # fullgraph=True raises on any graph break (the fused-kernel switch once caused one).
+    x = torch.randn(4, 3, 5, 5)
+    w, b = torch.ones(3), torch.zeros(3)
+    compiled = torch.compile(batch_norm, backend="eager", fullgraph=True)
+    with fused_norm():
+        torch.testing.assert_close(compiled(x, w, b), batch_norm(x, w, b))
