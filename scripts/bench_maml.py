@@ -238,7 +238,13 @@ def compiled_gradient(model: nn.Module, setting: Setting) -> MetaGradient:
     The whole meta-loss, inner gradient included, is one compiled graph; AOTAutograd
     derives its backward. The first call compiles (minutes on 2 cores): keep ``--warmup``.
     """
-    inner = InnerLoop(steps=1, lr=INNER_LR, first_order=setting.first_order)
+    return compiled_meta_gradient(
+        model, InnerLoop(steps=1, lr=INNER_LR, first_order=setting.first_order)
+    )
+
+
+def compiled_meta_gradient(model: nn.Module, inner: InnerLoop) -> MetaGradient:
+    """The vmapped mean of `task_loss` over a meta-batch, compiled whole; fills ``.grad``."""
 
     def meta_loss(params: dict[str, Tensor], *stacked: Tensor) -> Tensor:
         def one(xs: Tensor, ys: Tensor, xq: Tensor, yq: Tensor) -> Tensor:
@@ -382,12 +388,17 @@ def memory_in_subprocess(method: str, setting: Setting, args: BenchArgs) -> floa
         "--tasks", str(args.tasks), "--baseline-norm", args.baseline_norm,
         "--threads", str(args.threads), "--seed", str(args.seed),
     ]  # fmt: skip
+    return run_memory_probe(cmd, f"{method} {setting.name}")
+
+
+def run_memory_probe(cmd: list[str], label: str) -> float | None:
+    """Run a ``--probe-memory`` command in a fresh process; its peak MB, or None (said why)."""
     # A fixed mmap threshold stops glibc from keeping freed tensors in its heap, so RSS
     # follows the live memory and a warmed-up step cannot hide its peak in reused pages.
     env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536", "MALLOC_TRIM_THRESHOLD_": "0"}
     out = subprocess.run(cmd, capture_output=True, text=True, env=env)
     if out.returncode != 0:
-        print(f"memory probe of {method} {setting.name} failed:\n{out.stderr[-2000:]}")
+        print(f"memory probe of {label} failed:\n{out.stderr[-2000:]}")
         return None
     return json.loads(out.stdout.strip().splitlines()[-1])["peak_mb"]
 

@@ -28,12 +28,12 @@ from bench_maml import (
     OUTER_LR,
     MetaStep,
     Setting,
+    compiled_meta_gradient,
     make_model,
     make_tasks,
     max_relative_difference,
 )
 from torch import Tensor, nn
-from torch.func import vmap
 
 from metalearn.algorithms import MAML
 from metalearn.outer import InnerLoop, Task, task_loss
@@ -82,20 +82,7 @@ class Workload:
 
 def compiled_vmap(model: nn.Module, inner: InnerLoop) -> MetaGradient:
     """The vmapped meta-loss under ``torch.compile``: one graph, inner gradients included."""
-
-    def meta_loss(params: dict[str, Tensor], *stacked: Tensor) -> Tensor:
-        def one(xs: Tensor, ys: Tensor, xq: Tensor, yq: Tensor) -> Tensor:
-            return task_loss(model, params, (xs, ys), (xq, yq), inner).loss
-
-        return vmap(one)(*stacked).mean()
-
-    compiled = torch.compile(meta_loss)
-
-    def run(tasks: Sequence[Task]) -> None:
-        stacked = [torch.stack(column) for column in zip(*((*t.support, *t.query) for t in tasks))]
-        compiled(dict(model.named_parameters()), *stacked).backward()
-
-    return run
+    return compiled_meta_gradient(model, inner)
 
 
 def compiled_loop(model: nn.Module, inner: InnerLoop) -> MetaGradient:

@@ -13,15 +13,14 @@ against the eager loop's in float64, ``max|g - ref| / max|ref|``.
 from __future__ import annotations
 
 import gc
-import json
 import os
 import re
-import subprocess
 import sys
 import time
 
 import torch
 import torch._dynamo
+from bench_maml import run_memory_probe
 
 from claims.common import Config, median_ms, print_table, progress, time_interleaved
 from claims.metastep import (
@@ -62,12 +61,7 @@ def memory_in_subprocess(method: str, work: Workload) -> float | None:
         sys.executable, script, "--probe-memory", f"{method}:{work.steps}",
         "--tasks", str(work.tasks), "--hidden", str(work.hidden),
     ]  # fmt: skip
-    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536", "MALLOC_TRIM_THRESHOLD_": "0"}
-    out = subprocess.run(cmd, capture_output=True, text=True, env=env)
-    if out.returncode != 0:
-        print(f"memory probe of {method} at {work.steps} steps failed:\n{out.stderr[-2000:]}")
-        return None
-    return json.loads(out.stdout.strip().splitlines()[-1])["peak_mb"]
+    return run_memory_probe(cmd, f"{method} at {work.steps} steps")
 
 
 def first_calls(
