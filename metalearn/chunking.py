@@ -34,7 +34,13 @@ from metalearn.outer import (
     vmap_blockers,
 )
 
-__all__ = ["AUTO_CHUNK_EXAMPLES", "ChunkSize", "meta_backward", "plan_chunks"]
+__all__ = [
+    "AUTO_CHUNK_EXAMPLES",
+    "AUTO_CHUNK_EXAMPLES_FIRST_ORDER",
+    "ChunkSize",
+    "meta_backward",
+    "plan_chunks",
+]
 
 ChunkSize = int | Literal["auto"] | None
 """Tasks per chunk: an int, ``"auto"`` (by workload) or None (the whole meta-batch)."""
@@ -45,9 +51,11 @@ ChunkSize = int | Literal["auto"] | None
 #   30 examples/task, 2nd order: 8 tasks 376 (544), 16 434 (644), 32 549 (904)
 #   80 examples/task, 2nd order: 4 tasks 737 (1195), 8 830 (1477), loop 799-828 (1149-1189)
 #   10 / 80 examples/task, 1st order: 32 tasks 90 vs 16 97; 4 tasks 629 vs loop 596-635.
-# A 256-example chunk lands on or next to the best everywhere. On a GPU the loop is
+# A 256-example chunk lands on or next to the best in second order; first order, cheaper per
+# example, takes 320 (one vmap of 32 x 10, chunks of 4 at 80). On a GPU the loop is
 # launch-bound and only memory argues for chunks: the CUDA figure is a guess until measured.
 AUTO_CHUNK_EXAMPLES = {"cpu": 256, "cuda": 65536}
+AUTO_CHUNK_EXAMPLES_FIRST_ORDER = {"cpu": 320, "cuda": 65536}
 
 
 def plan_chunks(
@@ -62,7 +70,8 @@ def plan_chunks(
     The ``"auto"`` rule: when the meta-batch must run in the loop (``vectorize="loop"``, or
     `metalearn.outer.choose_vectorize`'s blockers such as early stopping), one task per chunk,
     so each task's graph is freed after its backward. Otherwise vmapped chunks of about
-    ``AUTO_CHUNK_EXAMPLES[device]`` examples (support + query): with ``E`` examples in the
+    ``AUTO_CHUNK_EXAMPLES[device]`` examples (support + query; first order
+    ``AUTO_CHUNK_EXAMPLES_FIRST_ORDER``): with ``E`` examples in the
     meta-batch's ``T`` tasks, ``ceil(T / ceil(E / limit))`` tasks per chunk. On CPU, 32 tasks
     of 10 examples make 2 chunks of 16, of 30 examples 4 of 8, of 80 examples 8 of 4; a task
     larger than the limit runs alone (in the loop).
@@ -97,7 +106,8 @@ def _auto_chunk_size(
     if vectorize == "vmap":
         choose_vectorize(model, tasks, inner, "vmap")  # raise early if vmap cannot be right
     device = tasks[0].support[0].device.type
-    limit = AUTO_CHUNK_EXAMPLES.get(device, AUTO_CHUNK_EXAMPLES["cpu"])
+    limits = AUTO_CHUNK_EXAMPLES_FIRST_ORDER if inner.first_order else AUTO_CHUNK_EXAMPLES
+    limit = limits.get(device, limits["cpu"])
     total = sum(t.support[0].shape[0] + t.query[0].shape[0] for t in tasks)
     n_chunks = -(-total // limit)  # ceil
     return max(1, -(-len(tasks) // n_chunks))

@@ -131,6 +131,9 @@ def test_plan_chunks_rule() -> None:
     assert [len(c) for c in plan_chunks(model, big[:10], inner)] == [3, 3, 3, 1]  # 800: 4 -> 3
     few = [_vector_task(i, per_task=10) for i in range(5)]
     assert plan_chunks(model, few, inner) == [range(5)]
+    first = InnerLoop(first_order=True)  # first order takes bigger chunks
+    assert [len(c) for c in plan_chunks(model, small, first)] == [32]
+    assert [len(c) for c in plan_chunks(model, big, first)] == [4] * 8
     huge = [_vector_task(i, per_task=limit + 2) for i in range(3)]
     assert [len(c) for c in plan_chunks(model, huge, inner)] == [1, 1, 1]
     assert [len(c) for c in plan_chunks(model, small, inner, "loop")] == [1] * 32
