@@ -38,6 +38,7 @@ function here does nothing or returns its input, so one script serves both cases
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import dataclasses
 import hashlib
@@ -172,6 +173,13 @@ def init_from_env(
             backend, timeout=timedelta(seconds=timeout_s),
             device_id=device if backend == "nccl" else None,
         )  # fmt: skip
+        if backend == "gloo":
+            # A gloo group still alive at interpreter shutdown can abort the process
+            # ("terminate called without an active exception", pytorch#190489): its worker
+            # threads free tensors after Python is gone. Destroying it at exit, while the
+            # interpreter still runs, avoids that (measured: 8 of 15 exits aborted without a
+            # destroy). Destroying a gloo group is local: no collective, no wait on peers.
+            atexit.register(cleanup)
     _INFO = DistInfo(rank, world, local_rank, device, backend, timeout_s)
     return _INFO
 
