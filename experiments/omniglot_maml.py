@@ -41,11 +41,11 @@ import torch
 from tqdm import tqdm
 
 from metalearn import distributed
-from metalearn.algorithms import ANIL, FOMAML, IMAML, MAML, MAMLpp, MetaLearner, MetaSGD, Reptile
+from metalearn.algorithms import MetaLearner
 from metalearn.checkpoint import load_checkpoint, save_checkpoint
 from metalearn.cli import parse_dataclass
 from metalearn.data import EpisodicSampler, load_omniglot, omniglot_samplers
-from metalearn.models import Conv4
+from metalearn.deploy import build_learner
 from metalearn.tracking import graceful_shutdown, init_run
 
 
@@ -132,18 +132,14 @@ PRESETS: dict[str, dict[str, Any]] = {
 
 
 def make_learner(args: Args) -> MetaLearner:
-    """The algorithm around a fresh conv4 (seeded by args.seed)."""
+    """The algorithm around a fresh conv4 (seeded by args.seed).
+
+    `metalearn.deploy.build_learner` holds the construction (iMAML with ``cg_damping=10``:
+    conv4's adapted support Hessian has eigenvalues below -lambda), so a deployed checkpoint
+    is rebuilt exactly as it was trained.
+    """
     torch.manual_seed(args.seed)
-    model = Conv4(ways=args.ways, hidden=args.hidden).to(args.device)
-    common = dict(inner_lr=args.inner_lr, inner_steps=args.inner_steps, vectorize=args.vectorize)
-    if args.algorithm == "imaml":
-        # Conv4's adapted support Hessian has eigenvalues below -lam; damping keeps CG defined.
-        return IMAML(model, inner_steps=max(args.inner_steps, 5), cg_damping=10.0,
-                     inner_lr=min(args.inner_lr, 0.1))  # fmt: skip
-    if args.algorithm == "reptile":
-        return Reptile(model, inner_lr=args.inner_lr, inner_steps=max(args.inner_steps, 5))
-    learners = {"maml": MAML, "fomaml": FOMAML, "anil": ANIL, "metasgd": MetaSGD, "mamlpp": MAMLpp}
-    return learners[args.algorithm](model, **common)
+    return build_learner(dataclasses.asdict(args)).to(args.device)
 
 
 def make_optimizer(args: Args, learner: MetaLearner) -> torch.optim.Optimizer:

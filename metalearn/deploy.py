@@ -71,9 +71,9 @@ _ARG_KEYS = ("algorithm", "ways", "hidden", "inner_lr", "inner_steps", "vectoriz
 
 
 def build_learner(args: Mapping[str, Any]) -> MetaLearner:
-    """The learner ``experiments/omniglot_maml.py``'s ``make_learner`` builds from ``args``.
+    """The learner ``experiments/omniglot_maml.py`` trains, built from its ``args``.
 
-    The same construction (kept in step with the experiment by a test), so a checkpoint's
+    The experiment's ``make_learner`` calls this (after seeding), so a checkpoint's
     ``learner`` state loads into it. Weights are freshly initialised: load a state next.
 
     Args:
@@ -89,7 +89,7 @@ def build_learner(args: Mapping[str, Any]) -> MetaLearner:
         )
     model = Conv4(ways=args["ways"], hidden=args["hidden"])
     algorithm, lr, steps = args["algorithm"], args["inner_lr"], args["inner_steps"]
-    if algorithm == "imaml":  # the experiment's settings (see its make_learner)
+    if algorithm == "imaml":  # conv4's adapted support Hessian has eigenvalues below -lambda
         return IMAML(model, inner_steps=max(steps, 5), cg_damping=10.0, inner_lr=min(lr, 0.1))
     if algorithm == "reptile":
         return Reptile(model, inner_lr=lr, inner_steps=max(steps, 5))
