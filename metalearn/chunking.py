@@ -25,6 +25,7 @@ from typing import Literal
 import torch
 from torch import Tensor, nn
 
+from metalearn.functional import accumulate_grad
 from metalearn.outer import (
     AllTasksSkippedError,
     InnerLoop,
@@ -157,10 +158,7 @@ def meta_backward(
     kept_all = len(tasks) - len(merged.skipped)
     if kept_all == 0:
         raise AllTasksSkippedError(len(tasks))
-    with torch.no_grad():
-        for name, summed in total.items():
-            p, grad = leaves[name], summed / kept_all
-            p.grad = grad if p.grad is None else p.grad + grad
+    accumulate_grad({k: leaves[k] for k in total}, {k: g / kept_all for k, g in total.items()})
     return merged
 
 

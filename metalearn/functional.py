@@ -156,3 +156,23 @@ def transforms_active() -> bool:
         return len(retrieve_all_functorch_interpreters()) > 0
     except (ImportError, AttributeError):
         return True
+
+
+def accumulate_grad(params: Mapping[str, Tensor], grads: Mapping[str, Tensor]) -> None:
+    """Add ``grads[name]`` into ``params[name].grad``, as ``loss.backward()`` would.
+
+    For algorithms whose meta-gradient is not the gradient of a loss (Reptile, iMAML).
+    Parameters that do not require grad are left alone.
+
+    Args:
+        params: theta, name -> leaf tensor (``dict(model.named_parameters())``).
+        grads: name -> tensor shaped like the parameter.
+    """
+    with torch.no_grad():
+        for name, p in params.items():
+            if not p.requires_grad:
+                continue
+            if p.grad is None:
+                p.grad = grads[name].detach().clone()
+            else:
+                p.grad.add_(grads[name])

@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from metalearn.chunking import ChunkSize, meta_backward, plan_chunks
+from metalearn.functional import accumulate_grad
 from metalearn.inner import LearningRate, LossFn, adapt
 from metalearn.outer import InnerLoop, MetaBatch, Task, Vectorize, meta_batch
 
@@ -193,26 +194,6 @@ def _detached(tree: Mapping | Sequence | Tensor | float) -> Mapping | Sequence |
     if isinstance(tree, (list, tuple)):
         return type(tree)(_detached(v) for v in tree)
     return tree
-
-
-def accumulate_grad(params: Mapping[str, Tensor], grads: Mapping[str, Tensor]) -> None:
-    """Add ``grads[name]`` into ``params[name].grad``, as ``loss.backward()`` would.
-
-    For algorithms whose meta-gradient is not the gradient of a loss (Reptile, iMAML).
-    Parameters that do not require grad are left alone.
-
-    Args:
-        params: theta, name -> leaf tensor (``dict(model.named_parameters())``).
-        grads: name -> tensor shaped like the parameter.
-    """
-    with torch.no_grad():
-        for name, p in params.items():
-            if not p.requires_grad:
-                continue
-            if p.grad is None:
-                p.grad = grads[name].detach().clone()
-            else:
-                p.grad.add_(grads[name])
 
 
 def check_loop_only(learner: MetaLearner, name: str) -> None:
