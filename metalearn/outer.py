@@ -192,9 +192,10 @@ def choose_vectorize(
 
     The ``"auto"`` rule: the loop when any task needs data-dependent control flow (an early
     stop rule), when checkpointing is on, when the model holds a fused batch-norm or affine
-    layer-norm module (its vmapped second derivative is wrong), or when a task holds more
-    when the meta-batch holds more examples in all (support + query, summed over tasks) than
-    `AUTO_VMAP_MAX_EXAMPLES` for the device; vmap otherwise.
+    layer-norm module (its vmapped second derivative is wrong), or when the meta-batch holds
+    more examples in all (support + query, summed over tasks) than `AUTO_VMAP_MAX_EXAMPLES`
+    for the device; vmap otherwise. `MetaLearner` first splits a meta-batch into chunks
+    (`metalearn.chunking.plan_chunks`), each well under that limit.
     """
     if vectorize not in ("vmap", "loop", "auto"):
         raise ValueError(f"vectorize must be 'vmap', 'loop' or 'auto', got {vectorize!r}")
