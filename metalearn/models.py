@@ -37,11 +37,12 @@ def fused_norm(enabled: bool = True) -> Iterator[None]:
 
     Same maths. Only its vmapped second derivative is wrong, so `batch_norm` takes the
     elementary path whenever a ``torch.func`` transform is active (and under
-    ``torch.compile``). The engine's loop path turns this on around each task: the inner
-    support losses run under ``torch.func.grad`` (elementary, differentiated twice), the
-    query loss outside it (fused, differentiated once). That made a conv4 loop meta-step
-    10-16% faster (scripts/bench_maml.py), and its float32 meta-gradient stayed as close to
-    float64 as vmap's on the two workloads checked. Not on by default: differentiated
+    ``torch.compile``). The engine's loop path turns this on around each task; its inner
+    step keeps the elementary form for second-order support losses (differentiated twice)
+    and the query loss takes the fused kernel (differentiated once). That made a conv4
+    loop meta-step 10-16% faster (scripts/bench_maml.py), and its float32 meta-gradient
+    stayed as close to float64 as vmap's on the two workloads checked. Not on by default:
+    differentiated
     *twice* in float32 (``torch.autograd.grad(create_graph=True)`` through the fused kernel,
     learn2learn's path), one workload's meta-gradient was 2e-4 off float64 against 2e-6 for
     the elementary form; and HVPs by double backward through it were slower (bench_hvp: 113

@@ -21,9 +21,10 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
+import metalearn.inner as inner_module
 from metalearn.algorithms.maml import ANIL
 from metalearn.inner import NonFiniteLossError, adapt, adapt_with_losses
-from metalearn.models import MLP, Conv4
+from metalearn.models import MLP, Conv4, fused_norm
 from metalearn.outer import InnerLoop, Task, meta_batch
 
 F64 = torch.float64
@@ -209,6 +210,69 @@ def test_learnable_learning_rates_receive_the_finite_difference_gradient() -> No
     fd = _fd_grad(objective, rates)
     assert all(grads[k].abs().max() > 1e-4 for k in ("scalar", "step0", "step1"))
     assert _max_err(grads, fd) < 1e-9
+
+
+# ------------------------------------------------------------------------ two inner gradients
+
+
+@pytest.mark.parametrize("first_order", [False, True])
+@pytest.mark.parametrize("fused", [False, True])
+def test_autograd_inner_step_equals_the_torch_func_step(
+    first_order: bool, fused: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Outside transforms the inner gradient comes from torch.autograd.grad; under them from
+    torch.func.grad. Same values, fast weights and meta-gradients, learnable rates included
+    (Meta-SGD's elementwise ones), with batch norm, an ANIL-style subset and a parameter the
+    support loss never reaches."""
+    torch.manual_seed(0)
+    model = Conv4(ways=3, hidden=3).to(F64)
+    theta = _theta(model)
+    theta["unused"] = torch.randn(2, dtype=F64, requires_grad=True)
+    g = torch.Generator().manual_seed(3)
+    lr = {k: (0.2 * torch.rand(v.shape, generator=g, dtype=F64)).requires_grad_()
+          for k, v in theta.items() if not k.startswith("features.0")}  # fmt: skip
+    support, query = _conv_task(1, n=6)
+    leaves = [*theta.values(), *lr.values()]
+
+    def run() -> tuple[Params, Tensor, tuple[Tensor | None, ...]]:
+        with fused_norm(fused):
+            fast, losses = adapt_with_losses(
+                model, theta, support, steps=2, lr=lr, first_order=first_order
+            )
+            params = {k: v for k, v in fast.items() if k != "unused"}
+            loss = F.cross_entropy(functional_call(model, params, (query[0],)), query[1])
+        return fast, losses, torch.autograd.grad(loss, leaves, allow_unused=True)
+
+    fast_ag, losses_ag, grads_ag = run()
+    monkeypatch.setattr(inner_module, "transforms_active", lambda: True)
+    fast_fn, losses_fn, grads_fn = run()
+    torch.testing.assert_close(losses_ag, losses_fn, rtol=0, atol=1e-12)
+    for k in theta:
+        torch.testing.assert_close(fast_ag[k], fast_fn[k], rtol=0, atol=1e-12)
+    assert fast_ag["unused"] is not theta["unused"]  # adapted by a zero gradient, as vmap does
+    for a, b in zip(grads_ag, grads_fn):
+        assert (a is None) == (b is None)
+        if a is not None:
+            torch.testing.assert_close(a, b, rtol=0, atol=1e-12)
+    # Not vacuous: the first layer (not adapted) and the head's rate get real gradients.
+    named = dict(zip([*theta, *(f"lr.{k}" for k in lr)], grads_ag))
+    assert all(named[k].abs().max() > 1e-6 for k in ("features.0.conv.weight", "lr.head.weight"))
+
+
+def test_autograd_inner_step_under_no_grad_builds_no_graph() -> None:
+    """evaluate() adapts under no_grad: the inner gradient still flows, nothing else does."""
+    torch.manual_seed(0)
+    model = Conv4(ways=3, hidden=3).to(F64)
+    theta = _theta(model)
+    support, _ = _conv_task(1, n=6)
+    with torch.no_grad():
+        fast = adapt(model, theta, support, steps=2, lr=0.3)
+    expected = adapt(model, {k: v.detach() for k, v in theta.items()}, support, steps=2, lr=0.3,
+                     first_order=True)  # fmt: skip
+    for k in theta:
+        assert fast[k].grad_fn is None and not fast[k].requires_grad
+        torch.testing.assert_close(fast[k], expected[k], rtol=0, atol=1e-12)
+        assert not torch.equal(fast[k], theta[k])
 
 
 # --------------------------------------------------------------------------- checkpointing
