@@ -40,7 +40,7 @@ from typing import Any, Literal
 import torch
 from tqdm import tqdm
 
-from metalearn import distributed
+from metalearn import distributed, tune_malloc
 from metalearn.algorithms import MetaLearner
 from metalearn.checkpoint import load_checkpoint, save_checkpoint
 from metalearn.cli import parse_dataclass
@@ -112,6 +112,10 @@ class Args:
     threads: int = 1
     """Torch CPU threads (0: torch's default). 1 is robust on small shared machines: with
     other load, 2 threads made tiny per-task ops up to 7x slower here."""
+    tune_malloc: bool = True
+    """Keep freed memory for reuse (`metalearn.tune_malloc`, glibc only): a meta-step's
+    large activations stop costing page faults; resident memory stays near its peak.
+    --no-tune-malloc keeps malloc's defaults."""
     dist_timeout: float = 600.0
     """Under torchrun: seconds a rank waits for the others in a collective before the job
     fails, so a stalled rank ends the job (then --resume) instead of hanging it."""
@@ -323,6 +327,8 @@ def main(args: Args) -> dict[str, float]:
     """Meta-train, test the best-validation weights, log everything; returns the results."""
     if args.threads > 0:
         torch.set_num_threads(args.threads)
+    if args.tune_malloc:
+        tune_malloc()
     dist = distributed.init_from_env(device=args.device, timeout_s=args.dist_timeout)
     try:
         return _main(dataclasses.replace(args, device=str(dist.device)) if dist.distributed

@@ -3,8 +3,11 @@
 The second-order core (`metalearn.second_order`) is re-exported here::
 
     from metalearn import hvp, hessian, conjugate_gradient, top_eigenvalues, hessian_trace
+
+and `tune_malloc` (`metalearn.allocator`), which makes glibc keep freed memory for reuse.
 """
 
+from metalearn.allocator import MallocTuning, tune_malloc
 from metalearn.autograd import (
     clip_grad,
     safe_cross_entropy,
@@ -47,4 +50,6 @@ __all__ = [
     "anomaly_guard",
     "check_consistent",
     "check_function",
+    "MallocTuning",
+    "tune_malloc",
 ]
