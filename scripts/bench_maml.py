@@ -56,6 +56,7 @@ import importlib.util
 import json
 import os
 import re
+import resource
 import statistics
 import subprocess
 import sys
@@ -69,6 +70,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.func import vmap
 
+from metalearn import tune_malloc
 from metalearn.algorithms import FOMAML, MAML
 from metalearn.chunking import ChunkSize, plan_chunks
 from metalearn.models import Conv4
@@ -141,6 +143,10 @@ class BenchArgs:
     the same as wall on a quiet one with one thread; counts every thread's spinning too)."""
     seed: int = 0
     """Seed of the initial weights and the random tasks."""
+    malloc: Literal["tuned", "default"] = "tuned"
+    """``tuned``: `metalearn.tune_malloc` before timing, as the experiments do (process-wide,
+    so every method, baselines included, runs on it); ``default``: glibc's own thresholds,
+    under which large freed tensors go back to the kernel and cost page faults next step."""
     profile: str = ""
     """``METHOD:SETTING``: print the top ops of that meta-step (torch.profiler) and exit."""
     probe_memory: str = ""
@@ -321,23 +327,38 @@ def available(methods: Sequence[str]) -> list[str]:
 # ---------------------------------------------------------------------------- measurements
 
 
-def time_methods(
-    methods: Sequence[str], setting: Setting, args: BenchArgs
-) -> tuple[dict[str, list[float]], str]:
-    """Seconds per meta-step for each method, interleaved round-robin; and what auto runs."""
+@dataclass
+class Timings:
+    """One setting's timed meta-steps."""
+
+    seconds: dict[str, list[float]]
+    """Per method, one entry per timed repeat."""
+    faults: dict[str, list[int]]
+    """Per method, the process's minor page faults during each timed step (getrusage)."""
+    auto_plan: str
+    """What ``auto`` ran (see `auto_plan`)."""
+
+
+def time_methods(methods: Sequence[str], setting: Setting, args: BenchArgs) -> Timings:
+    """Seconds and page faults per meta-step for each method, interleaved round-robin."""
     tasks = make_tasks(setting, args.tasks, torch.float32, args.seed)
     steps = {m: make_step(m, setting, torch.float32, args) for m in methods}
     times: dict[str, list[float]] = {m: [] for m in methods}
+    faults: dict[str, list[int]] = {m: [] for m in methods}
     clock = time.process_time if args.clock == "cpu" else time.perf_counter
     for r in range(args.warmup + args.repeats):
         order = list(methods[r % len(methods) :]) + list(methods[: r % len(methods)])
         for method in order:
             gc.collect()
+            faults_before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
             start = clock()
             steps[method](tasks)
             if r >= args.warmup:
                 times[method].append(clock() - start)
-    return times, auto_plan(tasks, setting, args)
+                faults[method].append(
+                    resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults_before
+                )
+    return Timings(times, faults, auto_plan(tasks, setting, args))
 
 
 def auto_plan(tasks: Sequence[Task], setting: Setting, args: BenchArgs) -> str:
@@ -444,6 +465,8 @@ def main(args: BenchArgs) -> str:
         method, name = args.probe_memory.split(":")
         print(json.dumps({"peak_mb": probe_memory(method, parse_setting(name), args)}))
         return ""
+    # Not in the memory probe above: it pins its own thresholds so RSS follows live memory.
+    malloc = tune_malloc().reason if args.malloc == "tuned" else "glibc defaults"
     if args.profile:
         method, name = args.profile.split(":")
         profile_step(method, parse_setting(name), args)
@@ -454,7 +477,8 @@ def main(args: BenchArgs) -> str:
         f"1 inner step, inner lr {INNER_LR}\n\ntorch {torch.__version__}, "
         f"{torch.get_num_threads()} threads, {os.cpu_count()} CPUs, load average "
         f"{os.getloadavg()[0]:.1f}; baselines' batch norm: {args.baseline_norm}; "
-        f"{args.repeats} repeats after {args.warmup} warm-up, interleaved; {args.clock} clock\n"
+        f"{args.repeats} repeats after {args.warmup} warm-up, interleaved; {args.clock} clock; "
+        f"malloc: {malloc}\n"
     )
     medians = report_times(methods, settings, args)
     if args.memory:
@@ -470,20 +494,23 @@ def report_times(
     methods: Sequence[str], settings: dict[str, Setting], args: BenchArgs
 ) -> dict[str, dict[str, float]]:
     medians: dict[str, dict[str, float]] = {}
-    rows = []
+    rows, fault_rows = [], []
     for name, setting in settings.items():
-        times, auto_mode = time_methods(methods, setting, args)
-        medians[name] = {m: statistics.median(t) for m, t in times.items()}
+        timed = time_methods(methods, setting, args)
+        medians[name] = {m: statistics.median(t) for m, t in timed.seconds.items()}
         cells = [f"{1e3 * medians[name][m]:.0f}" for m in methods]
         ratio = "-"
         if "auto" in methods and "learn2learn" in methods:
             ratio = f"{medians[name]['learn2learn'] / medians[name]['auto']:.2f}x"
-        rows.append([name, *cells, auto_mode, ratio])
+        rows.append([name, *cells, timed.auto_plan, ratio])
+        fault_rows.append([name, *(f"{statistics.median(timed.faults[m]):.0f}" for m in methods)])
         print(
             f"timed {name}: " + ", ".join(f"{m} {c} ms" for m, c in zip(methods, cells)), flush=True
         )
     print(f"\n## Meta-step time, median ms ({args.clock} clock)\n")
     print(markdown_table(["setting", *methods, "auto ran", "learn2learn / auto"], rows) + "\n")
+    print(f"## Minor page faults per meta-step, median (malloc: {args.malloc})\n")
+    print(markdown_table(["setting", *methods], fault_rows) + "\n")
     return medians
 
 
@@ -527,6 +554,7 @@ def parse_args(argv: Sequence[str] | None = None) -> BenchArgs:
     p.add_argument("--threads", type=int, default=defaults.threads)
     p.add_argument("--clock", choices=("wall", "cpu"), default=defaults.clock)
     p.add_argument("--seed", type=int, default=defaults.seed)
+    p.add_argument("--malloc", choices=("tuned", "default"), default=defaults.malloc)
     p.add_argument("--profile", default="", metavar="METHOD:SETTING")
     p.add_argument("--probe-memory", default="", help=argparse.SUPPRESS)
     ns = p.parse_args(argv)
@@ -534,7 +562,7 @@ def parse_args(argv: Sequence[str] | None = None) -> BenchArgs:
         repeats=ns.repeats, warmup=ns.warmup, settings=ns.settings.split(","),
         methods=ns.methods.split(","), tasks=ns.tasks, float64_check=ns.float64_check,
         memory=ns.memory, baseline_norm=ns.baseline_norm, threads=ns.threads, clock=ns.clock,
-        seed=ns.seed,
+        seed=ns.seed, malloc=ns.malloc,
         profile=ns.profile, probe_memory=ns.probe_memory,
     )  # fmt: skip
     if ns.quick:
