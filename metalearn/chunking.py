@@ -37,7 +37,6 @@ from metalearn.outer import (
 
 __all__ = [
     "AUTO_CHUNK_EXAMPLES",
-    "AUTO_CHUNK_EXAMPLES_FIRST_ORDER",
     "ChunkSize",
     "meta_backward",
     "plan_chunks",
@@ -47,16 +46,19 @@ ChunkSize = int | Literal["auto"] | None
 """Tasks per chunk: an int, ``"auto"`` (by workload) or None (the whole meta-batch)."""
 
 # Examples (support + query, summed over tasks) per vmapped chunk, by device. Measured on 2
-# CPU cores, conv4, 5-way 1-shot, 32 tasks, median ms with 2 threads (1 thread in brackets):
-#   10 examples/task, 2nd order: chunks of 16 tasks 194 (276), 8 229 (291), 32 207 (302)
-#   30 examples/task, 2nd order: 8 tasks 376 (544), 16 434 (644), 32 549 (904)
-#   80 examples/task, 2nd order: 4 tasks 737 (1195), 8 830 (1477), loop 799-828 (1149-1189)
-#   10 / 80 examples/task, 1st order: 32 tasks 90 vs 16 97; 4 tasks 629 vs loop 596-635.
-# A 256-example chunk lands on or next to the best in second order; first order, cheaper per
-# example, takes 320 (one vmap of 32 x 10, chunks of 4 at 80). On a GPU the loop is
-# launch-bound and only memory argues for chunks: the CUDA figure is a guess until measured.
-AUTO_CHUNK_EXAMPLES = {"cpu": 256, "cuda": 65536}
-AUTO_CHUNK_EXAMPLES_FIRST_ORDER = {"cpu": 320, "cuda": 65536}
+# CPU cores, conv4, 5-way 1-shot, 32 tasks, 2 threads, malloc tuned (`metalearn.tune_malloc`),
+# median ms of a meta-step by tasks per chunk (learn2learn in the same run):
+#   10 examples/task, 2nd order: 32 tasks 166, 16 184, 8 217, loop 479 (l2l 457)
+#   30 examples/task, 2nd order: 16 tasks 302, 8 331, 32 448, loop 480 (l2l 464)
+#   80 examples/task, 2nd order: 8 tasks 649, 4 690, 16 823, loop 866 (l2l 842)
+#   10 / 30 / 80 examples/task, 1st order: 32 tasks 81; 16 222 = 8 222; 4 597, 8 598,
+#   loop 589 (l2l 167 / 260 / 561)
+# 480 examples gives 1 chunk of 32, 2 of 16 and 6 of 6: on or next to the best of each row.
+# With glibc's default malloc the best chunks were about half as big (its page faults grow
+# with the chunk): 256 was the limit then, and 480 costs up to ~10% there (README).
+# On a GPU the loop is launch-bound and only memory argues for chunks: the CUDA figure is a
+# guess until measured.
+AUTO_CHUNK_EXAMPLES = {"cpu": 480, "cuda": 65536}
 
 
 def plan_chunks(
@@ -71,11 +73,10 @@ def plan_chunks(
     The ``"auto"`` rule: when the meta-batch must run in the loop (``vectorize="loop"``, or
     `metalearn.outer.choose_vectorize`'s blockers such as early stopping), one task per chunk,
     so each task's graph is freed after its backward. Otherwise vmapped chunks of about
-    ``AUTO_CHUNK_EXAMPLES[device]`` examples (support + query; first order
-    ``AUTO_CHUNK_EXAMPLES_FIRST_ORDER``): with ``E`` examples in the
+    ``AUTO_CHUNK_EXAMPLES[device]`` examples (support + query): with ``E`` examples in the
     meta-batch's ``T`` tasks, ``ceil(T / ceil(E / limit))`` tasks per chunk. On CPU, 32 tasks
-    of 10 examples make 2 chunks of 16, of 30 examples 4 of 8, of 80 examples 8 of 4; a task
-    larger than the limit runs alone (in the loop).
+    of 10 examples make 1 chunk of 32, of 30 examples 2 of 16, of 80 examples 6 of 6 (the
+    last 2); a task larger than the limit runs alone (in the loop).
 
     Args:
         model: the network (for the vmap blockers).
@@ -107,8 +108,7 @@ def _auto_chunk_size(
     if vectorize == "vmap":
         choose_vectorize(model, tasks, inner, "vmap")  # raise early if vmap cannot be right
     device = tasks[0].support[0].device.type
-    limits = AUTO_CHUNK_EXAMPLES_FIRST_ORDER if inner.first_order else AUTO_CHUNK_EXAMPLES
-    limit = limits.get(device, limits["cpu"])
+    limit = AUTO_CHUNK_EXAMPLES.get(device, AUTO_CHUNK_EXAMPLES["cpu"])
     total = sum(t.support[0].shape[0] + t.query[0].shape[0] for t in tasks)
     n_chunks = -(-total // limit)  # ceil
     return max(1, -(-len(tasks) // n_chunks))

@@ -122,18 +122,17 @@ def test_plan_chunks_rule() -> None:
     model = MLP(4, [5], 3).to(F64)
     inner = InnerLoop()
     limit = AUTO_CHUNK_EXAMPLES["cpu"]
-    small = [_vector_task(i, per_task=10) for i in range(32)]  # 320 examples: 2 chunks of 16
-    assert [len(c) for c in plan_chunks(model, small, inner)] == [16, 16]
-    mid = [_vector_task(i, per_task=30) for i in range(32)]  # 960: 4 chunks of 8
-    assert [len(c) for c in plan_chunks(model, mid, inner)] == [8] * 4
-    big = [_vector_task(i, per_task=80) for i in range(32)]  # 2560: 10 chunks' worth -> 4 each
-    assert [len(c) for c in plan_chunks(model, big, inner)] == [4] * 8
-    assert [len(c) for c in plan_chunks(model, big[:10], inner)] == [3, 3, 3, 1]  # 800: 4 -> 3
+    small = [_vector_task(i, per_task=10) for i in range(32)]  # 320 examples: one chunk
+    assert [len(c) for c in plan_chunks(model, small, inner)] == [32]
+    mid = [_vector_task(i, per_task=30) for i in range(32)]  # 960: 2 chunks of 16
+    assert [len(c) for c in plan_chunks(model, mid, inner)] == [16, 16]
+    big = [_vector_task(i, per_task=80) for i in range(32)]  # 2560: 6 chunks' worth -> 6 each
+    assert [len(c) for c in plan_chunks(model, big, inner)] == [6] * 5 + [2]
+    assert [len(c) for c in plan_chunks(model, big[:10], inner)] == [5, 5]  # 800: 2 chunks
     few = [_vector_task(i, per_task=10) for i in range(5)]
     assert plan_chunks(model, few, inner) == [range(5)]
-    first = InnerLoop(first_order=True)  # first order takes bigger chunks
-    assert [len(c) for c in plan_chunks(model, small, first)] == [32]
-    assert [len(c) for c in plan_chunks(model, big, first)] == [4] * 8
+    first = InnerLoop(first_order=True)  # the same limit in first order
+    assert [len(c) for c in plan_chunks(model, big, first)] == [6] * 5 + [2]
     huge = [_vector_task(i, per_task=limit + 2) for i in range(3)]
     assert [len(c) for c in plan_chunks(model, huge, inner)] == [1, 1, 1]
     assert [len(c) for c in plan_chunks(model, small, inner, "loop")] == [1] * 32
