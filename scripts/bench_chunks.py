@@ -1,0 +1,115 @@
+"""Grid behind the ``auto`` chunk rule: meta-step time by tasks per vmapped chunk.
+
+What: for each workload (``q<query per class>-<first|second>``, as in ``bench_maml.py``:
+conv4, 32 tasks, 5-way 1-shot, 1 inner step) the median time of a full meta-step for vmapped
+chunks of 4, 8, 16 and 32 tasks (those within ``--max-examples``), what ``chunk_size="auto"``
+picks, the per-task loop, and learn2learn when it is installed, interleaved round-robin in
+one process. `metalearn.chunking.AUTO_CHUNK_EXAMPLES` comes from this table.
+
+Command::
+
+    .venv-baselines/bin/python scripts/bench_chunks.py                 # ~5 min on 2 cores
+    .venv/bin/python scripts/bench_chunks.py --settings q1-second --malloc default
+
+Expected (2 CPU cores, 2 threads, tuned malloc, 29 Nov 2026): the fastest chunk holds about
+320-640 examples (32 tasks of 10, 16 of 30, 8 of 80); ``auto`` lands on or next to it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import importlib.util
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+from bench_maml import (
+    MetaStep,
+    Setting,
+    learn2learn_gradient,
+    make_model,
+    make_tasks,
+    markdown_table,
+    parse_setting,
+)
+
+from metalearn import tune_malloc
+from metalearn.algorithms import FOMAML, MAML
+from metalearn.chunking import ChunkSize
+
+CHUNKS = (4, 8, 16, 32)
+DEFAULT_SETTINGS = "q1-second,q1-first,q5-second,q5-first,q15-second,q15-first"
+"""bench_maml's four workloads and the default Omniglot run's (5 query per class)."""
+
+
+def make_steps(setting: Setting, max_examples: int) -> dict[str, Callable[[list], None]]:
+    """One meta-step per configuration, each on its own copy of the same network."""
+    per_task = 5 * (1 + setting.query)
+    configs: dict[str, tuple[str, ChunkSize]] = {
+        f"chunks of {c}": ("vmap", c) for c in CHUNKS if c * per_task <= max_examples
+    }
+    configs |= {"auto": ("auto", "auto"), "loop": ("loop", 1)}
+    steps = {}
+    for name, (vectorize, chunk) in configs.items():
+        model = make_model(torch.float32, seed=0)
+        learner = (FOMAML if setting.first_order else MAML)(
+            model, inner_lr=0.4, inner_steps=1, vectorize=vectorize, chunk_size=chunk
+        )
+        steps[name] = MetaStep(model, learner.backward, torch.optim.Adam(model.parameters()))
+    if importlib.util.find_spec("learn2learn") is not None:
+        model = make_model(torch.float32, seed=0, norm="fused")
+        gradient = learn2learn_gradient(model, setting)
+        steps["learn2learn"] = MetaStep(model, gradient, torch.optim.Adam(model.parameters()))
+    else:
+        print("learn2learn not installed: its column is skipped (scripts/install_baselines.sh)")
+    return steps
+
+
+def time_steps(steps: dict[str, Callable], tasks: list, repeats: int) -> dict[str, float]:
+    """Median seconds per step, round-robin with a rotating start, after one warm-up round."""
+    names = list(steps)
+    times: dict[str, list[float]] = {n: [] for n in names}
+    for r in range(repeats + 1):
+        for name in names[r % len(names) :] + names[: r % len(names)]:
+            gc.collect()
+            start = time.perf_counter()
+            steps[name](tasks)
+            if r:
+                times[name].append(time.perf_counter() - start)
+    return {n: statistics.median(t) for n, t in times.items()}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--settings", default=DEFAULT_SETTINGS, help="comma-separated")
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--threads", type=int, default=0, help="0: torch's default")
+    p.add_argument("--max-examples", type=int, default=1400, help="largest chunk timed")
+    p.add_argument("--malloc", choices=("tuned", "default"), default="tuned")
+    args = p.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    malloc = tune_malloc().reason if args.malloc == "tuned" else "glibc defaults"
+    print(f"# chunk grid: {torch.get_num_threads()} threads; malloc: {malloc}\n")
+    results: dict[str, dict[str, float]] = {}
+    for name in args.settings.split(","):
+        setting = parse_setting(name)
+        steps = make_steps(setting, args.max_examples)
+        tasks = make_tasks(setting, 32, torch.float32, seed=0)
+        results[name] = time_steps(steps, tasks, args.repeats)
+        print(f"{name}: " + ", ".join(f"{k} {1e3 * v:.0f}" for k, v in results[name].items()))
+    columns = list(dict.fromkeys(k for medians in results.values() for k in medians))
+    columns.sort(key=lambda k: (not k.startswith("chunks"), k.startswith("chunks") and int(k[10:])))
+    rows = [
+        [name, str(5 * (1 + parse_setting(name).query))]
+        + [f"{1e3 * medians[k]:.0f}" if k in medians else "" for k in columns]
+        for name, medians in results.items()
+    ]
+    print("\n## Meta-step time by chunk, median ms\n")
+    print(markdown_table(["setting", "examples/task", *columns], rows))
+
+
+if __name__ == "__main__":
+    main()
