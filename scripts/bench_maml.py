@@ -392,17 +392,25 @@ def _status_kb(key: str) -> int:
         return int(re.search(rf"^{key}:\s+(\d+) kB", f.read(), re.M).group(1))
 
 
-def probe_memory(method: str, setting: Setting, args: BenchArgs) -> float:
-    """Peak RSS above the starting RSS of one warmed-up meta-step, MB (this process)."""
-    tasks = make_tasks(setting, args.tasks, torch.float32, args.seed)
-    step = make_step(method, setting, torch.float32, args)
-    step(tasks)  # warm-up: Adam state, lazy initialisation
+def peak_step_mb(step: Callable[[], None]) -> float:
+    """Peak RSS above the starting RSS of ``step()`` after one warm-up call, MB (this process).
+
+    The warm-up takes Adam state, lazy initialisation and any compiling out of the peak.
+    """
+    step()
     gc.collect()
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")  # reset VmHWM to the current RSS (Linux >= 4.0)
     start = _status_kb("VmRSS")
-    step(tasks)
+    step()
     return (_status_kb("VmHWM") - start) / 1024
+
+
+def probe_memory(method: str, setting: Setting, args: BenchArgs) -> float:
+    """Peak RSS above the starting RSS of one warmed-up meta-step, MB (this process)."""
+    tasks = make_tasks(setting, args.tasks, torch.float32, args.seed)
+    step = make_step(method, setting, torch.float32, args)
+    return peak_step_mb(lambda: step(tasks))
 
 
 def memory_in_subprocess(method: str, setting: Setting, args: BenchArgs) -> float | None:

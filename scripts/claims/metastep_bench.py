@@ -14,13 +14,12 @@ from __future__ import annotations
 
 import gc
 import os
-import re
 import sys
 import time
 
 import torch
 import torch._dynamo
-from bench_maml import run_memory_probe
+from bench_maml import peak_step_mb, run_memory_probe
 
 from claims.common import Config, median_ms, print_table, progress, time_interleaved
 from claims.metastep import (
@@ -35,22 +34,11 @@ from claims.metastep import (
 __all__ = ["measure_steps", "memory_in_subprocess", "probe_memory", "run"]
 
 
-def _status_kb(key: str) -> int:
-    with open("/proc/self/status") as f:
-        return int(re.search(rf"^{key}:\s+(\d+) kB", f.read(), re.M).group(1))
-
-
 def probe_memory(method: str, work: Workload) -> float:
     """Peak RSS above the starting RSS of one warmed-up meta-step, MB (this process)."""
     tasks = work.make_tasks()
     step = make_step(method, work)
-    step(tasks)  # warm-up: compilation, Adam state, lazy initialisation
-    gc.collect()
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")  # reset VmHWM to the current RSS (Linux >= 4.0)
-    start = _status_kb("VmRSS")
-    step(tasks)
-    return (_status_kb("VmHWM") - start) / 1024
+    return peak_step_mb(lambda: step(tasks))
 
 
 def memory_in_subprocess(method: str, work: Workload) -> float | None:
