@@ -105,6 +105,7 @@ def stall(out: Path, rank: int) -> None:
     dist.barrier()  # both ranks start the clock here
     if rank == 1:
         time.sleep(TIMEOUT_S + 2)
+        (out / "rank1-woke").touch()
         return  # never joins the all_reduce; exits cleanly so only rank 0's error is seen
     start = time.monotonic()
     try:
@@ -113,6 +114,13 @@ def stall(out: Path, rank: int) -> None:
     except dist.PeerError as err:
         outcome = str(err)
     torch.save({"error": outcome, "seconds": time.monotonic() - start}, out / "stall.pt")
+    # Rank 0 leaves only after rank 1 has woken. A process whose collective timed out, exiting
+    # while its peer still holds the connection, sometimes aborts after Python has finished
+    # ("terminate called without an active exception", inside gloo's teardown; 4 of 20 runs on
+    # a loaded machine, and one CI run). Exiting after the peer: 0 of 18 on the same load.
+    deadline = time.monotonic() + 4 * TIMEOUT_S
+    while not (out / "rank1-woke").exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
 
 
 if __name__ == "__main__":
