@@ -362,6 +362,20 @@ def time_methods(methods: Sequence[str], setting: Setting, args: BenchArgs) -> T
     return Timings(times, faults, auto_plan(tasks, setting, args))
 
 
+def paired_ratios(timed: Timings, numerator: str, denominator: str) -> list[float]:
+    """``numerator / denominator`` time in each round: both ran back to back, so a slow spell
+    of the machine that spans a round cancels out of its ratio."""
+    return [a / b for a, b in zip(timed.seconds[numerator], timed.seconds[denominator])]
+
+
+def middle_half(values: Sequence[float]) -> tuple[float, float]:
+    """The first and third quartiles of ``values`` (both the value itself when only one)."""
+    if len(values) < 2:
+        return values[0], values[0]
+    q1, _, q3 = statistics.quantiles(values, n=4, method="inclusive")
+    return q1, q3
+
+
 def auto_plan(tasks: Sequence[Task], setting: Setting, args: BenchArgs) -> str:
     """What ``auto`` runs, e.g. ``"vmap, 4x8"`` (4 chunks of 8 tasks) or ``"loop, 32x1"``."""
     model = make_model(torch.float32, args.seed)
@@ -510,14 +524,21 @@ def report_times(
         cells = [f"{1e3 * medians[name][m]:.0f}" for m in methods]
         ratio = "-"
         if "auto" in methods and "learn2learn" in methods:
+            low, high = middle_half(paired_ratios(timed, "learn2learn", "auto"))
             ratio = f"{medians[name]['learn2learn'] / medians[name]['auto']:.2f}x"
+            ratio += f" ({low:.2f}-{high:.2f})"
         rows.append([name, *cells, timed.auto_plan, ratio])
         fault_rows.append([name, *(f"{statistics.median(timed.faults[m]):.0f}" for m in methods)])
         print(
             f"timed {name}: " + ", ".join(f"{m} {c} ms" for m, c in zip(methods, cells)), flush=True
         )
     print(f"\n## Meta-step time, median ms ({args.clock} clock)\n")
-    print(markdown_table(["setting", *methods, "auto ran", "learn2learn / auto"], rows) + "\n")
+    ratio_header = "learn2learn / auto (rounds' middle half)"
+    print(markdown_table(["setting", *methods, "auto ran", ratio_header], rows) + "\n")
+    print(
+        "The ratio is of the medians; in brackets, the quartiles of the per-round ratios (each "
+        "round times every method once, back to back), which show this run's noise.\n"
+    )
     print(f"## Minor page faults per meta-step, median (malloc: {args.malloc})\n")
     print(markdown_table(["setting", *methods], fault_rows) + "\n")
     return medians

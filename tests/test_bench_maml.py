@@ -1,0 +1,39 @@
+"""scripts/bench_maml.py: its statistics, and one tiny run end to end (no timings asserted)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+
+import bench_maml  # noqa: E402
+
+
+def test_paired_ratios_pair_each_round_and_middle_half_is_the_quartiles() -> None:
+    timed = bench_maml.Timings(
+        seconds={"learn2learn": [4.0, 6.0, 3.0, 9.0, 5.0], "auto": [2.0, 2.0, 1.0, 3.0, 2.5]},
+        faults={"learn2learn": [0] * 5, "auto": [0] * 5},
+        auto_plan="vmap, 1x32",
+    )
+    ratios = bench_maml.paired_ratios(timed, "learn2learn", "auto")
+    assert ratios == [2.0, 3.0, 3.0, 3.0, 2.0]
+    values = [1.0, 7.0, 2.0, 5.0, 3.0, 11.0]
+    low, high = bench_maml.middle_half(values)
+    assert (low, high) == pytest.approx(tuple(np.percentile(values, [25, 75])))
+    assert bench_maml.middle_half([2.5]) == (2.5, 2.5)
+
+
+def test_a_tiny_run_prints_its_tables_and_says_why_there_is_no_headline(capsys) -> None:
+    # --malloc default: "tuned" would change this pytest process's malloc for later tests.
+    args = bench_maml.parse_args(
+        "--tasks 2 --repeats 2 --warmup 0 --settings q1-first --methods loop,auto "
+        "--no-memory --no-float64-check --malloc default".split()
+    )
+    last = bench_maml.main(args)
+    out = capsys.readouterr().out
+    assert last.startswith("speedup_vs_learn2learn: n/a"), last
+    assert "| q1-first |" in out and "auto ran" in out
