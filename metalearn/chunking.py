@@ -54,8 +54,9 @@ ChunkSize = int | Literal["auto"] | None
 #   10 / 30 / 80 examples/task, 1st order: 32 tasks 81; 16 222 = 8 222; 4 597, 8 598,
 #   loop 589 (l2l 167 / 260 / 561)
 # 480 examples gives 1 chunk of 32, 2 of 16 and 6 of 6: on or next to the best of each row.
-# With glibc's default malloc the best chunks were about half as big (its page faults grow
-# with the chunk): 256 was the limit then, and 480 costs up to ~10% there (README).
+# Under glibc's default malloc every method pays page faults that depend on the process's
+# history (glibc's mmap threshold rises with the largest block freed so far); in fresh
+# processes no chunk size avoided them (README). `metalearn.tune_malloc` does.
 # On a GPU the loop is launch-bound and only memory argues for chunks: the CUDA figure is a
 # guess until measured.
 AUTO_CHUNK_EXAMPLES = {"cpu": 480, "cuda": 65536}

@@ -13,6 +13,10 @@ Command::
 
 Expected (2 CPU cores, 2 threads, tuned malloc, 29 Nov 2026): the fastest chunk holds about
 320-640 examples (32 tasks of 10, 16 of 30, 8 of 80); ``auto`` lands on or next to it.
+
+With ``--malloc default`` the columns are not independent: glibc raises its mmap threshold
+to the largest block freed so far, so a big chunk timed earlier in a round spares the
+smaller ones later in it their page faults. Compare configurations in fresh processes there.
 """
 
 from __future__ import annotations
