@@ -37,6 +37,7 @@ from bench_maml import (
     make_tasks,
     markdown_table,
     parse_setting,
+    sync,
 )
 
 from metalearn import tune_malloc
@@ -48,7 +49,9 @@ DEFAULT_SETTINGS = "q1-second,q1-first,q5-second,q5-first,q15-second,q15-first"
 """bench_maml's four workloads and the default Omniglot run's (5 query per class)."""
 
 
-def make_steps(setting: Setting, max_examples: int) -> dict[str, Callable[[list], None]]:
+def make_steps(
+    setting: Setting, max_examples: int, device: str = "cpu"
+) -> dict[str, Callable[[list], None]]:
     """One meta-step per configuration, each on its own copy of the same network."""
     per_task = 5 * (1 + setting.query)
     configs: dict[str, tuple[str, ChunkSize]] = {
@@ -57,13 +60,13 @@ def make_steps(setting: Setting, max_examples: int) -> dict[str, Callable[[list]
     configs |= {"auto": ("auto", "auto"), "loop": ("loop", 1)}
     steps = {}
     for name, (vectorize, chunk) in configs.items():
-        model = make_model(torch.float32, seed=0)
+        model = make_model(torch.float32, seed=0, device=device)
         learner = (FOMAML if setting.first_order else MAML)(
             model, inner_lr=0.4, inner_steps=1, vectorize=vectorize, chunk_size=chunk
         )
         steps[name] = MetaStep(model, learner.backward, torch.optim.Adam(model.parameters()))
     if importlib.util.find_spec("learn2learn") is not None:
-        model = make_model(torch.float32, seed=0, norm="fused")
+        model = make_model(torch.float32, seed=0, norm="fused", device=device)
         gradient = learn2learn_gradient(model, setting)
         steps["learn2learn"] = MetaStep(model, gradient, torch.optim.Adam(model.parameters()))
     else:
@@ -71,7 +74,9 @@ def make_steps(setting: Setting, max_examples: int) -> dict[str, Callable[[list]
     return steps
 
 
-def time_steps(steps: dict[str, Callable], tasks: list, repeats: int) -> dict[str, float]:
+def time_steps(
+    steps: dict[str, Callable], tasks: list, repeats: int, device: str = "cpu"
+) -> dict[str, float]:
     """Median seconds per step, round-robin with a rotating start, after one warm-up round."""
     names = list(steps)
     times: dict[str, list[float]] = {n: [] for n in names}
@@ -80,6 +85,7 @@ def time_steps(steps: dict[str, Callable], tasks: list, repeats: int) -> dict[st
             gc.collect()
             start = time.perf_counter()
             steps[name](tasks)
+            sync(device)
             if r:
                 times[name].append(time.perf_counter() - start)
     return {n: statistics.median(t) for n, t in times.items()}
@@ -92,17 +98,18 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=0, help="0: torch's default")
     p.add_argument("--max-examples", type=int, default=1400, help="largest chunk timed")
     p.add_argument("--malloc", choices=("tuned", "default"), default="tuned")
+    p.add_argument("--device", default="cpu", help="cpu or cuda (cuda:N)")
     args = p.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
     malloc = tune_malloc().reason if args.malloc == "tuned" else "glibc defaults"
-    print(f"# chunk grid: {torch.get_num_threads()} threads; malloc: {malloc}\n")
+    print(f"# chunk grid on {args.device}: {torch.get_num_threads()} threads; malloc: {malloc}\n")
     results: dict[str, dict[str, float]] = {}
     for name in args.settings.split(","):
         setting = parse_setting(name)
-        steps = make_steps(setting, args.max_examples)
-        tasks = make_tasks(setting, 32, torch.float32, seed=0)
-        results[name] = time_steps(steps, tasks, args.repeats)
+        steps = make_steps(setting, args.max_examples, args.device)
+        tasks = make_tasks(setting, 32, torch.float32, seed=0, device=args.device)
+        results[name] = time_steps(steps, tasks, args.repeats, args.device)
         print(f"{name}: " + ", ".join(f"{k} {1e3 * v:.0f}" for k, v in results[name].items()))
     columns = list(dict.fromkeys(k for medians in results.values() for k in medians))
     columns.sort(key=lambda k: (not k.startswith("chunks"), k.startswith("chunks") and int(k[10:])))

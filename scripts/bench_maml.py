@@ -144,6 +144,10 @@ class BenchArgs:
     the same as wall on a quiet one with one thread; counts every thread's spinning too)."""
     seed: int = 0
     """Seed of the initial weights and the random tasks."""
+    device: str = "cpu"
+    """Where the networks and tasks live (``cuda`` for a GPU). On CUDA each timed step ends
+    with a synchronize, peak memory is the allocator's (in this process), and malloc tuning
+    and page faults concern the host only."""
     malloc: Literal["tuned", "default"] = "tuned"
     """``tuned``: `metalearn.tune_malloc` before timing, as the experiments do (process-wide,
     so every method, baselines included, runs on it); ``default``: glibc's own thresholds,
@@ -157,28 +161,35 @@ class BenchArgs:
 # ---------------------------------------------------------------------------- workload
 
 
-def make_model(dtype: torch.dtype, seed: int, norm: Literal["meta", "fused"] = "meta") -> Conv4:
+def make_model(
+    dtype: torch.dtype, seed: int, norm: Literal["meta", "fused"] = "meta", device: str = "cpu"
+) -> Conv4:
     """MAML's Omniglot Conv4; ``norm="fused"`` swaps in ``nn.BatchNorm2d`` (same maths)."""
     torch.manual_seed(seed)
-    model = Conv4(in_channels=1, ways=WAYS, hidden=64, pool="stride").to(dtype)
+    model = Conv4(in_channels=1, ways=WAYS, hidden=64, pool="stride").to(device, dtype)
     if norm == "meta":
         return model
     fused = Conv4(
         in_channels=1, ways=WAYS, hidden=64, pool="stride",
         norm_layer=lambda c: nn.BatchNorm2d(c, track_running_stats=False),
-    ).to(dtype)  # fmt: skip
+    ).to(device, dtype)  # fmt: skip
     fused.load_state_dict(model.state_dict())  # same names: features.i.norm.{weight,bias}
     return fused
 
 
-def make_tasks(setting: Setting, n_tasks: int, dtype: torch.dtype, seed: int) -> list[Task]:
-    """``n_tasks`` random 5-way 1-shot tasks of 1x28x28 images, ``setting.query`` per class."""
+def make_tasks(
+    setting: Setting, n_tasks: int, dtype: torch.dtype, seed: int, device: str = "cpu"
+) -> list[Task]:
+    """``n_tasks`` random 5-way 1-shot tasks of 1x28x28 images, ``setting.query`` per class.
+
+    Drawn on the CPU (the same tasks on every device), then moved to ``device``.
+    """
     g = torch.Generator().manual_seed(seed + 1)
     labels = torch.arange(WAYS)
 
     def split(per_class: int) -> tuple[Tensor, Tensor]:
         x = torch.rand(WAYS * per_class, 1, 28, 28, generator=g, dtype=dtype)
-        return x, labels.repeat_interleave(per_class)
+        return x.to(device), labels.repeat_interleave(per_class).to(device)
 
     return [Task(support=split(SHOTS), query=split(setting.query)) for _ in range(n_tasks)]
 
@@ -300,7 +311,7 @@ class MetaStep:
 
 def make_step(method: str, setting: Setting, dtype: torch.dtype, args: BenchArgs) -> MetaStep:
     norm = args.baseline_norm if method in BASELINES else "meta"
-    model = make_model(dtype, args.seed, norm)
+    model = make_model(dtype, args.seed, norm, args.device)
     opt = torch.optim.Adam(model.parameters(), lr=OUTER_LR)
     return MetaStep(model, make_gradient(method, model, setting), opt)
 
@@ -342,7 +353,7 @@ class Timings:
 
 def time_methods(methods: Sequence[str], setting: Setting, args: BenchArgs) -> Timings:
     """Seconds and page faults per meta-step for each method, interleaved round-robin."""
-    tasks = make_tasks(setting, args.tasks, torch.float32, args.seed)
+    tasks = make_tasks(setting, args.tasks, torch.float32, args.seed, args.device)
     steps = {m: make_step(m, setting, torch.float32, args) for m in methods}
     times: dict[str, list[float]] = {m: [] for m in methods}
     faults: dict[str, list[int]] = {m: [] for m in methods}
@@ -354,6 +365,7 @@ def time_methods(methods: Sequence[str], setting: Setting, args: BenchArgs) -> T
             faults_before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
             start = clock()
             steps[method](tasks)
+            sync(args.device)  # CUDA runs asynchronously: wait for the step's kernels
             if r >= args.warmup:
                 times[method].append(clock() - start)
                 faults[method].append(
@@ -387,7 +399,7 @@ def auto_plan(tasks: Sequence[Task], setting: Setting, args: BenchArgs) -> str:
 
 def float64_gradients(method: str, setting: Setting, args: BenchArgs) -> dict[str, Tensor]:
     step = make_step(method, setting, torch.float64, args)
-    step.gradient(make_tasks(setting, args.tasks, torch.float64, args.seed))
+    step.gradient(make_tasks(setting, args.tasks, torch.float64, args.seed, args.device))
     return {n: p.grad.detach().clone() for n, p in step.model.named_parameters()}
 
 
@@ -421,17 +433,43 @@ def peak_step_mb(step: Callable[[], None]) -> float:
 
 
 def probe_memory(method: str, setting: Setting, args: BenchArgs) -> float:
-    """Peak RSS above the starting RSS of one warmed-up meta-step, MB (this process)."""
-    tasks = make_tasks(setting, args.tasks, torch.float32, args.seed)
+    """Peak memory above the start of one warmed-up meta-step, MB (this process): RSS on the
+    CPU, the CUDA caching allocator's allocated bytes on a GPU."""
+    tasks = make_tasks(setting, args.tasks, torch.float32, args.seed, args.device)
     step = make_step(method, setting, torch.float32, args)
+    if torch.device(args.device).type == "cuda":
+        return cuda_peak_step_mb(lambda: step(tasks), torch.device(args.device))
     return peak_step_mb(lambda: step(tasks))
+
+
+def cuda_peak_step_mb(step: Callable[[], None], device: torch.device) -> float:
+    """`peak_step_mb` on a GPU: peak allocated bytes above the start, after one warm-up."""
+    step()
+    torch.cuda.synchronize(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    start = torch.cuda.memory_allocated(device)
+    step()
+    torch.cuda.synchronize(device)
+    return (torch.cuda.max_memory_allocated(device) - start) / 2**20
+
+
+def device_name(args: BenchArgs) -> str:
+    """``cpu`` or the GPU's name, for the report's header."""
+    device = torch.device(args.device)
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+
+
+def sync(device: str) -> None:
+    """Wait for a CUDA device's queued kernels (nothing to wait for on the CPU)."""
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 def memory_in_subprocess(method: str, setting: Setting, args: BenchArgs) -> float | None:
     cmd = [
         sys.executable, os.path.abspath(__file__), "--probe-memory", f"{method}:{setting.name}",
         "--tasks", str(args.tasks), "--baseline-norm", args.baseline_norm,
-        "--threads", str(args.threads), "--seed", str(args.seed),
+        "--threads", str(args.threads), "--seed", str(args.seed), "--device", args.device,
     ]  # fmt: skip
     return run_memory_probe(cmd, f"{method} {setting.name}")
 
@@ -450,7 +488,7 @@ def run_memory_probe(cmd: list[str], label: str) -> float | None:
 
 def profile_step(method: str, setting: Setting, args: BenchArgs, rows: int = 25) -> None:
     """Print the ops that take the most self CPU time in one warmed-up meta-step."""
-    tasks = make_tasks(setting, args.tasks, torch.float32, args.seed)
+    tasks = make_tasks(setting, args.tasks, torch.float32, args.seed, args.device)
     step = make_step(method, setting, torch.float32, args)
     for _ in range(max(args.warmup, 1)):
         step(tasks)
@@ -483,6 +521,8 @@ def main(args: BenchArgs) -> str:
     """Run the benchmark, print the tables; returns the last line (the headline)."""
     if args.threads:
         torch.set_num_threads(args.threads)
+    if torch.device(args.device).type == "cuda" and not torch.cuda.is_available():
+        raise SystemExit(f"--device {args.device}: this torch sees no CUDA GPU; use --device cpu")
     settings = {name: parse_setting(name) for name in args.settings}
     if args.probe_memory:
         method, name = args.probe_memory.split(":")
@@ -497,7 +537,7 @@ def main(args: BenchArgs) -> str:
     methods = available(args.methods)
     print(
         f"# MAML meta-step, Conv4 (stride 2), {args.tasks} tasks, {WAYS}-way {SHOTS}-shot, "
-        f"1 inner step, inner lr {INNER_LR}\n\ntorch {torch.__version__}, "
+        f"1 inner step, inner lr {INNER_LR}\n\ntorch {torch.__version__}, {device_name(args)}, "
         f"{torch.get_num_threads()} threads, {os.cpu_count()} CPUs, load average "
         f"{os.getloadavg()[0]:.1f}; baselines' batch norm: {args.baseline_norm}; "
         f"{args.repeats} repeats after {args.warmup} warm-up, interleaved; {args.clock} clock; "
@@ -549,7 +589,8 @@ def report_memory(methods: Sequence[str], settings: dict[str, Setting], args: Be
     for name, setting in settings.items():
         peaks = [memory_in_subprocess(m, setting, args) for m in methods]
         rows.append([name, *("failed" if p is None else f"{p:.0f}" for p in peaks)])
-    print("## Peak memory of a meta-step, MB above the step's starting RSS (fresh process)\n")
+    what = "CUDA allocated bytes" if torch.device(args.device).type == "cuda" else "RSS"
+    print(f"## Peak memory of a meta-step, MB above the step's starting {what} (fresh process)\n")
     print(markdown_table(["setting", *methods], rows) + "\n")
 
 
@@ -584,6 +625,7 @@ def parse_args(argv: Sequence[str] | None = None) -> BenchArgs:
     p.add_argument("--threads", type=int, default=defaults.threads)
     p.add_argument("--clock", choices=("wall", "cpu"), default=defaults.clock)
     p.add_argument("--seed", type=int, default=defaults.seed)
+    p.add_argument("--device", default=defaults.device, help="cpu or cuda (cuda:N)")
     p.add_argument("--malloc", choices=("tuned", "default"), default=defaults.malloc)
     p.add_argument("--profile", default="", metavar="METHOD:SETTING")
     p.add_argument("--probe-memory", default="", help=argparse.SUPPRESS)
@@ -592,7 +634,7 @@ def parse_args(argv: Sequence[str] | None = None) -> BenchArgs:
         repeats=ns.repeats, warmup=ns.warmup, settings=ns.settings.split(","),
         methods=ns.methods.split(","), tasks=ns.tasks, float64_check=ns.float64_check,
         memory=ns.memory, baseline_norm=ns.baseline_norm, threads=ns.threads, clock=ns.clock,
-        seed=ns.seed, malloc=ns.malloc,
+        seed=ns.seed, malloc=ns.malloc, device=ns.device,
         profile=ns.profile, probe_memory=ns.probe_memory,
     )  # fmt: skip
     if ns.quick:
