@@ -29,6 +29,7 @@ import time
 from collections.abc import Callable
 
 import torch
+from bench_hvp import sync
 from bench_maml import (
     MetaStep,
     Setting,
@@ -37,7 +38,6 @@ from bench_maml import (
     make_tasks,
     markdown_table,
     parse_setting,
-    sync,
 )
 
 from metalearn import tune_malloc

@@ -94,8 +94,9 @@ WAYS = 5
 # --------------------------------------------------------------------------- measuring
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
+def sync(device: torch.device | str) -> None:
+    """Wait for a CUDA device's queued kernels (nothing to wait for on the CPU)."""
+    if torch.device(device).type == "cuda":
         torch.cuda.synchronize(device)
 
 
@@ -115,14 +116,14 @@ def time_round_robin(
     for _ in range(warmup):
         for name in names:
             fns[name]()
-    _sync(device)
+    sync(device)
     times: dict[str, list[float]] = {name: [] for name in names}
     for r in range(repeats):
         order = names[r % len(names) :] + names[: r % len(names)]
         for name in order:
             start = clock()
             fns[name]()
-            _sync(device)
+            sync(device)
             times[name].append(clock() - start)
     return times
 
@@ -130,11 +131,11 @@ def time_round_robin(
 def peak_memory_bytes(fn: Callable[[], object], device: torch.device) -> int:
     """Peak bytes of tensor memory live during ``fn()`` above what was live before it."""
     if device.type == "cuda":
-        _sync(device)
+        sync(device)
         before = torch.cuda.memory_allocated(device)
         torch.cuda.reset_peak_memory_stats(device)
         fn()
-        _sync(device)
+        sync(device)
         return torch.cuda.max_memory_allocated(device) - before
     with (
         _quiet_profiler_log(),

@@ -68,6 +68,7 @@ from typing import Literal
 
 import torch
 import torch.nn.functional as F
+from bench_hvp import peak_memory_bytes, sync
 from torch import Tensor, nn
 from torch.func import vmap
 
@@ -418,12 +419,15 @@ def _status_kb(key: str) -> int:
         return int(re.search(rf"^{key}:\s+(\d+) kB", f.read(), re.M).group(1))
 
 
-def peak_step_mb(step: Callable[[], None]) -> float:
-    """Peak RSS above the starting RSS of ``step()`` after one warm-up call, MB (this process).
+def peak_step_mb(step: Callable[[], None], device: torch.device | str = "cpu") -> float:
+    """Peak memory above the start of ``step()`` after one warm-up call, MB (this process):
+    RSS on the CPU, the CUDA caching allocator's allocated bytes on a GPU.
 
     The warm-up takes Adam state, lazy initialisation and any compiling out of the peak.
     """
     step()
+    if torch.device(device).type == "cuda":
+        return peak_memory_bytes(step, torch.device(device)) / 2**20
     gc.collect()
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")  # reset VmHWM to the current RSS (Linux >= 4.0)
@@ -433,36 +437,16 @@ def peak_step_mb(step: Callable[[], None]) -> float:
 
 
 def probe_memory(method: str, setting: Setting, args: BenchArgs) -> float:
-    """Peak memory above the start of one warmed-up meta-step, MB (this process): RSS on the
-    CPU, the CUDA caching allocator's allocated bytes on a GPU."""
+    """Peak memory above the start of one warmed-up meta-step, MB (this process)."""
     tasks = make_tasks(setting, args.tasks, torch.float32, args.seed, args.device)
     step = make_step(method, setting, torch.float32, args)
-    if torch.device(args.device).type == "cuda":
-        return cuda_peak_step_mb(lambda: step(tasks), torch.device(args.device))
-    return peak_step_mb(lambda: step(tasks))
-
-
-def cuda_peak_step_mb(step: Callable[[], None], device: torch.device) -> float:
-    """`peak_step_mb` on a GPU: peak allocated bytes above the start, after one warm-up."""
-    step()
-    torch.cuda.synchronize(device)
-    torch.cuda.reset_peak_memory_stats(device)
-    start = torch.cuda.memory_allocated(device)
-    step()
-    torch.cuda.synchronize(device)
-    return (torch.cuda.max_memory_allocated(device) - start) / 2**20
+    return peak_step_mb(lambda: step(tasks), args.device)
 
 
 def device_name(args: BenchArgs) -> str:
     """``cpu`` or the GPU's name, for the report's header."""
     device = torch.device(args.device)
     return torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
-
-
-def sync(device: str) -> None:
-    """Wait for a CUDA device's queued kernels (nothing to wait for on the CPU)."""
-    if torch.device(device).type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def memory_in_subprocess(method: str, setting: Setting, args: BenchArgs) -> float | None:
