@@ -149,14 +149,15 @@ def adapt_with_losses(
             loss = loss + regularizer({**rest, **adapted})
         return loss
 
+    # Same maths each way; autograd.grad has less overhead where no transform runs.
+    step_fn = _checkpointed_step if checkpoint else _step
+    if not checkpoint and not transforms_active():
+        step_fn = _autograd_step
     losses: list[Tensor] = []
     for step in range(steps):
         active = [k for k in keys if lr_for(lr, k, step) is not None]
         adapted = {k: fast[k] for k in active}
         rest = {k: v for k, v in fast.items() if k not in adapted}
-        step_fn = _checkpointed_step if checkpoint else _step
-        if not checkpoint and not transforms_active():
-            step_fn = _autograd_step  # same maths, less overhead where no transform runs
         new, loss = step_fn(support_loss, adapted, rest, lr, step, first_order)
         if check_finite or stop is not None:
             value = float(loss.detach())  # a sync point: loop path only

@@ -42,11 +42,10 @@ def fused_norm(enabled: bool = True) -> Iterator[None]:
     and the query loss takes the fused kernel (differentiated once). That made a conv4
     loop meta-step 10-16% faster (scripts/bench_maml.py), and its float32 meta-gradient
     stayed as close to float64 as vmap's on the two workloads checked. Not on by default:
-    differentiated
-    *twice* in float32 (``torch.autograd.grad(create_graph=True)`` through the fused kernel,
-    learn2learn's path), one workload's meta-gradient was 2e-4 off float64 against 2e-6 for
-    the elementary form; and HVPs by double backward through it were slower (bench_hvp: 113
-    vs 84 ms on conv4).
+    differentiated *twice* in float32 (``torch.autograd.grad(create_graph=True)`` through
+    the fused kernel, learn2learn's path), one workload's meta-gradient was 2e-4 off float64
+    against 2e-6 for the elementary form; and HVPs by double backward through it were slower
+    (bench_hvp: 113 vs 84 ms on conv4).
     """
     token = _FUSED_NORM.set(enabled)
     try:
