@@ -22,14 +22,14 @@ smaller ones later in it their page faults. Compare configurations in fresh proc
 from __future__ import annotations
 
 import argparse
-import gc
+import functools
 import importlib.util
 import statistics
 import time
 from collections.abc import Callable
 
 import torch
-from bench_hvp import sync
+from bench_hvp import time_round_robin
 from bench_maml import (
     MetaStep,
     Setting,
@@ -78,16 +78,8 @@ def time_steps(
     steps: dict[str, Callable], tasks: list, repeats: int, device: str = "cpu"
 ) -> dict[str, float]:
     """Median seconds per step, round-robin with a rotating start, after one warm-up round."""
-    names = list(steps)
-    times: dict[str, list[float]] = {n: [] for n in names}
-    for r in range(repeats + 1):
-        for name in names[r % len(names) :] + names[: r % len(names)]:
-            gc.collect()
-            start = time.perf_counter()
-            steps[name](tasks)
-            sync(device)
-            if r:
-                times[name].append(time.perf_counter() - start)
+    fns = {name: functools.partial(step, tasks) for name, step in steps.items()}
+    times = time_round_robin(fns, repeats, 1, torch.device(device), time.perf_counter, collect=True)
     return {n: statistics.median(t) for n, t in times.items()}
 
 

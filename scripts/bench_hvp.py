@@ -66,6 +66,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import gc
 import itertools
 import os
 import platform
@@ -106,11 +107,14 @@ def time_round_robin(
     warmup: int,
     device: torch.device,
     clock: Callable[[], float],
+    collect: bool = False,
 ) -> dict[str, list[float]]:
     """Seconds per call of each function, the functions interleaved within each repeat.
 
     The starting function rotates from repeat to repeat, so no method always runs right
-    after the same neighbour (cache state, allocator state).
+    after the same neighbour (cache state, allocator state). ``collect=True`` runs the
+    garbage collector before each timed call, outside the timing, so one method's garbage
+    is not freed in another's time.
     """
     names = list(fns)
     for _ in range(warmup):
@@ -121,6 +125,8 @@ def time_round_robin(
     for r in range(repeats):
         order = names[r % len(names) :] + names[: r % len(names)]
         for name in order:
+            if collect:
+                gc.collect()
             start = clock()
             fns[name]()
             sync(device)
