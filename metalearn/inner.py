@@ -217,14 +217,15 @@ def _autograd_step(
     elementary_norm = fused_norm(False) if create else contextlib.nullcontext()
     with torch.enable_grad(), elementary_norm:
         loss = support_loss(inputs, rest)
-        grads = torch.autograd.grad(
-            loss, list(inputs.values()), create_graph=create, allow_unused=True
-        )
-    new = {
-        k: adapted[k] - lr_for(lr, k, step) * (torch.zeros_like(v) if g is None else g)
-        for (k, v), g in zip(inputs.items(), grads)
-    }
+        grads = _grads_or_zeros(loss, list(inputs.values()), create)
+    new = {k: adapted[k] - lr_for(lr, k, step) * g for k, g in zip(inputs, grads)}
     return new, loss if create else loss.detach()
+
+
+def _grads_or_zeros(loss: Tensor, inputs: list[Tensor], create_graph: bool) -> list[Tensor]:
+    """``torch.autograd.grad`` of ``loss``, zeros for inputs it does not use (as torch.func's)."""
+    grads = torch.autograd.grad(loss, inputs, create_graph=create_graph, allow_unused=True)
+    return [torch.zeros_like(v) if g is None else g for g, v in zip(grads, inputs)]
 
 
 def _checkpointed_step(
@@ -249,10 +250,7 @@ def _checkpointed_step(
         inputs = {k: v.detach().requires_grad_() for k, v in a.items()} if first_order else a
         with torch.enable_grad():
             loss = support_loss(inputs, r)
-            grads = torch.autograd.grad(
-                loss, list(inputs.values()), create_graph=not first_order, allow_unused=True
-            )
-        grads = [torch.zeros_like(v) if g is None else g for g, v in zip(grads, a.values())]
+            grads = _grads_or_zeros(loss, list(inputs.values()), not first_order)
         if first_order:
             grads = [g.detach() for g in grads]
         return (*(v - rate * g for v, rate, g in zip(a.values(), rates, grads)), loss)
