@@ -41,11 +41,10 @@ import torch
 from tqdm import tqdm
 
 from metalearn import distributed, tune_malloc
-from metalearn.algorithms import MetaLearner
+from metalearn.algorithms import MetaLearner, build_learner
 from metalearn.checkpoint import load_checkpoint, save_checkpoint
 from metalearn.cli import parse_dataclass
 from metalearn.data import EpisodicSampler, load_omniglot, omniglot_samplers
-from metalearn.deploy import build_learner
 from metalearn.tracking import graceful_shutdown, init_run
 
 
@@ -138,7 +137,7 @@ PRESETS: dict[str, dict[str, Any]] = {
 def make_learner(args: Args) -> MetaLearner:
     """The algorithm around a fresh conv4 (seeded by args.seed).
 
-    `metalearn.deploy.build_learner` holds the construction (iMAML with ``cg_damping=10``:
+    `metalearn.algorithms.build_learner` holds the construction (iMAML with ``cg_damping=10``:
     conv4's adapted support Hessian has eigenvalues below -lambda), so a deployed checkpoint
     is rebuilt exactly as it was trained.
     """

@@ -37,11 +37,11 @@ import torch
 from torch import Tensor, nn
 from torch.export import Dim, ExportedProgram
 
-from metalearn.algorithms import ANIL, FOMAML, IMAML, MAML, MAMLpp, MetaLearner, MetaSGD, Reptile
+from metalearn.algorithms import MetaLearner, build_learner
 from metalearn.checkpoint import load_checkpoint
 from metalearn.data.omniglot import RESAMPLE_FILTERS, decode_image
 from metalearn.debug import check_consistent
-from metalearn.models import Conv4, MetaBatchNorm
+from metalearn.models import MetaBatchNorm
 from metalearn.outer import Task
 
 __all__ = [
@@ -51,7 +51,6 @@ __all__ = [
     "SupportSet",
     "adapt_to_support",
     "adapted_model",
-    "build_learner",
     "ExportReport",
     "export_adapted",
     "export_from_checkpoint",
@@ -63,40 +62,6 @@ __all__ = [
 
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".bmp", ".gif", ".tif", ".tiff", ".webp")
 _METADATA = "metalearn.json"  # the name of the metadata file inside a .pt2
-_LEARNERS = {"maml": MAML, "fomaml": FOMAML, "anil": ANIL, "metasgd": MetaSGD, "mamlpp": MAMLpp}
-_ARG_KEYS = ("algorithm", "ways", "hidden", "inner_lr", "inner_steps", "vectorize")
-
-
-# --------------------------------------------------------------------------- the learner
-
-
-def build_learner(args: Mapping[str, Any]) -> MetaLearner:
-    """The learner ``experiments/omniglot_maml.py`` trains, built from its ``args``.
-
-    The experiment's ``make_learner`` calls this (after seeding), so a checkpoint's
-    ``learner`` state loads into it. Weights are freshly initialised: load a state next.
-
-    Args:
-        args: the experiment's ``Args`` as a dict (a checkpoint's ``"args"``).
-
-    Raises:
-        ValueError: a needed key is missing, or the algorithm is unknown.
-    """
-    if missing := [k for k in _ARG_KEYS if k not in args]:
-        raise ValueError(
-            f"the checkpoint's args lack {missing}: it was not written by "
-            "experiments/omniglot_maml.py; build the learner yourself and load_state_dict"
-        )
-    model = Conv4(ways=args["ways"], hidden=args["hidden"])
-    algorithm, lr, steps = args["algorithm"], args["inner_lr"], args["inner_steps"]
-    if algorithm == "imaml":  # conv4's adapted support Hessian has eigenvalues below -lambda
-        return IMAML(model, inner_steps=max(steps, 5), cg_damping=10.0, inner_lr=min(lr, 0.1))
-    if algorithm == "reptile":
-        return Reptile(model, inner_lr=lr, inner_steps=max(steps, 5))
-    if algorithm not in _LEARNERS:
-        known = sorted([*_LEARNERS, "imaml", "reptile"])
-        raise ValueError(f"unknown algorithm {algorithm!r} in the checkpoint; known: {known}")
-    return _LEARNERS[algorithm](model, inner_lr=lr, inner_steps=steps, vectorize=args["vectorize"])
 
 
 def load_learner(

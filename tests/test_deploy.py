@@ -15,13 +15,12 @@ import pytest
 import torch
 from PIL import Image
 
-from metalearn.algorithms import ANIL, FOMAML, IMAML, MAML, MAMLpp, MetaSGD, Reptile
+from metalearn.algorithms import ANIL, FOMAML, IMAML, MAML, MAMLpp, MetaSGD, Reptile, build_learner
 from metalearn.checkpoint import save_checkpoint
 from metalearn.deploy import (
     FrozenBatchNorm,
     adapt_to_support,
     adapted_model,
-    build_learner,
     export_adapted,
     load_exported,
     load_learner,

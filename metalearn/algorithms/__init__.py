@@ -1,6 +1,7 @@
 """The MAML family on `metalearn.outer`: each algorithm a small `MetaLearner` subclass."""
 
 from metalearn.algorithms.base import MetaLearner, StepMetrics
+from metalearn.algorithms.build import build_learner
 from metalearn.algorithms.imaml import IMAML, IMAMLMetrics, implicit_meta_gradient
 from metalearn.algorithms.maml import ANIL, FOMAML, MAML
 from metalearn.algorithms.mamlpp import MAMLpp, msl_weights, multi_step_task_loss
@@ -18,6 +19,7 @@ __all__ = [
     "MetaSGD",
     "Reptile",
     "StepMetrics",
+    "build_learner",
     "implicit_meta_gradient",
     "msl_weights",
     "multi_step_task_loss",
