@@ -29,7 +29,6 @@ import time
 from collections.abc import Callable
 
 import torch
-from bench_hvp import time_round_robin
 from bench_maml import (
     MetaStep,
     Setting,
@@ -39,6 +38,7 @@ from bench_maml import (
     markdown_table,
     parse_setting,
 )
+from benchtools import time_round_robin
 
 from metalearn import tune_malloc
 from metalearn.algorithms import FOMAML, MAML

@@ -44,45 +44,33 @@ Command::
     .venv/bin/python scripts/bench_hvp.py --quick    # under 30 s
     .venv/bin/python scripts/bench_hvp.py --device cuda --max-hessian-gb 40
 
-Expected output: markdown tables (paste them into a README), and as the very last line
+Expected output: markdown tables, and as the very last line
 ``hvp_over_grad: R``, the median time of one forward-over-reverse HVP over one gradient
 for ``conv4`` (metalearn's Conv4 with its own batch norm).
 
-Measured (torch 2.13 CPU, 2 shared cores; 2 threads wall clock and 1 thread CPU time
-agree): R = 3.56-3.57, reverse-over-reverse and double-backward 2.6-3.1, fused batch norm
-3.8-4.3. The floor for any exact H v of this network is set by its convolutions: H v
-needs, per conv layer, the forward conv, two tangent convs and four tangent backward
+Why about 3x: the floor for any exact H v of this network is set by its convolutions.
+H v needs, per conv layer, the forward conv, two tangent convs and four tangent backward
 convs on top of the gradient's three (grad wrt weight and input), i.e. 8-9 conv-sized
-products against 3; with this net's layer sizes (the first layer has one input channel
-and no input gradient) that is 2.6x a gradient at best, 3.0x as PyTorch computes it (it
-also forms the unused gradient wrt the weights). Rewriting the batch norm moved the HVP
-time less than the noise. A forward-over-reverse whose inner gradient is
-``torch.func.vjp`` under ``no_grad`` (``torch.func.grad`` always records the backward
-graph, which forward mode does not need) was 16-20% faster and used 30% less memory,
-bit-for-bit the same H v.
+products against 3; with this net's layer sizes (the first layer has one input channel and
+no input gradient) that is 2.6x a gradient at best, 3.0x as PyTorch computes it.
+Measured tables and the machine they came from: ``docs/benchmarks.md``.
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
-import gc
-import itertools
 import os
 import platform
-import re
 import statistics
-import sys
-import tempfile
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from benchtools import peak_memory_bytes, time_round_robin
 from torch import Tensor, nn
 from torch.func import functional_call, grad
-from torch.profiler import ProfilerActivity, profile
 
 from metalearn import HVP_METHODS, hessian, hvp, hvp_double_backward
 from metalearn.models import MLP, Conv4
@@ -90,95 +78,6 @@ from metalearn.models import MLP, Conv4
 DEFAULT_METHOD = "forward-over-reverse"
 BATCH = 80
 WAYS = 5
-
-
-# --------------------------------------------------------------------------- measuring
-
-
-def sync(device: torch.device | str) -> None:
-    """Wait for a CUDA device's queued kernels (nothing to wait for on the CPU)."""
-    if torch.device(device).type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def time_round_robin(
-    fns: dict[str, Callable[[], object]],
-    repeats: int,
-    warmup: int,
-    device: torch.device,
-    clock: Callable[[], float],
-    collect: bool = False,
-) -> dict[str, list[float]]:
-    """Seconds per call of each function, the functions interleaved within each repeat.
-
-    The starting function rotates from repeat to repeat, so no method always runs right
-    after the same neighbour (cache state, allocator state). ``collect=True`` runs the
-    garbage collector before each timed call, outside the timing, so one method's garbage
-    is not freed in another's time.
-    """
-    names = list(fns)
-    for _ in range(warmup):
-        for name in names:
-            fns[name]()
-    sync(device)
-    times: dict[str, list[float]] = {name: [] for name in names}
-    for r in range(repeats):
-        order = names[r % len(names) :] + names[: r % len(names)]
-        for name in order:
-            if collect:
-                gc.collect()
-            start = clock()
-            fns[name]()
-            sync(device)
-            times[name].append(clock() - start)
-    return times
-
-
-def peak_memory_bytes(fn: Callable[[], object], device: torch.device) -> int:
-    """Peak bytes of tensor memory live during ``fn()`` above what was live before it."""
-    if device.type == "cuda":
-        sync(device)
-        before = torch.cuda.memory_allocated(device)
-        torch.cuda.reset_peak_memory_stats(device)
-        fn()
-        sync(device)
-        return torch.cuda.max_memory_allocated(device) - before
-    with (
-        _quiet_profiler_log(),
-        profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof,
-    ):
-        fn()
-    # Each event carries the bytes allocated minus freed by itself (not its children);
-    # "[memory]" events are allocations/frees outside any operator (e.g. tensors dying).
-    events = sorted(prof.events(), key=lambda e: e.time_range.start)
-    live = itertools.accumulate(e.self_cpu_memory_usage for e in events)
-    return max(0, max(live, default=0))
-
-
-@contextlib.contextmanager
-def _quiet_profiler_log() -> Iterator[None]:
-    """Drop the profiler's C++ status lines ("USDT: ... profiler_start") from stderr.
-
-    They are written straight to file descriptor 2, so stderr is sent to a temporary file
-    for the duration and everything else in it is written back afterwards.
-    """
-    sys.stderr.flush()
-    saved = os.dup(2)
-    with tempfile.TemporaryFile(mode="w+b") as tmp:
-        os.dup2(tmp.fileno(), 2)
-        try:
-            yield
-        finally:
-            sys.stderr.flush()
-            os.dup2(saved, 2)
-            os.close(saved)
-            tmp.seek(0)
-            for line in tmp.read().decode(errors="replace").splitlines(keepends=True):
-                if not _PROFILER_CHATTER.match(line):
-                    sys.stderr.write(line)
-
-
-_PROFILER_CHATTER = re.compile(r"^(USDT|STAGE):\S* \S* \d+:\d+ \S+\.cpp:\d+\]")
 
 
 # --------------------------------------------------------------------------- cases

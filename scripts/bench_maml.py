@@ -68,7 +68,7 @@ from typing import Literal
 
 import torch
 import torch.nn.functional as F
-from bench_hvp import peak_memory_bytes, sync
+from benchtools import peak_step_mb, sync
 from torch import Tensor, nn
 from torch.func import vmap
 
@@ -412,28 +412,6 @@ def max_relative_difference(grads: dict[str, Tensor], reference: dict[str, Tenso
     """
     error = max(float((grads[n] - ref).abs().max()) for n, ref in reference.items())
     return error / max(float(ref.abs().max()) for ref in reference.values())
-
-
-def _status_kb(key: str) -> int:
-    with open("/proc/self/status") as f:
-        return int(re.search(rf"^{key}:\s+(\d+) kB", f.read(), re.M).group(1))
-
-
-def peak_step_mb(step: Callable[[], None], device: torch.device | str = "cpu") -> float:
-    """Peak memory above the start of ``step()`` after one warm-up call, MB (this process):
-    RSS on the CPU, the CUDA caching allocator's allocated bytes on a GPU.
-
-    The warm-up takes Adam state, lazy initialisation and any compiling out of the peak.
-    """
-    step()
-    if torch.device(device).type == "cuda":
-        return peak_memory_bytes(step, torch.device(device)) / 2**20
-    gc.collect()
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")  # reset VmHWM to the current RSS (Linux >= 4.0)
-    start = _status_kb("VmRSS")
-    step()
-    return (_status_kb("VmHWM") - start) / 1024
 
 
 def probe_memory(method: str, setting: Setting, args: BenchArgs) -> float:
