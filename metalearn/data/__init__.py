@@ -1,4 +1,4 @@
-"""Data: Omniglot (load, cache, split), episodic N-way K-shot sampling, sine regression.
+"""Data: Omniglot (load, cache, split), episodic N-way K-shot sampling, image folders, sine.
 
 Typical use::
 
@@ -9,6 +9,7 @@ Typical use::
     tasks = samplers["train"].batch(32, torch.Generator().manual_seed(0))
 """
 
+from metalearn.data.folders import IMAGE_SUFFIXES, SupportSet, load_support_folder
 from metalearn.data.omniglot import (
     OMNIGLOT_ZIPS,
     RESAMPLE_FILTERS,
@@ -31,6 +32,7 @@ from metalearn.data.sampler import EpisodicSampler, check_generator
 from metalearn.data.sine import SineTasks, sine
 
 __all__ = [
+    "IMAGE_SUFFIXES",
     "OMNIGLOT_ZIPS",
     "RESAMPLE_FILTERS",
     "SPLITS",
@@ -39,6 +41,7 @@ __all__ = [
     "EpisodicSampler",
     "OmniglotImages",
     "SineTasks",
+    "SupportSet",
     "ZipSource",
     "check_generator",
     "decode_image",
@@ -46,6 +49,7 @@ __all__ = [
     "download_omniglot",
     "ensure_omniglot",
     "load_omniglot",
+    "load_support_folder",
     "omniglot_samplers",
     "omniglot_splits",
     "resolve_data_root",

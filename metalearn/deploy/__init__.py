@@ -1,0 +1,57 @@
+"""Deploy an adapted learner: checkpoint -> adapt on a support folder -> ``torch.export``.
+
+The pipeline, one function per step (``scripts/export_adapted.py`` is the command line)::
+
+    learner, args = load_learner("runs/maml-5w1s-seed0/checkpoint.pt", which="best")
+    support = load_support_folder("my_support/", ways=args["ways"])   # one folder per class
+    params = adapt_to_support(learner, support.x, support.y, steps=args["eval_inner_steps"])
+    model = adapted_model(learner, params)                        # an ordinary nn.Module
+    export_adapted(model, support.x, "adapted.pt2", metadata={"classes": support.class_names})
+    program, meta = load_exported("adapted.pt2")
+    prediction = predict(program, images)                         # classes, probabilities
+
+One concept per module: `run_checkpoint` (a run's checkpoint and the learner in it),
+`adapt` (the inner loop on a support set), `model` (the adapted network, batch norm
+frozen or not), `export` (the ``.pt2``, never written over data unasked), `predict`, and
+`pipeline` (all of it, self-checked). Image folders are read by `metalearn.data.folders`;
+`load_support_folder`, `SupportSet` and `IMAGE_SUFFIXES` are re-exported here.
+
+**Batch norm at inference.** Conv4's `MetaBatchNorm` is transductive: it normalises with
+the statistics of the batch it is given, in training and in evaluation alike, so an
+image's logits depend on the other images in its batch. ``norm="support"`` (the default)
+freezes each batch norm's statistics at those of the support set (`FrozenBatchNorm`), so
+every image is classified on its own, whatever else is in its batch.
+``norm="transductive"`` keeps the training behaviour exactly: the exported program takes
+any batch size and normalises each call's batch together, which is right for a whole
+balanced query set in one call and wrong for one image at a time.
+Measured on 200 Omniglot 5-way 1-shot test tasks (``docs/deploy.md``): transductive with
+the 75 query images in one batch 88.6%, frozen support statistics 86.1%, transductive one
+image per call 18.3% (chance is 20%).
+"""
+
+from metalearn.data.folders import IMAGE_SUFFIXES, SupportSet, load_support_folder
+from metalearn.deploy.adapt import adapt_to_support
+from metalearn.deploy.export import check_export_target, export_adapted, load_exported
+from metalearn.deploy.model import FrozenBatchNorm, adapted_model
+from metalearn.deploy.pipeline import ExportReport, export_from_checkpoint
+from metalearn.deploy.predict import Prediction, predict
+from metalearn.deploy.run_checkpoint import is_run_checkpoint, load_learner, read_run_checkpoint
+
+__all__ = [
+    "FrozenBatchNorm",
+    "IMAGE_SUFFIXES",
+    "Prediction",
+    "SupportSet",
+    "adapt_to_support",
+    "adapted_model",
+    "ExportReport",
+    "check_export_target",
+    "export_adapted",
+    "export_from_checkpoint",
+    "is_run_checkpoint",
+    "load_exported",
+    "load_learner",
+    "load_support_folder",
+    "predict",
+    "read_run_checkpoint",
+]

@@ -1,0 +1,141 @@
+"""``torch.export`` an adapted network to a ``.pt2`` file, never over data it was not given.
+
+A ``.pt2`` is written to a temporary file beside its target and then renamed into place,
+so a crash mid-write leaves whatever was there intact. An existing file is replaced only
+when asked (``overwrite=True``), and a training checkpoint never: exporting over
+``runs/<run>/checkpoint.pt`` would turn the run into one adapted task.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from torch.export import Dim, ExportedProgram
+
+from metalearn.deploy.run_checkpoint import is_run_checkpoint
+
+__all__ = ["check_export_target", "export_adapted", "load_exported"]
+
+_METADATA = "metalearn.json"  # the name of the metadata file inside a .pt2
+
+
+def check_export_target(
+    path: str | os.PathLike, *, overwrite: bool = False, source: str | os.PathLike | None = None
+) -> Path:
+    """Refuse a ``.pt2`` target that would destroy data; returns it as a ``Path``.
+
+    Args:
+        path: where the program would be written.
+        overwrite: allow replacing an existing file that is not a training checkpoint.
+        source: the checkpoint being exported, refused as a target whatever its contents.
+
+    Raises:
+        FileExistsError: ``path`` is a folder, the source checkpoint, a training
+            checkpoint, or (without ``overwrite``) any existing file.
+    """
+    path = Path(path)
+    fix = f"choose another --out (e.g. {path.parent / 'adapted.pt2'})"
+    if path.is_dir():
+        raise FileExistsError(f"--out {path} is a folder; give the .pt2 file to write")
+    if not path.exists():
+        return path
+    if source is not None and Path(source).exists() and path.samefile(source):
+        raise FileExistsError(f"--out {path} is the checkpoint being exported; {fix}")
+    if is_run_checkpoint(path):
+        raise FileExistsError(
+            f"--out {path} is a metalearn training checkpoint, never overwritten (not even "
+            f"with --overwrite); {fix}"
+        )
+    if not overwrite:
+        raise FileExistsError(
+            f"--out {path} exists; pass --overwrite (overwrite=True) to replace it, or {fix}"
+        )
+    return path
+
+
+def export_adapted(
+    model: nn.Module,
+    example_x: Tensor,
+    path: str | os.PathLike,
+    *,
+    dynamic_batch: bool = True,
+    metadata: Mapping[str, Any] | None = None,
+    overwrite: bool = False,
+) -> Path:
+    """``torch.export`` the adapted network to a ``.pt2`` file, written atomically.
+
+    Args:
+        model: e.g. `adapted_model`'s result, ``[B, C, H, W] -> [B, ways]``.
+        example_x: an example input ``[B, C, H, W]`` (the support images do).
+        path: the ``.pt2`` file to write (its folder is created).
+        dynamic_batch: let the program take any batch size; False fixes it to
+            ``example_x``'s.
+        metadata: JSON-serialisable facts stored inside the file (class names, norm mode,
+            ...); `load_exported` returns them.
+        overwrite: replace an existing file (never a training checkpoint).
+
+    Returns:
+        The path written.
+
+    Raises:
+        FileExistsError: see `check_export_target`; nothing is written.
+    """
+    path = check_export_target(path, overwrite=overwrite)
+    dynamic = ({0: Dim.DYNAMIC},) if dynamic_batch else None
+    program = torch.export.export(model, (example_x,), dynamic_shapes=dynamic)
+    extra = {_METADATA: json.dumps(dict(metadata or {}))}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    # torch.export.save warns unless the name ends in .pt2, so the temporary file does too.
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.stem}.", suffix=".tmp.pt2")
+    os.close(fd)
+    try:  # a crash mid-write leaves any previous file intact, as save_checkpoint does
+        torch.export.save(program, tmp, extra_files=extra)
+        os.chmod(tmp, 0o644)
+        _move_into_place(Path(tmp), path, overwrite)
+    finally:
+        Path(tmp).unlink(missing_ok=True)
+    return path
+
+
+def _move_into_place(tmp: Path, path: Path, overwrite: bool) -> None:
+    """Rename ``tmp`` to ``path``; without ``overwrite``, fail if ``path`` appeared meanwhile.
+
+    ``os.link`` creates the name only if it is free (atomically), where ``os.replace``
+    would silently take over a file written since `check_export_target` looked.
+    """
+    if overwrite:
+        os.replace(tmp, path)
+        return
+    try:
+        os.link(tmp, path)
+    except FileExistsError:
+        raise FileExistsError(
+            f"--out {path} appeared while exporting; pass --overwrite to replace it"
+        ) from None
+    except OSError:  # a file system without hard links: look once more, then rename
+        if path.exists():
+            raise FileExistsError(
+                f"--out {path} appeared while exporting; pass --overwrite to replace it"
+            ) from None
+        os.replace(tmp, path)
+
+
+def load_exported(path: str | os.PathLike) -> tuple[ExportedProgram, dict[str, Any]]:
+    """Read a ``.pt2`` written by `export_adapted`: ``(program, metadata)``.
+
+    Raises:
+        FileNotFoundError: no file at ``path``.
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"no exported program at {path}; write one with export_adapted")
+    extra = {_METADATA: ""}
+    program = torch.export.load(path, extra_files=extra)
+    return program, json.loads(extra[_METADATA] or "{}")

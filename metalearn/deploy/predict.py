@@ -1,0 +1,42 @@
+"""Classify images with an adapted model, an exported program or a ``.pt2`` file."""
+
+from __future__ import annotations
+
+import os
+from typing import NamedTuple
+
+import torch
+from torch import Tensor, nn
+from torch.export import ExportedProgram
+
+from metalearn.deploy.export import load_exported
+
+__all__ = ["Prediction", "predict"]
+
+
+class Prediction(NamedTuple):
+    """What `predict` returns."""
+
+    classes: Tensor
+    """Predicted class index per image, ``[B]`` (int64)."""
+    probabilities: Tensor
+    """Softmax of the logits, ``[B, ways]``."""
+
+
+def predict(model: nn.Module | ExportedProgram | str | os.PathLike, x: Tensor) -> Prediction:
+    """Classify images under ``torch.inference_mode()``.
+
+    Args:
+        model: an adapted module, an ``ExportedProgram``, or the path of a ``.pt2``.
+        x: images ``[B, C, H, W]``. Under ``norm="transductive"`` the batch is normalised
+            together (predict a query set in one call); under ``"support"`` each image alone.
+
+    Returns:
+        A `Prediction`: ``classes [B]`` and ``probabilities [B, ways]``.
+    """
+    if isinstance(model, (str, os.PathLike)):
+        model = load_exported(model)[0]
+    run = model.module() if isinstance(model, ExportedProgram) else model
+    with torch.inference_mode():
+        probabilities = torch.softmax(run(x), dim=-1)
+    return Prediction(probabilities.argmax(-1), probabilities)
