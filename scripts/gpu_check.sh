@@ -90,7 +90,7 @@ mkdir -p "$OUT" || die "cannot create $OUT; pass --out a writable folder"
 
 # metalearn from this checkout, also for an interpreter where it is not pip-installed
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
-export PYTHONUNBUFFERED=1 WANDB_SILENT=true METALEARN_CACHE="${METALEARN_CACHE:-$OUT/cache}"
+export PYTHONUNBUFFERED=1 WANDB_SILENT=true
 [ -n "$DATA_ROOT" ] && export METALEARN_DATA="$DATA_ROOT"
 
 TRACK=(--wandb-mode offline)
@@ -150,6 +150,8 @@ part() {  # part NAME RESULT_PATTERN COMMAND...: run under the part's time limit
     [ "$rc" = 124 ] && echo "(stopped at the ${limit}s limit)" >> "$OUT/$name.log"
     # progress bars end lines in \r: split them so the result line is found and shown
     result=$(tr '\r' '\n' < "$OUT/$name.log" | grep -E "$pattern" | tail -n 1 | cut -c1-200)
+    # no result line: show the log's last line instead (an error, or the time-limit note)
+    [ -n "$result" ] || result=$(tr '\r' '\n' < "$OUT/$name.log" | grep -v '^\s*$' | tail -n 1 | cut -c1-200)
     echo "== $name: exit $rc after $((SECONDS - start)) s${result:+: $result}"
     echo "| $name | $rc | $((SECONDS - start)) | ${result//|//} |" >> "$SUMMARY"
 }
