@@ -9,6 +9,10 @@ Command:
     python scripts/export_adapted.py --checkpoint runs/maml-5w1s-seed0/checkpoint.pt \\
         --support my_support/ --out adapted.pt2
 
+An existing ``--out`` is replaced only with ``--overwrite``, and a training checkpoint
+never (not even with ``--overwrite``); the file is written atomically. Bad input ends
+with a one-line error and exit code 2, with nothing on disk changed.
+
 Then, anywhere with torch (see docs/deploy.md)::
 
     program = torch.export.load("adapted.pt2")
@@ -17,6 +21,8 @@ Then, anywhere with torch (see docs/deploy.md)::
 
 from __future__ import annotations
 
+import sys
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
@@ -35,6 +41,8 @@ class Args:
     """Support folder: one sub-folder of images per class (required)."""
     out: str | None = None
     """The .pt2 to write (default: adapted.pt2 beside the checkpoint)."""
+    overwrite: bool = False
+    """Replace an existing --out (never a training checkpoint)."""
     which: Literal["best", "last"] = "best"
     """best: the best-validation weights (what the run tested); last: the latest."""
     steps: int | None = None
@@ -53,11 +61,12 @@ class Args:
 def main(args: Args) -> ExportReport:
     """Run the pipeline and print the path and the self-check."""
     if args.support is None:
-        raise SystemExit("--support is required: a folder with one sub-folder of images per class")
+        raise ValueError("--support is required: a folder with one sub-folder of images per class")
     out = args.out or str(Path(args.checkpoint).parent / "adapted.pt2")
     report = export_from_checkpoint(
         args.checkpoint, args.support, out, which=args.which, steps=args.steps, norm=args.norm,
         dynamic_batch=args.dynamic_batch, resample=args.resample, device=args.device,
+        overwrite=args.overwrite,
     )  # fmt: skip
     print(f"exported: {report.path}")
     print(f"classes: {', '.join(f'{i}={n}' for i, n in enumerate(report.class_names))}")
@@ -68,5 +77,16 @@ def main(args: Args) -> ExportReport:
     return report
 
 
+def cli(argv: Sequence[str] | None = None) -> int:
+    """Parse, export, and turn a user error into one line on stderr and exit status 2."""
+    args = parse_dataclass(Args, argv, description=__doc__.split("\n\n")[0])
+    try:
+        main(args)
+    except (FileNotFoundError, FileExistsError, ValueError) as err:
+        print(f"export_adapted.py: error: {err}", file=sys.stderr)
+        return 2
+    return 0
+
+
 if __name__ == "__main__":
-    main(parse_dataclass(Args, description=__doc__.split("\n\n")[0]))
+    sys.exit(cli())

@@ -1,0 +1,106 @@
+"""Evaluate a learner on freshly drawn tasks: mean query accuracy and its 95% interval.
+
+The task source is a parameter (`TaskSource`): the Omniglot experiment's episodic sampler,
+or any other protocol that draws task indices from a generator and builds tasks from
+them. Every index is drawn up front, in one call, so the tasks a seed means do not
+depend on how many are built and adapted at a time (``chunk``), nor on the number of
+processes: under ``torchrun`` every rank draws the same indices, adapts its share of
+each chunk, and the accuracies are gathered in task order, so every rank returns the
+same numbers.
+
+The interval is the normal approximation over tasks, ``1.96 * std / sqrt(T)`` (the
+experiment's reporting, as in Finn et al., 2017, Sec. 5.2).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Protocol
+
+import torch
+from torch import Tensor
+from tqdm import tqdm
+
+from metalearn import distributed
+from metalearn.algorithms import MetaLearner
+from metalearn.outer import Task
+
+__all__ = ["TEST_SEED", "VAL_SEED", "TaskSource", "accuracy_interval", "evaluate_tasks"]
+
+VAL_SEED = 1
+"""Seed of the validation tasks: every validation of a run sees the same tasks."""
+TEST_SEED = 2
+"""Seed of the test tasks (a checkpoint re-evaluated with it sees the run's test tasks)."""
+
+
+class TaskSource(Protocol):
+    """Where evaluation tasks come from (`metalearn.data.EpisodicSampler` is one)."""
+
+    def sample_indices(self, generator: torch.Generator, tasks: int) -> tuple[Tensor, Tensor]:
+        """Indices of ``tasks`` tasks, first dimension ``[tasks, ...]`` in both."""
+        ...
+
+    def tasks_from_indices(self, classes: Tensor, examples: Tensor) -> list[Task]:
+        """The tasks of (a slice along the first dimension of) `sample_indices`' output."""
+        ...
+
+
+def evaluate_tasks(
+    learner: MetaLearner,
+    source: TaskSource,
+    tasks: int,
+    steps: int,
+    generator: torch.Generator,
+    *,
+    chunk: int = 50,
+    progress: bool = True,
+    desc: str = "evaluate",
+) -> tuple[float, float]:
+    """Mean query accuracy of ``learner`` over ``tasks`` tasks, and its 95% half-width.
+
+    Args:
+        learner: adapted per task with ``learner.evaluate(tasks, steps)``.
+        source: draws the tasks (see `TaskSource`).
+        tasks: how many tasks ``T`` (>= 1).
+        steps: inner steps on each support set (>= 0).
+        generator: all task randomness; the same seed gives the same tasks.
+        chunk: tasks built and adapted at a time (memory only: the result is the same).
+        progress: show a progress bar over tasks (on rank 0 only).
+        desc: the bar's label.
+
+    Returns:
+        ``(mean, ci95)``: the mean of the ``[T]`` per-task accuracies and
+        `accuracy_interval` of them (NaN for one task).
+
+    Raises:
+        ValueError: ``tasks < 1``, ``steps < 0`` or ``chunk < 1``.
+    """
+    if tasks < 1 or steps < 0 or chunk < 1:
+        raise ValueError(
+            f"need tasks >= 1, steps >= 0 and chunk >= 1, got tasks={tasks}, steps={steps}, "
+            f"chunk={chunk}"
+        )
+    classes, examples = source.sample_indices(generator, tasks)
+    accs = []
+    bar = tqdm(total=tasks, desc=desc, unit="task", dynamic_ncols=True, leave=False,
+               disable=not (progress and distributed.is_main()))  # fmt: skip
+    with bar:
+        for start in range(0, tasks, chunk):
+            stop = min(start + chunk, tasks)
+            part = distributed.shard_slice(stop - start)
+            mine = slice(start + part.start, start + part.stop)
+            local = torch.empty(0)
+            if part.stop > part.start:
+                batch = source.tasks_from_indices(classes[mine], examples[mine])
+                local = learner.evaluate(batch, steps=steps)[1].detach().cpu()
+            accs.append(distributed.gather_tensor(local.float()))
+            bar.update(stop - start)
+    acc = torch.cat(accs).double()
+    return acc.mean().item(), accuracy_interval(acc)
+
+
+def accuracy_interval(accuracies: Tensor) -> float:
+    """95% half-width of the mean of ``accuracies [T]``: ``1.96 * std / sqrt(T)`` (NaN if T=1)."""
+    if len(accuracies) < 2:
+        return float("nan")
+    return 1.96 * accuracies.double().std().item() / math.sqrt(len(accuracies))

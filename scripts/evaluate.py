@@ -1,0 +1,189 @@
+"""Test a trained checkpoint on freshly drawn tasks: mean accuracy and its 95% interval.
+
+What: loads an Omniglot experiment checkpoint (``runs/<run>/checkpoint.pt``), its
+best-validation weights by default, and tests them as the experiment's test does (the
+same sampler and evaluation function, `metalearn.evaluation.evaluate_tasks`) with any
+number of tasks and inner steps, on the run's split and data unless told otherwise. The
+last line printed is ``test/acc: 0.xxxx ± 0.xxxx`` (mean and 95% half-width over tasks);
+the result is logged to W&B as an ``eval`` job in the run's group (``--no-track`` skips).
+
+Command:
+    python scripts/evaluate.py --checkpoint runs/maml-5w1s-seed0/checkpoint.pt
+    python scripts/evaluate.py --checkpoint runs/maml-5w1s-seed0/checkpoint.pt \\
+        --tasks 2000 --steps 20 --shots 5 --which last
+
+Ways: a conv4 head has one output per class it was trained on, so an N-way model is
+tested N-way only. Fewer ways would leave outputs that no class of the task owns, and
+their argmax would still count as answers: that measures a different problem, not the
+smaller-way accuracy. Shots and queries may differ from training, up to the examples per
+class of the data (20 for Omniglot). Bad input ends with a one-line error and exit code 2.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import sys
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+
+from metalearn.cli import parse_dataclass
+from metalearn.data import load_omniglot, omniglot_samplers
+from metalearn.deploy import load_learner
+from metalearn.evaluation import TEST_SEED, TaskSource, evaluate_tasks
+from metalearn.tracking import init_run
+
+
+@dataclass
+class Args:
+    """Arguments of evaluate.py (each is a --flag; see --help)."""
+
+    checkpoint: str | None = None
+    """The run's checkpoint, runs/<run_name>/checkpoint.pt (required)."""
+    which: Literal["best", "last"] = "best"
+    """best: the best-validation weights (what the run tested); last: the latest."""
+    tasks: int = 600
+    """Test tasks; the interval shrinks as 1/sqrt(tasks)."""
+    steps: int | None = None
+    """Inner steps on each support set (default: the run's eval_inner_steps)."""
+    ways: int | None = None
+    """Classes per task (default and only choice: the ways the model's head was trained on)."""
+    shots: int | None = None
+    """Support examples per class (default: the run's shots)."""
+    query: int | None = None
+    """Query examples per class (default: the run's eval_query)."""
+    protocol: Literal["episodic"] = "episodic"
+    """How tasks are drawn; episodic: N-way K-shot from the split's test classes, as the
+    experiment tests."""
+    split: Literal["maml", "alphabet"] | None = None
+    """Omniglot split whose test classes are drawn (default: the run's)."""
+    data_root: str | None = None
+    """Omniglot folder (default: the run's, else $METALEARN_DATA, else the cache dir)."""
+    seed: int = TEST_SEED
+    """Seeds the task sampling; the default draws the run's own test tasks."""
+    device: str = "cpu"
+    """Torch device."""
+    threads: int = 1
+    """Torch CPU threads (0: torch's default)."""
+    track: bool = True
+    """Log to Weights & Biases as an eval job in the run's group (--no-track to skip)."""
+    wandb_mode: Literal["auto", "online", "offline", "disabled"] = "auto"
+    """auto: as the experiment: online when logged in and reachable, else offline."""
+    wandb_project: str | None = None
+    """W&B project (default: the run's)."""
+
+
+def settings(args: Args, run: Mapping[str, Any]) -> dict[str, Any]:
+    """The evaluation's settings: each flag given, else the run's value; checked.
+
+    Raises:
+        ValueError: ways other than the head's, ``tasks < 1``, or ``steps < 0``.
+    """
+    given = {"ways": args.ways, "shots": args.shots, "query": args.query, "split": args.split,
+             "steps": args.steps, "data_root": args.data_root}  # fmt: skip
+    runs = {"ways": run["ways"], "shots": run["shots"], "query": run["eval_query"],
+            "split": run["split"], "steps": run["eval_inner_steps"],
+            "data_root": run.get("data_root")}  # fmt: skip
+    chosen = {k: runs[k] if v is None else v for k, v in given.items()}
+    if chosen["ways"] != run["ways"]:
+        raise ValueError(
+            f"--ways {chosen['ways']}: this model's head has {run['ways']} outputs (trained "
+            f"{run['ways']}-way) and scores {run['ways']}-way tasks only; drop --ways or pass "
+            f"--ways {run['ways']}"
+        )
+    if args.tasks < 1 or chosen["steps"] < 0:
+        raise ValueError(
+            f"--tasks must be >= 1 and --steps >= 0, got {args.tasks} and {chosen['steps']}"
+        )
+    return chosen
+
+
+def task_source(protocol: str, chosen: Mapping[str, Any], device: str) -> TaskSource:
+    """Where the test tasks come from: the one place a protocol is chosen."""
+    if protocol != "episodic":
+        raise ValueError(f"--protocol {protocol!r} is unknown; choose episodic")
+    data = load_omniglot(chosen["data_root"])
+    samplers = omniglot_samplers(data, chosen["split"], ways=chosen["ways"],
+                                 shots=chosen["shots"], queries=chosen["query"],
+                                 device=device)  # fmt: skip
+    return samplers["test"]
+
+
+def evaluate(args: Args) -> dict[str, float]:
+    """Load, draw, test, log; returns ``{"test/acc": ..., "test/acc_ci95": ...}``."""
+    if args.checkpoint is None:
+        raise ValueError("--checkpoint is required: pass runs/<run_name>/checkpoint.pt")
+    if args.threads > 0:
+        torch.set_num_threads(args.threads)
+    learner, run_args = load_learner(args.checkpoint, which=args.which, device=args.device)
+    chosen = settings(args, run_args)
+    source = task_source(args.protocol, chosen, args.device)
+    print(
+        f"{args.checkpoint} ({args.which} weights): {chosen['ways']}-way {chosen['shots']}-shot, "
+        f"{chosen['query']} queries, {chosen['steps']} inner steps, {args.tasks} tasks of the "
+        f"{chosen['split']} split's test classes, seed {args.seed}"
+    )
+    wandb_run = _start_run(args, run_args, chosen) if args.track else None
+    try:
+        generator = torch.Generator().manual_seed(args.seed)
+        acc, half = evaluate_tasks(learner, source, args.tasks, chosen["steps"], generator,
+                                   desc="test")  # fmt: skip
+        results = {"test/acc": acc, "test/acc_ci95": half}
+        if wandb_run is not None:
+            wandb_run.summary.update(results)
+    finally:
+        if wandb_run is not None:
+            wandb_run.finish()
+    print(f"test/acc: {acc:.4f} ± {half:.4f}")
+    return results
+
+
+def _start_run(args: Args, run_args: Mapping[str, Any], chosen: Mapping[str, Any]) -> Any:
+    """An ``eval`` W&B run in the trained run's group, beside the run's own W&B folder."""
+    checkpoint = Path(args.checkpoint).resolve()
+    project = args.wandb_project or run_args["wandb_project"]
+    config = {**asdict(args), **chosen, "checkpoint": str(checkpoint), "wandb_project": project,
+              "run": checkpoint.parent.name, "run_args": dict(run_args)}  # fmt: skip
+    # The experiment's group name (experiments/omniglot_maml.py): algorithm-NwKs.
+    group = f"{run_args['algorithm']}-{run_args['ways']}w{run_args['shots']}s"
+    with _job_type("eval"):
+        return init_run(
+            config, project=project,
+            mode=args.wandb_mode, name=f"{checkpoint.parent.name}-eval", group=group,
+            tags=["eval", run_args["algorithm"], f"{chosen['ways']}w{chosen['shots']}s"],
+            dir=checkpoint.parent.parent,
+        )  # fmt: skip
+
+
+@contextlib.contextmanager
+def _job_type(job_type: str) -> Iterator[None]:
+    """Set W&B's job type for the ``init`` inside: ``init_run`` has no such argument, and
+    wandb reads ``WANDB_JOB_TYPE`` when it starts a run. Restored afterwards."""
+    previous = os.environ.get("WANDB_JOB_TYPE")
+    os.environ["WANDB_JOB_TYPE"] = job_type
+    try:
+        yield
+    finally:
+        if previous is None:
+            os.environ.pop("WANDB_JOB_TYPE", None)
+        else:
+            os.environ["WANDB_JOB_TYPE"] = previous
+
+
+def cli(argv: Sequence[str] | None = None) -> int:
+    """Parse, evaluate, and turn a user error into one line on stderr and exit status 2."""
+    args = parse_dataclass(Args, argv, description=__doc__.split("\n\n")[0])
+    try:
+        evaluate(args)
+    except (FileNotFoundError, ValueError) as err:
+        print(f"evaluate.py: error: {err}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(cli())
