@@ -1,6 +1,7 @@
-"""metalearn.deploy and scripts/export_adapted.py: an experiment-format checkpoint, adapted
-on a folder of real Omniglot PNGs, exported with torch.export and reloaded, must give the
-eager adapted model's outputs; bad inputs fail with messages that name the fix."""
+"""metalearn.deploy: an experiment-format checkpoint, adapted on a folder of real Omniglot
+PNGs (read by metalearn.data.folders), exported with torch.export and reloaded, must give
+the eager adapted model's outputs; bad inputs fail with messages that name the fix.
+(scripts/export_adapted.py is tested in test_export_script.py.)"""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ import pytest
 import torch
 from PIL import Image
 
+import metalearn.data
 from metalearn.algorithms import ANIL, FOMAML, IMAML, MAML, MAMLpp, MetaSGD, Reptile, build_learner
 from metalearn.checkpoint import save_checkpoint
 from metalearn.deploy import (
@@ -22,6 +24,7 @@ from metalearn.deploy import (
     adapt_to_support,
     adapted_model,
     export_adapted,
+    is_run_checkpoint,
     load_exported,
     load_learner,
     load_support_folder,
@@ -31,7 +34,6 @@ from metalearn.models import MetaBatchNorm
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "experiments"))
-sys.path.insert(0, str(ROOT / "scripts"))
 import omniglot_maml as om  # noqa: E402
 
 DATA = Path(os.environ.get("METALEARN_DATA", ROOT.parent / "shared" / "data" / "omniglot"))
@@ -46,7 +48,7 @@ def _args(**overrides) -> om.Args:
     return dataclasses.replace(om.Args(hidden=8, device="cpu"), **overrides)
 
 
-def _checkpoint(path: Path, args: om.Args, best: bool = True) -> Path:
+def experiment_checkpoint(path: Path, args: om.Args, best: bool = True) -> Path:
     """A checkpoint in the experiment's format, weights from its own make_learner."""
     learner = om.make_learner(args)
     with torch.no_grad():  # move the weights off their initial values, so loading shows
@@ -58,7 +60,7 @@ def _checkpoint(path: Path, args: om.Args, best: bool = True) -> Path:
     return save_checkpoint(path / "run" / "checkpoint.pt", saved)
 
 
-def _support_folder(path: Path, shots: int = 2, ways: int = 5, offset: int = 0) -> Path:
+def make_support_folder(path: Path, shots: int = 2, ways: int = 5, offset: int = 0) -> Path:
     """``ways`` class folders of ``shots`` real Omniglot PNGs each."""
     folder = path / f"support-{offset}"
     for c in range(ways):
@@ -88,7 +90,7 @@ def test_build_learner_builds_what_the_experiment_trains(algorithm, cls, steps, 
 
 def test_load_learner_restores_the_chosen_weights(tmp_path) -> None:
     args = _args(algorithm="mamlpp", inner_steps=2)  # learned rates and BN copies in its state
-    path = _checkpoint(tmp_path, args)
+    path = experiment_checkpoint(tmp_path, args)
     saved = torch.load(path, weights_only=True)
     saved["learner"] = {k: v + 1 for k, v in saved["learner"].items()}
     save_checkpoint(path, saved)
@@ -104,7 +106,7 @@ def test_load_learner_restores_the_chosen_weights(tmp_path) -> None:
 def test_load_learner_errors(tmp_path) -> None:
     with pytest.raises(FileNotFoundError, match="no checkpoint at"):
         load_learner(tmp_path / "missing.pt")
-    path = _checkpoint(tmp_path, _args(), best=False)
+    path = experiment_checkpoint(tmp_path, _args(), best=False)
     with pytest.raises(ValueError, match="no best-validation weights yet.*which='last'"):
         load_learner(path)
     assert load_learner(path, which="last")[0].inner_steps == 1
@@ -117,9 +119,32 @@ def test_load_learner_errors(tmp_path) -> None:
         load_learner(path, which="last")
 
 
+def test_load_learner_names_a_file_that_is_not_a_training_checkpoint(tmp_path) -> None:
+    text = tmp_path / "notes.pt"
+    text.write_text("not a checkpoint")
+    with pytest.raises(ValueError, match=r"notes.pt is not a metalearn checkpoint \(torch.load"):
+        load_learner(text)
+    other = save_checkpoint(tmp_path / "weights.pt", {"weight": torch.zeros(2)})
+    with pytest.raises(ValueError, match="not a metalearn training checkpoint .*'args'/'learner'"):
+        load_learner(other)
+    with pytest.raises(FileNotFoundError, match="a folder, not a checkpoint file"):
+        load_learner(tmp_path)
+    for bad in (text, other, tmp_path, tmp_path / "missing.pt"):
+        assert not is_run_checkpoint(bad)
+    assert is_run_checkpoint(experiment_checkpoint(tmp_path, _args()))
+
+
+def test_image_folders_are_read_in_data_and_still_importable_from_deploy() -> None:
+    import metalearn.data.folders as folders
+    import metalearn.deploy as deploy
+
+    for name in ("IMAGE_SUFFIXES", "SupportSet", "load_support_folder"):
+        assert getattr(deploy, name) is getattr(folders, name) is getattr(metalearn.data, name)
+
+
 @needs_data
 def test_load_support_folder_decodes_like_the_training_data(tmp_path) -> None:
-    folder = _support_folder(tmp_path, shots=2)
+    folder = make_support_folder(tmp_path, shots=2)
     (folder / ".DS_Store").write_bytes(b"x")  # hidden files are skipped
     support = load_support_folder(folder, ways=5)
     assert support.x.shape == (10, 1, 28, 28) and support.x.dtype == torch.float32
@@ -140,7 +165,7 @@ def test_load_support_folder_errors(tmp_path) -> None:
     (tmp_path / "none").mkdir()
     with pytest.raises(ValueError, match="holds no class sub-folders"):
         load_support_folder(tmp_path / "none")
-    folder = _support_folder(tmp_path, shots=1)
+    folder = make_support_folder(tmp_path, shots=1)
     with pytest.raises(ValueError, match="holds 5 class folders .* but the model predicts 20"):
         load_support_folder(folder, ways=20)
     (folder / "class5").mkdir()
@@ -165,10 +190,10 @@ def adapted(tmp_path_factory):
     if not CHARACTERS.is_dir():
         pytest.skip("Omniglot not found")
     tmp = tmp_path_factory.mktemp("deploy")
-    learner, args = load_learner(_checkpoint(tmp, _args()))
-    support = load_support_folder(_support_folder(tmp), ways=args["ways"])
+    learner, args = load_learner(experiment_checkpoint(tmp, _args()))
+    support = load_support_folder(make_support_folder(tmp), ways=args["ways"])
     params = adapt_to_support(learner, support.x, support.y, steps=3)
-    query = load_support_folder(_support_folder(tmp, shots=3, offset=5)).x  # 15 other images
+    query = load_support_folder(make_support_folder(tmp, shots=3, offset=5)).x  # 15 other images
     return learner, support, params, query, tmp
 
 
@@ -235,17 +260,20 @@ def test_adapt_to_support_errors(adapted) -> None:
         adapt_to_support(learner, support.x[:, 0], support.y)
 
 
-def test_export_script_prints_the_path_and_the_self_check(tmp_path, capsys) -> None:
-    if not CHARACTERS.is_dir():
-        pytest.skip("Omniglot not found")
-    import export_adapted as script
-
-    checkpoint = _checkpoint(tmp_path, _args(eval_inner_steps=2))
-    report = script.main(script.Args(checkpoint=str(checkpoint), support=str(
-        _support_folder(tmp_path, shots=1)), which="last", dynamic_batch=False))  # fmt: skip
-    printed = capsys.readouterr().out
-    assert report.path == checkpoint.parent / "adapted.pt2" and report.path.is_file()
-    assert f"exported: {report.path}" in printed and "inner steps: 2" in printed
-    assert "self-check: max |exported - eager| logit on the support set = " in printed
-    assert report.max_abs_diff <= 1e-5
-    assert load_exported(report.path)[1]["class_names"] == [f"class{c}" for c in range(5)]
+def test_export_adapted_writes_over_a_file_only_when_asked_and_never_over_a_checkpoint(
+    adapted,
+) -> None:
+    learner, support, params, _, tmp = adapted
+    model = adapted_model(learner, params, norm="transductive")
+    target = tmp / "existing.pt2"
+    target.write_bytes(b"someone's data")
+    with pytest.raises(FileExistsError, match="existing.pt2 exists; pass --overwrite"):
+        export_adapted(model, support.x, target)
+    assert target.read_bytes() == b"someone's data"
+    export_adapted(model, support.x, target, overwrite=True, metadata={"n": 1})
+    assert load_exported(target)[1] == {"n": 1}
+    checkpoint = experiment_checkpoint(tmp / "other", _args())
+    before = checkpoint.read_bytes()
+    with pytest.raises(FileExistsError, match="training checkpoint, never overwritten"):
+        export_adapted(model, support.x, checkpoint, overwrite=True)
+    assert checkpoint.read_bytes() == before
