@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import functools
 import gc
+import inspect
 import itertools
+import warnings
 import weakref
 from collections import OrderedDict
 
@@ -21,6 +23,7 @@ from torch.func import functional_call
 
 from metalearn.functional import flatten_tree, tree_dot, tree_leaves, tree_map, unflatten_like
 from metalearn.second_order import (
+    DEFAULT_HVP_METHOD,
     HVP_METHODS,
     conjugate_gradient,
     hessian,
@@ -836,20 +839,80 @@ def test_hutchinson_trace_needs_two_samples():
 @pytest.mark.parametrize("loss", [F.mse_loss, F.huber_loss])
 def test_forward_over_reverse_falls_back_where_torch_lacks_forward_mode(loss):
     # torch 2.13: mse_loss(mean) fails forward-over-reverse ("ZeroTensors are immutable") and
-    # huber_loss has no forward-AD formula; the default method must still give the exact H v.
-    import metalearn.second_order as so
+    # huber_loss has no forward-AD formula; asked for by name, it must still give the exact
+    # H v, warned. The default method needs no fallback there: it neither warns nor differs.
+    f, params, v = _regression_problem(loss)
+    dense = hessian(f, params) @ v["w"].reshape(-1)
+    with pytest.warns(RuntimeWarning, match="using reverse-over-reverse"):
+        hv = hvp(f, params, v, method="forward-over-reverse")
+    torch.testing.assert_close(hv["w"].reshape(-1), dense, rtol=1e-10, atol=1e-14)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        hv = hvp(f, params, v)
+    torch.testing.assert_close(hv["w"].reshape(-1), dense, rtol=1e-10, atol=1e-14)
 
-    gen = torch.Generator().manual_seed(3)
-    x = torch.randn(6, 3, generator=gen, dtype=torch.float64)
-    y = torch.randn(6, 1, generator=gen, dtype=torch.float64)
-    params = {"w": torch.randn(3, 1, generator=gen, dtype=torch.float64)}
-    v = {"w": torch.randn(3, 1, generator=gen, dtype=torch.float64)}
+
+def _regression_problem(loss):
+    g = gen(3)
+    x = torch.randn(6, 3, generator=g, dtype=F64)
+    y = torch.randn(6, 1, generator=g, dtype=F64)
+    params = {"w": torch.randn(3, 1, generator=g, dtype=F64)}
+    v = {"w": torch.randn(3, 1, generator=g, dtype=F64)}
 
     def f(p):
         return loss(torch.tanh(x @ p["w"]), y)
 
-    so._warned_fallback = False
-    with pytest.warns(RuntimeWarning, match="reverse-over-reverse"):
-        hv = hvp(f, params, v)
-    dense = hessian(f, params) @ v["w"].reshape(-1)
-    assert torch.allclose(hv["w"].reshape(-1), dense, rtol=1e-10, atol=1e-14)
+    return f, params, v
+
+
+# --------------------------------------------------------------------------- the default
+
+
+def test_default_hvp_method_is_the_documented_one_and_exact_on_a_batch_norm_conv_net():
+    """Double backward, for hvp and every tool with a method default; exact through a conv
+    net with nn.BatchNorm2d and cross-entropy (float64, against the dense Hessian)."""
+    assert DEFAULT_HVP_METHOD == "double-backward"
+    assert f'``"{DEFAULT_HVP_METHOD}"`` (default' in hvp.__doc__
+    from metalearn.algorithms.imaml import IMAML, implicit_meta_gradient
+
+    defaults = {
+        hvp: "method",
+        top_eigenvalues: "hvp_method",
+        hessian_trace: "hvp_method",
+        implicit_meta_gradient: "hvp_method",
+        IMAML.__init__: "hvp_method",
+    }
+    for fn, name in defaults.items():
+        assert inspect.signature(fn).parameters[name].default == DEFAULT_HVP_METHOD, fn
+    f, params = make_problem("conv_bn")
+    v = random_tree(params, seed=14)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no fallback, no warning of any kind
+        out = hvp(f, params, v)
+    assert_same_structure(out, params)
+    expected = dense_hessian("conv_bn") @ flatten_tree(v)
+    assert rel_err(flatten_tree(out), expected) < 1e-10
+
+
+@pytest.mark.parametrize("method", HVP_METHODS)
+@pytest.mark.parametrize("name", ["mlp", "conv_hand_bn"])
+def test_hvp_under_vmap_equals_dense_hessian_times_each_direction(name, method):
+    # Inside vmap autograd cannot make leaves, so double backward runs through torch.func
+    f, params = make_problem(name)
+    V = torch.randn(3, dense_hessian(name).shape[0], generator=gen(15), dtype=F64)
+    out = torch.func.vmap(
+        lambda u: flatten_tree(hvp(f, params, unflatten_like(u, params), method=method))
+    )(V)
+    torch.testing.assert_close(out, V @ dense_hessian(name), rtol=1e-10, atol=1e-12)
+
+
+def test_double_backward_under_torch_func_grad_matches_the_dense_third_derivative():
+    # grad of <H(z) v, u> with z a torch.func.grad input: double backward cannot make z a
+    # leaf there and runs as reverse-over-reverse; closed form as in the create_graph tests
+    f_flat, third = _cubic_quartic(5, seed=16)
+    z, v, u = (torch.randn(5, generator=gen(17 + i), dtype=F64) for i in range(3))
+
+    def phi(x):
+        return hvp(f_flat, x, v, method="double-backward", create_graph=True) @ u
+
+    assert rel_err(torch.func.grad(phi)(z), third(z, v, u)) < 1e-12

@@ -38,7 +38,7 @@ from metalearn.algorithms.base import (
 from metalearn.functional import tree_dot, tree_scale
 from metalearn.inner import LearningRate, LossFn, NonFiniteLossError, StopRule, adapt
 from metalearn.outer import MetaBatch, Task, _accuracy
-from metalearn.second_order import CGResult, HVPMethod, conjugate_gradient, hvp
+from metalearn.second_order import DEFAULT_HVP_METHOD, CGResult, HVPMethod, conjugate_gradient, hvp
 
 __all__ = [
     "IMAML",
@@ -127,7 +127,7 @@ def implicit_meta_gradient(
     cg_tol: float = 1e-10,
     cg_damping: float = 0.0,
     first_order: bool = False,
-    hvp_method: HVPMethod = "reverse-over-reverse",
+    hvp_method: HVPMethod = DEFAULT_HVP_METHOD,
     buffers: Mapping[str, Tensor] | None = None,
     model_kwargs: Mapping[str, Any] | None = None,
     stop: StopRule | None = None,
@@ -253,7 +253,7 @@ class IMAML(MetaLearner):
         cg_tol: float = 1e-10,
         cg_damping: float = 0.0,
         first_order: bool = False,
-        hvp_method: HVPMethod = "reverse-over-reverse",
+        hvp_method: HVPMethod = DEFAULT_HVP_METHOD,
         **kwargs: Any,
     ) -> None:
         if kwargs.get("adapt_keys") is not None:
