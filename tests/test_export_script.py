@@ -1,0 +1,136 @@
+"""scripts/export_adapted.py never destroys data: an existing --out is replaced only with
+--overwrite, a training checkpoint never; every refusal is one line on stderr, exit status
+2, and leaves every file as it was; the write is atomic."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from test_deploy import CHARACTERS, _args, experiment_checkpoint, make_support_folder
+
+from metalearn.deploy import is_run_checkpoint, load_exported
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "scripts"))
+import export_adapted as script  # noqa: E402
+
+pytestmark = pytest.mark.skipif(not CHARACTERS.is_dir(), reason="Omniglot not found")
+
+
+@pytest.fixture
+def run(tmp_path) -> tuple[Path, Path]:
+    """An experiment-format checkpoint (tmp/run/checkpoint.pt) and a 5-way support folder."""
+    checkpoint = experiment_checkpoint(tmp_path, _args(eval_inner_steps=2))
+    return checkpoint, make_support_folder(tmp_path, shots=1)
+
+
+def _files(root: Path) -> dict[str, bytes]:
+    """Every file under ``root`` with its bytes: what 'nothing on disk changed' compares."""
+    return {str(p.relative_to(root)): p.read_bytes() for p in root.rglob("*") if p.is_file()}
+
+
+def _refused(capsys, argv: list[str], root: Path, message: str) -> None:
+    """``argv`` exits 2 with one line naming ``message`` and leaves ``root`` untouched."""
+    before = _files(root)
+    assert script.cli(argv) == 2
+    captured = capsys.readouterr()
+    lines = captured.err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("export_adapted.py: error: "), captured.err
+    assert message in lines[0], lines[0]
+    assert captured.out == ""
+    assert _files(root) == before
+
+
+def test_prints_the_path_and_the_self_check(run, capsys) -> None:
+    checkpoint, support = run
+    args = script.Args(checkpoint=str(checkpoint), support=str(support), which="last",
+                       dynamic_batch=False)  # fmt: skip
+    report = script.main(args)
+    printed = capsys.readouterr().out
+    assert report.path == checkpoint.parent / "adapted.pt2" and report.path.is_file()
+    assert f"exported: {report.path}" in printed and "inner steps: 2" in printed
+    assert "self-check: max |exported - eager| logit on the support set = " in printed
+    assert report.max_abs_diff <= 1e-5
+    assert load_exported(report.path)[1]["class_names"] == [f"class{c}" for c in range(5)]
+    assert not list(checkpoint.parent.glob(".*.tmp*"))  # the atomic write left no temp file
+
+
+def test_an_existing_out_is_replaced_only_with_overwrite(run, tmp_path, capsys) -> None:
+    checkpoint, support = run
+    out = tmp_path / "adapted.pt2"
+    out.write_bytes(b"an earlier export someone kept")
+    argv = ["--checkpoint", str(checkpoint), "--support", str(support), "--out", str(out)]
+    _refused(capsys, argv, tmp_path, f"--out {out} exists; pass --overwrite")
+    assert script.cli([*argv, "--overwrite"]) == 0
+    assert f"exported: {out}" in capsys.readouterr().out
+    assert load_exported(out)[1]["checkpoint"] == str(checkpoint)
+    # The default --out (adapted.pt2 beside the checkpoint) is refused the same way.
+    (checkpoint.parent / "adapted.pt2").write_bytes(b"kept")
+    _refused(capsys, argv[:4], tmp_path, "adapted.pt2 exists; pass --overwrite")
+
+
+def test_the_checkpoint_is_never_the_out_even_with_overwrite(run, tmp_path, capsys) -> None:
+    checkpoint, support = run
+    base = ["--checkpoint", str(checkpoint), "--support", str(support), "--overwrite"]
+    _refused(capsys, [*base, "--out", str(checkpoint)], tmp_path, "is the checkpoint being")
+    # The same file spelled another way is still the checkpoint.
+    other_spelling = checkpoint.parent / ".." / "run" / "checkpoint.pt"
+    _refused(capsys, [*base, "--out", str(other_spelling)], tmp_path, "is the checkpoint being")
+    assert is_run_checkpoint(checkpoint)
+
+
+def test_no_training_checkpoint_is_written_over(run, tmp_path, capsys) -> None:
+    checkpoint, support = run
+    other = experiment_checkpoint(tmp_path / "second", _args(algorithm="anil"))
+    argv = ["--checkpoint", str(checkpoint), "--support", str(support), "--out", str(other),
+            "--overwrite"]  # fmt: skip
+    _refused(capsys, argv, tmp_path, "is a metalearn training checkpoint, never overwritten")
+
+
+def test_other_user_errors_are_one_line_and_change_nothing(run, tmp_path, capsys) -> None:
+    checkpoint, support = run
+    _refused(capsys, ["--checkpoint", str(checkpoint)], tmp_path, "--support is required")
+    folder_out = ["--checkpoint", str(checkpoint), "--support", str(support), "--out"]
+    _refused(capsys, [*folder_out, str(support)], tmp_path, "is a folder; give the .pt2 file")
+    missing = ["--checkpoint", str(tmp_path / "nope.pt"), "--support", str(support)]
+    _refused(capsys, missing, tmp_path, "no checkpoint at")
+    argv = ["--checkpoint", str(checkpoint), "--support", str(tmp_path / "nowhere")]
+    _refused(capsys, argv, tmp_path, "does not exist or is not a folder")
+
+
+def test_the_command_exits_2_with_one_line(run, tmp_path) -> None:
+    checkpoint, support = run
+    before = _files(tmp_path)
+    command = [sys.executable, str(ROOT / "scripts" / "export_adapted.py"), "--checkpoint",
+               str(checkpoint), "--support", str(support), "--out", str(checkpoint)]  # fmt: skip
+    done = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 2, done.stderr
+    assert done.stderr.strip().splitlines() == [
+        f"export_adapted.py: error: --out {checkpoint} is the checkpoint being exported; choose "
+        f"another --out (e.g. {checkpoint.parent / 'adapted.pt2'})"
+    ]
+    assert _files(tmp_path) == before
+
+
+def test_a_crash_while_writing_leaves_the_previous_file_intact(run, tmp_path, monkeypatch):
+    checkpoint, support = run
+    out = tmp_path / "adapted.pt2"
+    out.write_bytes(b"the previous export")
+    real_save = torch.export.save
+
+    def save_then_crash(program, path, **kwargs):  # the whole file written, then Ctrl-C
+        real_save(program, path, **kwargs)
+        assert Path(path) != out and Path(path).stat().st_size > 0
+        raise KeyboardInterrupt("interrupted before the rename")
+
+    monkeypatch.setattr(torch.export, "save", save_then_crash)
+    argv = ["--checkpoint", str(checkpoint), "--support", str(support), "--out", str(out),
+            "--overwrite"]  # fmt: skip
+    with pytest.raises(KeyboardInterrupt):
+        script.cli(argv)
+    assert out.read_bytes() == b"the previous export"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["adapted.pt2", "run", "support-0"]
