@@ -1,0 +1,291 @@
+"""Reading tracked runs back: offline run folders and online projects as `RunRecord`s.
+
+Offline runs are read with wandb's own reader, ``wandb leet inspect --json`` (wandb >= 0.31):
+``--summary`` gives the state, config, tags and final summary, the record stream gives the
+full history, the group and whether the run wrote its exit record. Facts this relies on
+(wandb 0.31, measured):
+
+- A live offline run flushes its ``.wandb`` file every 15 s; a file without an exit record
+  that has not been written for `STALE_AFTER_S` belongs to a run that was killed or
+  interrupted, which ``leet`` still reports as ``running``. It is read as ``truncated``.
+- ``leet`` skips a damaged chunk with "skipped corrupt data" on stderr and exits 0, and
+  fails with "transactionlog: ..." on a file it cannot read at all; both are ``corrupt``.
+- A resumed run (``wandb.init(id=..., resume="allow")``) writes a new run folder per start,
+  all with the same run id; `merge_segments` joins them into one record.
+
+Online runs (``ENTITY/PROJECT``) are read with ``wandb.Api()``; the server already merges
+resumed segments there.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+__all__ = [
+    "STALE_AFTER_S",
+    "RunReadError",
+    "RunRecord",
+    "find_run_dirs",
+    "merge_segments",
+    "read_offline_run",
+    "read_offline_runs",
+    "read_online_runs",
+]
+
+STALE_AFTER_S = 600.0
+"""Seconds without a write after which an unfinished offline run counts as truncated: 40x
+the 15 s flush of a live run, and the 10 min ``wandb leet inspect --follow`` waits."""
+
+
+class RunReadError(RuntimeError):
+    """Runs could not be read (no W&B login, no server, a ``wandb`` without ``leet``)."""
+
+
+@dataclass
+class RunRecord:
+    """One run read back: its identity, config, final summary and full history."""
+
+    path: str
+    """The run folder (a resumed run: its latest segment) or ``entity/project/id``."""
+    name: str
+    group: str | None
+    tags: list[str]
+    state: str
+    """finished, failed, running, crashed (online); truncated or corrupt (offline files)."""
+    config: dict[str, Any]
+    summary: dict[str, Any]
+    history: list[dict[str, Any]] = field(default_factory=list)
+    start_time: str = ""
+    """ISO 8601 start time (sorts runs in the order they were started)."""
+    run_id: str = ""
+    segments: list[str] = field(default_factory=list)
+    """Every run folder this record was read from, oldest first (several when resumed)."""
+    problems: list[str] = field(default_factory=list)
+    """What was wrong with its files (truncated, corrupt), each naming the file."""
+
+    def series(self, key: str) -> tuple[list[float], list[float]]:
+        """(steps, values) of a logged metric, in logging order."""
+        rows = [r for r in self.history if key in r and r[key] is not None]
+        return [r.get("_step", i) for i, r in enumerate(rows)], [r[key] for r in rows]
+
+
+def find_run_dirs(path: str | Path) -> list[Path]:
+    """Offline run folders under ``path``: itself if it holds a ``.wandb`` file, else the
+    ``*run-*`` folders in it or in its ``wandb/`` subfolder.
+
+    Raises:
+        FileNotFoundError: ``path`` does not exist, or holds no run.
+    """
+    path = Path(path)
+    if not path.exists():
+        raise FileNotFoundError(f"no such run folder: {path}")
+    if path.is_file() and path.suffix == ".wandb":
+        return [path]
+    if any(path.glob("*.wandb")):
+        return [path]
+    base = path / "wandb" if (path / "wandb").is_dir() else path
+    dirs = sorted(p for p in base.glob("*run-*") if p.is_dir() and any(p.glob("*.wandb")))
+    if not dirs:
+        raise FileNotFoundError(
+            f"no W&B runs under {path} (looked for {base}/*run-*/*.wandb); pass a wandb/ "
+            "folder, a wandb/offline-run-* folder or a .wandb file"
+        )
+    return dirs
+
+
+def read_offline_runs(paths: Iterable[str | Path]) -> list[RunRecord]:
+    """Every run under ``paths`` (see `find_run_dirs`), resumed segments merged into one
+    record, ordered by start time."""
+    dirs = sorted({d.resolve() for p in paths for d in find_run_dirs(p)})
+    return merge_segments(read_offline_run(d) for d in dirs)
+
+
+def read_offline_run(run_dir: str | Path) -> RunRecord:
+    """Read one offline run folder (one segment of a resumed run) with ``wandb leet``.
+
+    Args:
+        run_dir: a ``wandb/offline-run-*`` folder, or its ``.wandb`` file.
+
+    Returns:
+        The record; a damaged file gives state ``corrupt`` or ``truncated`` (with what was
+        readable and a line in ``problems``) instead of an exception.
+    """
+    file = _wandb_file(Path(run_dir))
+    cli = _wandb_cli()
+    rc, out, err = _leet([*cli, "leet", "inspect", "--summary", "--json", str(file)])
+    if rc != 0:
+        return _unreadable(file, err)
+    summary = json.loads(out)
+    _, stream, stream_err = _leet([*cli, "leet", "inspect", "--json", str(file)])
+    history, group, exited = [], None, False
+    for line in stream.splitlines():
+        record = json.loads(line)
+        kind = record.get("type")
+        if kind == "history":
+            history.append(record["history"]["item"])
+        elif kind == "run":
+            group = record["run"].get("run_group") or group
+        elif kind == "exit":
+            exited = True
+    state, problem = _file_state(file, summary.get("state", "unknown"), exited, stream_err)
+    run_id = summary.get("run_id") or _id_from_name(file)
+    return RunRecord(
+        path=str(file.parent), name=summary.get("name") or run_id or file.parent.name,
+        group=group,
+        tags=list(summary.get("tags") or []), state=state,
+        config={k: v for k, v in (summary.get("config") or {}).items() if not k.startswith("_")},
+        summary=dict(summary.get("summary") or {}), history=history,
+        start_time=summary.get("start_time") or "",
+        run_id=run_id, segments=[str(file.parent)],
+        problems=[problem] if problem else [],
+    )  # fmt: skip
+
+
+def _file_state(file: Path, state: str, exited: bool, stderr: str) -> tuple[str, str | None]:
+    """The run's state as its file shows it, and what is wrong with the file (or None)."""
+    if "corrupt" in stderr:
+        return "corrupt", f"{file}: {_last_line(stderr)}"
+    if exited:
+        return state, None
+    idle = time.time() - file.stat().st_mtime
+    if idle < STALE_AFTER_S:
+        return "running", None
+    return "truncated", (
+        f"{file}: ends without an exit record and was last written {idle / 60:.0f} min ago "
+        "(the run was killed or interrupted); shown as far as it was written"
+    )
+
+
+def _unreadable(file: Path, stderr: str) -> RunRecord:
+    if "transactionlog" not in stderr:  # not the file's fault: wandb itself failed
+        raise RunReadError(
+            f"wandb leet inspect failed on {file}: {_last_line(stderr)}; reading offline runs "
+            "needs wandb >= 0.31 (pip install -U wandb)"
+        )
+    return RunRecord(
+        path=str(file.parent), name=file.parent.name, group=None, tags=[], state="corrupt",
+        config={}, summary={}, run_id="", segments=[str(file.parent)],
+        problems=[f"{file}: unreadable ({_last_line(stderr)})"],
+    )  # fmt: skip
+
+
+def merge_segments(records: Iterable[RunRecord]) -> list[RunRecord]:
+    """Join the segments of resumed runs (same run id) into one record each.
+
+    History rows are keyed by step, a later segment's values replacing an earlier one's at
+    the same step (a resumed run repeats the steps after its last checkpoint); config, name,
+    group, tags and state come from the latest segment, the summary is the earlier ones
+    updated by the later ones. Records without a run id (unreadable files) stay alone.
+
+    Returns:
+        One record per run, ordered by start time.
+    """
+    by_id: dict[str, list[RunRecord]] = {}
+    alone: list[RunRecord] = []
+    for r in records:
+        (by_id.setdefault(r.run_id, []) if r.run_id else alone).append(r)
+    merged = [_merge(sorted(group, key=_start_key)) for group in by_id.values()]
+    return sorted(merged + alone, key=_start_key)
+
+
+def _merge(segments: list[RunRecord]) -> RunRecord:
+    if len(segments) == 1:
+        return segments[0]
+    rows: dict[Any, dict[str, Any]] = {}
+    summary: dict[str, Any] = {}
+    for seg in segments:
+        for i, row in enumerate(seg.history):
+            key = row.get("_step", (seg.path, i))
+            rows[key] = {**rows.get(key, {}), **row}
+        summary.update(seg.summary)
+    last = segments[-1]
+    # A resumed segment started without a name falls back to the run id: not a new name.
+    named = [s for s in segments if s.name != s.run_id]
+    return RunRecord(
+        path=last.path, name=named[-1].name if named else last.run_id,
+        group=next((s.group for s in reversed(segments) if s.group), None),
+        tags=last.tags or next((s.tags for s in reversed(segments) if s.tags), []),
+        state=last.state, config=last.config, summary=summary,
+        history=sorted(rows.values(), key=lambda r: r.get("_step", 0)),
+        start_time=segments[0].start_time, run_id=last.run_id,
+        segments=[p for s in segments for p in s.segments],
+        problems=[p for s in segments for p in s.problems],
+    )  # fmt: skip
+
+
+def _start_key(r: RunRecord) -> tuple[str, str]:
+    # Folder names carry the start second only; the recorded start time breaks ties.
+    return (r.start_time, r.path)
+
+
+def _wandb_file(run_dir: Path) -> Path:
+    if not run_dir.exists():
+        raise FileNotFoundError(f"no W&B run at {run_dir}; pass a wandb/offline-run-* folder")
+    if run_dir.is_file():
+        return run_dir
+    files = sorted(run_dir.glob("*.wandb"))
+    if len(files) != 1:
+        raise FileNotFoundError(
+            f"{run_dir} holds {len(files)} .wandb files; pass one run folder or one .wandb file"
+        )
+    return files[0]
+
+
+def _id_from_name(file: Path) -> str:
+    """``run-<id>.wandb`` -> ``<id>`` (a file cut before its run record still has an id)."""
+    return file.stem.removeprefix("run-") if file.stem.startswith("run-") else ""
+
+
+def _last_line(text: str) -> str:
+    lines = [ln.strip() for ln in text.strip().splitlines() if ln.strip()]
+    return lines[-1] if lines else "no message"
+
+
+def _wandb_cli() -> list[str]:
+    exe = Path(sys.executable).with_name("wandb")
+    return [str(exe)] if exe.exists() else [sys.executable, "-m", "wandb"]
+
+
+def _leet(cmd: list[str]) -> tuple[int, str, str]:
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    return done.returncode, done.stdout, done.stderr
+
+
+def read_online_runs(path: str, filters: Mapping[str, Any] | None = None) -> list[RunRecord]:
+    """Read the runs of ``entity/project`` from the W&B server with ``wandb.Api()``.
+
+    Args:
+        path: ``"entity/project"``.
+        filters: a MongoDB-style filter as ``wandb.Api().runs`` takes, e.g.
+            ``{"config.algorithm": "maml"}``.
+
+    Raises:
+        RunReadError: not logged in, or the server did not answer.
+    """
+    import wandb
+
+    try:
+        runs = list(wandb.Api().runs(path, filters=dict(filters or {})))
+        return [_online_record(path, run) for run in runs]
+    except wandb.errors.Error as e:
+        raise RunReadError(
+            f"reading {path} from the W&B server failed: {e} (log in with `wandb login`, or "
+            "compare offline run folders instead)"
+        ) from e
+
+
+def _online_record(path: str, run: Any) -> RunRecord:
+    return RunRecord(
+        path=f"{path}/{run.id}", name=run.name, group=run.group, tags=list(run.tags),
+        state=run.state, config={k: v for k, v in run.config.items() if not k.startswith("_")},
+        summary=dict(run.summary), history=list(run.scan_history()),
+        start_time=str(getattr(run, "created_at", "") or ""), run_id=run.id,
+        segments=[f"{path}/{run.id}"],
+    )  # fmt: skip
