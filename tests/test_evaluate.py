@@ -1,0 +1,194 @@
+"""scripts/evaluate.py and metalearn.evaluation on a real tiny run's checkpoint: the
+printed accuracy is the evaluation done by hand (load_learner, the experiment's sampler,
+learner.evaluate, the same seed), at two step counts; the eval run lands in W&B in the
+run's group; every user error is one line and exit status 2."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from metalearn.checkpoint import save_checkpoint
+from metalearn.data import load_omniglot, omniglot_samplers
+from metalearn.deploy import load_learner
+from metalearn.evaluation import accuracy_interval, evaluate_tasks
+from metalearn.tracking import read_offline_run
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "experiments"))
+sys.path.insert(0, str(ROOT / "scripts"))
+import evaluate as script  # noqa: E402
+import omniglot_maml as om  # noqa: E402
+
+DATA = Path(os.environ.get("METALEARN_DATA", ROOT.parent / "shared" / "data" / "omniglot"))
+pytestmark = pytest.mark.skipif(
+    not (DATA / "images_background").is_dir(),
+    reason="full Omniglot not found: set METALEARN_DATA or put it at ../shared/data/omniglot",
+)
+RESULT = re.compile(r"test/acc: (\d\.\d{4}) ± (\d\.\d{4}|nan)")
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory) -> Path:
+    """Two meta-steps of the experiment itself (validated, so best weights exist), offline W&B."""
+    tmp = tmp_path_factory.mktemp("runs")
+    args = om.Args(
+        iterations=2, meta_batch=2, query=1, eval_query=2, hidden=8, val_every=1, val_tasks=3,
+        test_tasks=4, eval_inner_steps=2, checkpoint_every=1, data_root=str(DATA),
+        out_dir=str(tmp), track=True, wandb_mode="offline", device="cpu",
+    )  # fmt: skip
+    with pytest.MonkeyPatch.context() as env:  # wandb's folders inside tmp, as conftest does
+        for var in ("WANDB_CACHE_DIR", "WANDB_CONFIG_DIR", "WANDB_DATA_DIR", "WANDB_DIR"):
+            env.setenv(var, str(tmp / "wandb-env" / var.lower()))
+        om.main(args)
+        sys.modules["wandb"].teardown()
+    return tmp / "maml-5w1s-seed0" / "checkpoint.pt"
+
+
+def _by_hand(path: Path, *, steps: int, tasks: int, seed: int, shots: int, query: int):
+    """The reference: the pieces called directly, every task drawn in one batch."""
+    learner, run = load_learner(path, which="best")
+    sampler = omniglot_samplers(load_omniglot(run["data_root"]), run["split"], ways=run["ways"],
+                                shots=shots, queries=query)["test"]  # fmt: skip
+    drawn = sampler.batch(tasks, torch.Generator().manual_seed(seed))
+    acc = learner.evaluate(drawn, steps=steps)[1].double().numpy()
+    return acc.mean(), 1.96 * acc.std(ddof=1) / math.sqrt(tasks)
+
+
+def _last_line(capsys) -> re.Match:
+    lines = capsys.readouterr().out.strip().splitlines()
+    match = RESULT.fullmatch(lines[-1])
+    assert match, lines[-1]
+    return match
+
+
+@pytest.mark.parametrize(("steps", "shots", "query"), [(0, 1, 2), (3, 2, 5)])
+def test_the_printed_accuracy_is_the_evaluation_by_hand(checkpoint, capsys, steps, shots, query):
+    argv = ["--checkpoint", str(checkpoint), "--tasks", "7", "--steps", str(steps), "--seed",
+            "5", "--shots", str(shots), "--query", str(query), "--no-track"]  # fmt: skip
+    assert script.cli(argv) == 0
+    printed = _last_line(capsys)
+    mean, half = _by_hand(checkpoint, steps=steps, tasks=7, seed=5, shots=shots, query=query)
+    assert printed[1] == f"{mean:.4f}" and printed[2] == f"{half:.4f}"
+
+
+def test_the_result_does_not_depend_on_the_chunk_size(checkpoint) -> None:
+    learner, run = load_learner(checkpoint)
+    sampler = omniglot_samplers(load_omniglot(run["data_root"]), "maml", ways=5, shots=1,
+                                queries=2)["test"]  # fmt: skip
+    results = {
+        chunk: evaluate_tasks(
+            learner, sampler, 7, 1, torch.Generator().manual_seed(3), chunk=chunk, progress=False
+        )  # fmt: skip
+        for chunk in (1, 3, 50)
+    }
+    assert results[1] == results[3] == results[50]
+    accuracies = learner.evaluate(sampler.batch(7, torch.Generator().manual_seed(3)), steps=1)[1]
+    assert results[1][0] == pytest.approx(accuracies.double().mean().item(), abs=1e-12)
+    with pytest.raises(ValueError, match="need tasks >= 1"):
+        evaluate_tasks(learner, sampler, 0, 1, torch.Generator())
+
+
+def test_accuracy_interval_is_the_normal_95_percent_half_width() -> None:
+    values = torch.tensor([0.2, 0.4, 0.4, 1.0, 0.6])
+    want = 1.96 * np.std(values.double().numpy(), ddof=1) / math.sqrt(5)
+    assert accuracy_interval(values) == pytest.approx(want, rel=1e-12)
+    assert math.isnan(accuracy_interval(values[:1]))
+
+
+def test_the_eval_run_is_logged_in_the_runs_group(checkpoint, capsys) -> None:
+    wandb_dir = checkpoint.parent.parent / "wandb"
+    before = set(wandb_dir.glob("offline-run-*"))
+    argv = ["--checkpoint", str(checkpoint), "--tasks", "3", "--wandb-mode", "offline"]
+    assert script.cli(argv) == 0
+    out = capsys.readouterr().out
+    assert "2 inner steps" in out  # the run's eval_inner_steps by default
+    printed = RESULT.fullmatch(out.strip().splitlines()[-1])
+    (run_dir,) = set(wandb_dir.glob("offline-run-*")) - before
+    (train_dir,) = before
+    record, trained = read_offline_run(run_dir), read_offline_run(train_dir)
+    assert record.group == trained.group == "maml-5w1s"
+    assert record.config["checkpoint"] == str(checkpoint.resolve())
+    assert (record.config["steps"], record.config["tasks"], record.config["which"]) == (
+        2,
+        3,
+        "best",
+    )
+    assert (record.config["ways"], record.config["shots"], record.config["query"]) == (5, 1, 2)
+    assert f"{record.summary['test/acc']:.4f}" == printed[1]
+    assert _job_type(run_dir) == "eval"
+
+
+def _job_type(run_dir: Path) -> str:
+    """The job type recorded in an offline run, read by wandb's own reader."""
+    wandb = Path(sys.executable).with_name("wandb")
+    lines = subprocess.run(
+        [str(wandb), "leet", "inspect", "--json", str(run_dir)],
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=120,
+    ).stdout
+    runs = [json.loads(line)["run"] for line in lines.splitlines() if '"type":"run"' in line]
+    return runs[-1]["job_type"]
+
+
+def _refused(capsys, argv: list[str], message: str) -> None:
+    assert script.cli(argv) == 2
+    captured = capsys.readouterr()
+    lines = captured.err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("evaluate.py: error: "), captured.err
+    assert message in lines[0], lines[0]
+    assert "test/acc" not in captured.out
+
+
+def test_user_errors_are_one_line(checkpoint, tmp_path, capsys) -> None:
+    run = ["--checkpoint", str(checkpoint), "--no-track", "--tasks", "2"]
+    _refused(capsys, ["--no-track"], "--checkpoint is required")
+    _refused(capsys, ["--checkpoint", str(tmp_path / "gone.pt")], "no checkpoint at")
+    (tmp_path / "notes.pt").write_text("hello")
+    _refused(capsys, ["--checkpoint", str(tmp_path / "notes.pt")], "is not a metalearn checkpoint")
+    saved = torch.load(checkpoint, weights_only=True)
+    early = save_checkpoint(tmp_path / "early" / "checkpoint.pt", {**saved, "best_learner": None})
+    _refused(capsys, ["--checkpoint", str(early), "--no-track"], "(--which last)")
+    _refused(capsys, [*run, "--ways", "3"], "head has 5 outputs (trained 5-way)")
+    _refused(capsys, [*run, "--shots", "10", "--query", "15"], "each class has only 20 examples")
+    _refused(capsys, [*run, "--steps", "-1"], "--steps >= 0")
+
+
+def test_the_command_exits_2(tmp_path) -> None:
+    missing = tmp_path / "runs" / "x" / "checkpoint.pt"
+    command = [sys.executable, str(ROOT / "scripts" / "evaluate.py"), "--checkpoint", str(missing)]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 2
+    assert done.stderr.strip().splitlines() == [
+        f"evaluate.py: error: no checkpoint at {missing}; pass a run's checkpoint, "
+        "runs/<run_name>/checkpoint.pt"
+    ]
+
+
+def test_which_last_evaluates_the_latest_weights(checkpoint, tmp_path, capsys) -> None:
+    saved = torch.load(checkpoint, weights_only=True)
+    # Latest weights that differ from the best: 'last' must test them, 'best' must not.
+    saved["learner"] = {
+        k: v * 0 if v.is_floating_point() else v for k, v in saved["learner"].items()
+    }
+    path = save_checkpoint(tmp_path / "r" / "checkpoint.pt", saved)
+    common = ["--checkpoint", str(path), "--tasks", "4", "--no-track", "--steps", "0"]
+    script.cli([*common, "--which", "last"])
+    last = _last_line(capsys)
+    learner, _ = load_learner(path, which="last")
+    assert all(float(p.detach().abs().sum()) == 0 for p in learner.parameters())
+    mean, _ = _by_hand(path, steps=0, tasks=4, seed=2, shots=1, query=2)  # 'best', by hand
+    script.cli(common)
+    assert _last_line(capsys)[1] == f"{mean:.4f}"
+    assert last[1] == "0.2000"  # all-zero weights: equal logits, argmax class 0, 1 in 5 right
