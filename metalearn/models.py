@@ -7,51 +7,20 @@ dict, batched over tasks with `torch.func.vmap` and differentiated to second ord
   updates);
 * batch norm is `batch_norm`, written from elementary ops, because the fused
   ``F.batch_norm(training=True)`` gives wrong second-order gradients under ``vmap``
-  (measured on torch 2.13, see ``DESIGN.md``); the engine's loop path, where no transform
-  runs, switches it to the fused kernel with `fused_norm` (faster there, measured);
+  (measured on torch 2.13, see `batch_norm`);
 * the classifier is a submodule called ``head`` and everything before it ``features``, so
   ANIL adapts ``head.*`` only by passing those keys.
 """
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from typing import Literal
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
-from metalearn.functional import transforms_active
-
-__all__ = ["MLP", "Conv4", "ConvBlock", "MetaBatchNorm", "batch_norm", "fused_norm"]
-
-_FUSED_NORM = contextvars.ContextVar("metalearn_fused_norm", default=False)
-
-
-@contextlib.contextmanager
-def fused_norm(enabled: bool = True) -> Iterator[None]:
-    """Let `batch_norm` use the fused ``F.batch_norm`` kernel where no transform runs.
-
-    Same maths. Only its vmapped second derivative is wrong, so `batch_norm` takes the
-    elementary path whenever a ``torch.func`` transform is active (and under
-    ``torch.compile``). The engine's loop path turns this on around each task; its inner
-    step keeps the elementary form for second-order support losses (differentiated twice)
-    and the query loss takes the fused kernel (differentiated once). That made a conv4
-    loop meta-step 10-16% faster (scripts/bench_maml.py), and its float32 meta-gradient
-    stayed as close to float64 as vmap's on the two workloads checked. Not on by default:
-    differentiated *twice* in float32 (``torch.autograd.grad(create_graph=True)`` through
-    the fused kernel, learn2learn's path), one workload's meta-gradient was 2e-4 off float64
-    against 2e-6 for the elementary form; and HVPs by double backward through it were slower
-    (bench_hvp: 113 vs 84 ms on conv4).
-    """
-    token = _FUSED_NORM.set(enabled)
-    try:
-        yield
-    finally:
-        _FUSED_NORM.reset(token)
+__all__ = ["MLP", "Conv4", "ConvBlock", "MetaBatchNorm", "batch_norm"]
 
 
 def batch_norm(x: Tensor, weight: Tensor, bias: Tensor, eps: float = 1e-5) -> Tensor:
@@ -60,9 +29,14 @@ def batch_norm(x: Tensor, weight: Tensor, bias: Tensor, eps: float = 1e-5) -> Te
     This is MAML's batch norm (Finn et al., 2017): no running statistics, the same in
     training and evaluation, so query examples are normalised with their own batch's
     statistics. It equals ``F.batch_norm(x, None, None, weight, bias, training=True,
-    eps=eps)`` (biased variance) but is built from ``mean`` and elementwise ops, so its
-    second derivatives are right under ``vmap`` (the fused kernel's are not, see
-    ``DESIGN.md``).
+    eps=eps)`` (biased variance) but is built from sums and elementwise ops, always, so its
+    second derivatives are right under ``vmap``. The fused kernel's are not: its vmapped
+    mixed second derivative (the outer derivative through the inner gradient of the norm's
+    weight, w.r.t. a weight upstream of it) is wrong: on torch 2.13 in float64, a vmapped
+    second-order Conv4 meta-gradient through ``F.batch_norm`` missed finite differences by
+    10-72% along three random directions, where this form and the looped kernel agreed to
+    1e-8 (``tests/test_models.py``). There is no switch to the fused kernel: one form serves the
+    vmapped and the looped paths, and nothing global decides between them.
 
     Args:
         x: input ``[N, C]``, ``[N, C, L]`` or ``[N, C, H, W]``; statistics are taken per
@@ -85,11 +59,6 @@ def batch_norm(x: Tensor, weight: Tensor, bias: Tensor, eps: float = 1e-5) -> Te
             f"weight {tuple(weight.shape)} and bias {tuple(bias.shape)} must both have shape "
             f"({channels},) to match the input's channel dimension (dim 1 of {tuple(x.shape)})"
         )
-    # The fused kernel refuses one value per channel (the elementary form gives bias there).
-    # transforms_active() first: it is True under torch.compile, whose dynamo cannot trace
-    # the ContextVar read.
-    if not transforms_active() and x.numel() > channels and _FUSED_NORM.get():
-        return F.batch_norm(x, None, None, weight, bias, training=True, eps=eps)
     dims = (0, *range(2, x.dim()))
     shape = (1, channels) + (1,) * (x.dim() - 2)
     # Means as sums times 1/N: a mean's backward divides a full-size tensor by N (once in

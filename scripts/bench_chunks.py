@@ -4,7 +4,7 @@ What: for each workload (``q<query per class>-<first|second>``, as in ``bench_ma
 conv4, 32 tasks, 5-way 1-shot, 1 inner step) the median time of a full meta-step for vmapped
 chunks of 4, 8, 16 and 32 tasks (those within ``--max-examples``), what ``chunk_size="auto"``
 picks, the per-task loop, and learn2learn when it is installed, interleaved round-robin in
-one process. `metalearn.chunking.AUTO_CHUNK_EXAMPLES` comes from this table.
+one process. `metalearn.plan.VMAP_CHUNK_EXAMPLES` comes from this table.
 
 Command::
 

@@ -74,9 +74,10 @@ from torch.func import vmap
 
 from metalearn import tune_malloc
 from metalearn.algorithms import FOMAML, MAML
-from metalearn.chunking import ChunkSize, plan_chunks
+from metalearn.chunking import ChunkSize
 from metalearn.models import Conv4
-from metalearn.outer import InnerLoop, Task, choose_vectorize, task_loss
+from metalearn.outer import InnerLoop, Task, task_loss
+from metalearn.plan import plan
 
 WAYS, SHOTS, INNER_LR, OUTER_LR = 5, 1, 0.4, 1e-3
 METHODS = ("loop", "vmap", "auto", "learn2learn", "higher")
@@ -393,9 +394,8 @@ def auto_plan(tasks: Sequence[Task], setting: Setting, args: BenchArgs) -> str:
     """What ``auto`` runs, e.g. ``"vmap, 4x8"`` (4 chunks of 8 tasks) or ``"loop, 32x1"``."""
     model = make_model(torch.float32, args.seed)
     inner = InnerLoop(steps=1, lr=INNER_LR, first_order=setting.first_order)
-    chunks = plan_chunks(model, tasks, inner, "auto")
-    mode = choose_vectorize(model, [tasks[i] for i in chunks[0]], inner, "auto")
-    return f"{mode}, {len(chunks)}x{len(chunks[0])}"
+    chunks = plan(model, tasks, inner, "auto")
+    return f"{chunks[0].mode}, {len(chunks)}x{len(chunks[0].tasks)}"
 
 
 def float64_gradients(method: str, setting: Setting, args: BenchArgs) -> dict[str, Tensor]:

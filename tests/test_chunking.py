@@ -3,7 +3,8 @@
 The reference is `MetaLearner.backward` with ``chunk_size=None``: one graph over the whole
 meta-batch, one ``loss.backward()``. Chunking must give the same ``.grad`` (float64, 1e-12)
 and the same metrics, with skipped tasks, learnable learning rates and MAML++'s multi-step
-loss; and `plan_chunks` must follow its documented rule.
+loss; and a non-finite loss must name the task's place in the whole meta-batch, whatever the
+chunks and the mode.
 """
 
 from __future__ import annotations
@@ -12,10 +13,10 @@ import pytest
 import torch
 from torch import Tensor
 
-from metalearn.algorithms import MAML, MAMLpp, MetaLearner, MetaSGD
-from metalearn.chunking import AUTO_CHUNK_EXAMPLES, meta_backward, plan_chunks
-from metalearn.models import MLP, Conv4
-from metalearn.outer import AllTasksSkippedError, InnerLoop, Task
+from metalearn.algorithms import IMAML, MAML, MAMLpp, MetaLearner, MetaSGD, Reptile
+from metalearn.chunking import ChunkedMetaGradient
+from metalearn.models import Conv4
+from metalearn.task import AllTasksSkippedError, NonFiniteLossError, Task
 
 F64 = torch.float64
 
@@ -117,41 +118,69 @@ def test_evaluate_in_chunks_equals_one_batch() -> None:
         torch.testing.assert_close(a, b, rtol=0, atol=1e-12)
 
 
-def test_plan_chunks_rule() -> None:
-    torch.manual_seed(0)
-    model = MLP(4, [5], 3).to(F64)
-    inner = InnerLoop()
-    limit = AUTO_CHUNK_EXAMPLES["cpu"]
-    small = [_vector_task(i, per_task=10) for i in range(32)]  # 320 examples: one chunk
-    assert [len(c) for c in plan_chunks(model, small, inner)] == [32]
-    mid = [_vector_task(i, per_task=30) for i in range(32)]  # 960: 2 chunks of 16
-    assert [len(c) for c in plan_chunks(model, mid, inner)] == [16, 16]
-    big = [_vector_task(i, per_task=80) for i in range(32)]  # 2560: 6 chunks' worth -> 6 each
-    assert [len(c) for c in plan_chunks(model, big, inner)] == [6] * 5 + [2]
-    assert [len(c) for c in plan_chunks(model, big[:10], inner)] == [5, 5]  # 800: 2 chunks
-    few = [_vector_task(i, per_task=10) for i in range(5)]
-    assert plan_chunks(model, few, inner) == [range(5)]
-    first = InnerLoop(first_order=True)  # the same limit in first order
-    assert [len(c) for c in plan_chunks(model, big, first)] == [6] * 5 + [2]
-    huge = [_vector_task(i, per_task=limit + 2) for i in range(3)]
-    assert [len(c) for c in plan_chunks(model, huge, inner)] == [1, 1, 1]
-    assert [len(c) for c in plan_chunks(model, small, inner, "loop")] == [1] * 32
-    stopping = [*small[:3], _vector_task(9, stop=lambda step, loss: False)]
-    assert [len(c) for c in plan_chunks(model, stopping, inner)] == [1] * 4
-    assert plan_chunks(model, small, inner, chunk_size=None) == [range(32)]
-    assert plan_chunks(model, small[:5], inner, chunk_size=2) == [
-        range(0, 2),
-        range(2, 4),
-        range(4, 5),
-    ]
-    for bad in (0, -1, 2.5, True, "big"):
-        with pytest.raises(ValueError, match="chunk_size must be"):
-            plan_chunks(model, small, inner, chunk_size=bad)
-    with pytest.raises(ValueError, match="early-stopping"):
-        plan_chunks(model, stopping, inner, "vmap")
-
-
-def test_meta_backward_needs_a_leaf_to_fill() -> None:
+def test_chunked_gradient_needs_a_leaf_to_fill() -> None:
     frozen = {k: v.detach() for k, v in _conv().named_parameters()}
     with pytest.raises(ValueError, match="requires grad"):
-        meta_backward(lambda ts: None, frozen, [_image_task(0)], [range(1)])  # type: ignore
+        ChunkedMetaGradient(frozen)
+
+
+# ------------------------------------------------------------- non-finite: the task's place
+
+
+def _inf_task_3() -> list[Task]:
+    """5 tasks; task 3's support set holds an inf (its loss is not finite at step 0)."""
+    tasks = [_image_task(i) for i in range(5)]
+    tasks[3].support[0][0, 0, 0, 0] = float("inf")
+    return tasks
+
+
+MODES = [(v, c) for v in ("vmap", "loop") for c in (1, 2, "auto", None)]
+
+
+@pytest.mark.parametrize(("vectorize", "chunk_size"), MODES)
+def test_nonfinite_error_names_the_meta_batch_index(vectorize: str, chunk_size) -> None:
+    tasks = _inf_task_3()
+    learner = MAML(_conv(), inner_steps=2, vectorize=vectorize, chunk_size=chunk_size)
+    for call in (learner.backward, learner.evaluate):
+        with pytest.raises(NonFiniteLossError, match="task 3 at inner step 0") as info:
+            call(tasks)
+        assert info.value.task_index == 3
+
+
+@pytest.mark.parametrize(("vectorize", "chunk_size"), MODES)
+def test_skip_drops_the_same_task_in_backward_and_evaluate(vectorize: str, chunk_size) -> None:
+    tasks = _inf_task_3()
+    kept = [t for i, t in enumerate(tasks) if i != 3]
+    settings = dict(inner_steps=2, vectorize=vectorize, on_nonfinite="skip")
+    learner = MAML(_conv(), chunk_size=chunk_size, **settings)
+    reference = MAML(_conv(), chunk_size=None, **{**settings, "on_nonfinite": "raise"})
+    got, metrics = _grads_after_backward(learner, tasks)
+    expected, ref_metrics = _grads_after_backward(reference, kept)
+    _assert_same(got, expected)
+    assert metrics.skipped == 1
+    assert metrics.loss == pytest.approx(ref_metrics.loss, abs=1e-12)
+    losses, accuracies = learner.evaluate(tasks)
+    ref_losses, ref_accuracies = reference.evaluate(kept)
+    assert torch.isnan(losses[3]) and torch.isnan(accuracies[3])
+    keep = [0, 1, 2, 4]
+    torch.testing.assert_close(losses[keep], ref_losses, rtol=0, atol=1e-12)
+    torch.testing.assert_close(accuracies[keep], ref_accuracies, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("cls", [Reptile, IMAML])
+def test_loop_learners_name_the_task_and_skip_it_in_evaluate(cls: type[MetaLearner]) -> None:
+    tasks = _inf_task_3()
+    # iMAML's CG needs damping on this net (see IMAML's cg_damping); Reptile takes none.
+    extra = {"cg_damping": 10.0} if cls is IMAML else {}
+
+    def learner(**kwargs) -> MetaLearner:
+        return cls(_conv(), inner_steps=2, **extra, **kwargs)
+
+    for call in (learner().evaluate, learner().backward):
+        with pytest.raises(NonFiniteLossError, match="task 3"):
+            call(tasks)
+    losses, accuracies = learner(on_nonfinite="skip").evaluate(tasks)
+    ref_losses, _ = learner().evaluate([t for i, t in enumerate(tasks) if i != 3])
+    assert torch.isnan(losses[3]) and torch.isnan(accuracies[3])
+    torch.testing.assert_close(losses[[0, 1, 2, 4]], ref_losses, rtol=0, atol=1e-12)
+    assert learner(on_nonfinite="skip").backward(tasks).skipped == 1

@@ -10,7 +10,7 @@ from torch import nn
 from torch.func import functional_call, grad, vmap
 
 from metalearn.functional import flatten_tree, unflatten_like
-from metalearn.models import MLP, Conv4, MetaBatchNorm, batch_norm, fused_norm
+from metalearn.models import MLP, Conv4, MetaBatchNorm, batch_norm
 from metalearn.second_order import HVP_METHODS, hessian, hvp
 
 F64 = torch.float64
@@ -252,55 +252,81 @@ def _graph_nodes(t: torch.Tensor) -> set[str]:
     return names
 
 
-def test_fused_norm_takes_the_kernel_only_outside_transforms() -> None:
-    g = torch.Generator().manual_seed(0)
-    x = torch.randn(6, 3, 5, 5, generator=g, dtype=torch.float64)
-    w = torch.randn(3, dtype=torch.float64, requires_grad=True)
-    b = torch.randn(3, dtype=torch.float64, requires_grad=True)
-    plain = batch_norm(x, w, b)
-    with fused_norm():
-        fused = batch_norm(x, w, b)
-        single = batch_norm(x[:1, :, :1, :1], w, b)  # one value per channel: elementary
-        batched = vmap(batch_norm, in_dims=(0, None, None))(x.reshape(2, 3, 3, 5, 5), w, b)
-    torch.testing.assert_close(fused, plain, rtol=0, atol=1e-12)
-    assert any("NativeBatchNorm" in n for n in _graph_nodes(fused))
-    assert not any("NativeBatchNorm" in n for n in _graph_nodes(plain))
-    torch.testing.assert_close(single, b.reshape(1, 3, 1, 1).detach().expand(1, 3, 1, 1))
-    for i in range(2):  # under vmap: the elementary form (what makes it right)
-        torch.testing.assert_close(batched[i], batch_norm(x[3 * i : 3 * i + 3], w, b))
+def _tasks_and_theta(model: nn.Module) -> tuple[list, dict[str, torch.Tensor]]:
+    from metalearn.outer import Task
 
-
-def test_loop_path_uses_the_fused_kernel_and_agrees_with_vmap() -> None:
-    from metalearn.outer import InnerLoop, Task, meta_batch
-
-    torch.manual_seed(0)
-    model = Conv4(ways=3, hidden=3).to(torch.float64)
     theta = {k: v.detach().clone().requires_grad_() for k, v in model.named_parameters()}
-    g = torch.Generator().manual_seed(1)
     tasks = []
-    for _ in range(3):
-        x = torch.randn(12, 1, 8, 8, generator=g, dtype=torch.float64)
+    for i in range(3):
+        g = torch.Generator().manual_seed(i)
+        x = torch.randn(12, 1, 8, 8, generator=g, dtype=F64)
         y = torch.arange(12) % 3
         tasks.append(Task((x[:6], y[:6]), (x[6:], y[6:])))
+    return tasks, theta
+
+
+def test_batch_norm_is_elementary_in_the_loop_and_under_vmap() -> None:
+    """One form of batch norm everywhere: neither mode reaches the fused kernel, and their
+    meta-gradients agree."""
+    from metalearn.outer import InnerLoop, meta_batch
+
+    torch.manual_seed(0)
+    model = Conv4(ways=3, hidden=3).to(F64)
+    tasks, theta = _tasks_and_theta(model)
     inner = InnerLoop(steps=2)
     looped = meta_batch(model, theta, tasks, inner, vectorize="loop")
     vmapped = meta_batch(model, theta, tasks, inner, vectorize="vmap")
-    assert any("NativeBatchNorm" in n for n in _graph_nodes(looped.loss))
-    assert not any("NativeBatchNorm" in n for n in _graph_nodes(vmapped.loss))
+    for result in (looped, vmapped):
+        assert not any("NativeBatchNorm" in n for n in _graph_nodes(result.loss))
     for a, b in zip(
         torch.autograd.grad(looped.loss, list(theta.values())),
         torch.autograd.grad(vmapped.loss, list(theta.values())),
     ):
         torch.testing.assert_close(a, b, rtol=0, atol=1e-12)
-    # Checkpointing replays the forward in the backward pass: it keeps the elementary form.
-    ckpt = meta_batch(model, theta, tasks, InnerLoop(steps=2, checkpoint=True), vectorize="loop")
-    torch.testing.assert_close(ckpt.loss, looped.loss, rtol=0, atol=1e-12)
+
+
+def test_the_fused_kernels_vmapped_second_order_is_wrong_and_batch_norms_is_right() -> None:
+    """Why `batch_norm` never takes ``F.batch_norm``: vmapped and differentiated through the
+    inner gradient, the fused kernel's meta-gradient misses finite differences (float64,
+    torch 2.13: 10%, 72% and 11% off along these three directions), while `MetaBatchNorm`'s
+    and the fused kernel's in the loop agree to 1e-7. ``run_meta_batch`` is given the mode,
+    so it skips the planner's refusal of fused norms under vmap."""
+    from metalearn.outer import InnerLoop, run_meta_batch
+
+    inner = InnerLoop(steps=2, lr=0.3)
+
+    def relative_errors(norm, mode: str) -> list[float]:
+        torch.manual_seed(0)
+        model = Conv4(ways=3, hidden=3, norm_layer=norm).to(F64)
+        tasks, theta = _tasks_and_theta(model)
+
+        def objective(p: dict[str, torch.Tensor]) -> torch.Tensor:
+            return run_meta_batch(model, p, tasks, inner, mode).loss
+
+        grads = torch.autograd.grad(objective(theta), list(theta.values()))
+        g = torch.Generator().manual_seed(0)
+        errors = []
+        for _ in range(3):
+            v = {k: torch.randn(t.shape, generator=g, dtype=F64) for k, t in theta.items()}
+            with torch.no_grad():
+                plus = objective({k: theta[k] + 1e-6 * v[k] for k in theta})
+                minus = objective({k: theta[k] - 1e-6 * v[k] for k in theta})
+            fd = float((plus - minus) / 2e-6)
+            analytic = float(sum((gk * v[k]).sum() for gk, k in zip(grads, theta)))
+            errors.append(abs(analytic - fd) / abs(fd))
+        return errors
+
+    def fused(c: int) -> nn.Module:
+        return nn.BatchNorm2d(c, track_running_stats=False)
+
+    assert max(relative_errors(MetaBatchNorm, "vmap")) < 1e-7
+    assert max(relative_errors(fused, "loop")) < 1e-7
+    assert min(relative_errors(fused, "vmap")) > 0.05
 
 
 def test_batch_norm_compiles_without_graph_breaks() -> None:
-    # fullgraph=True raises on any graph break (the fused-kernel switch once caused one).
+    # fullgraph=True raises on any graph break.
     x = torch.randn(4, 3, 5, 5)
     w, b = torch.ones(3), torch.zeros(3)
     compiled = torch.compile(batch_norm, backend="eager", fullgraph=True)
-    with fused_norm():
-        torch.testing.assert_close(compiled(x, w, b), batch_norm(x, w, b))
+    torch.testing.assert_close(compiled(x, w, b), batch_norm(x, w, b))

@@ -17,7 +17,8 @@ from torch.func import functional_call
 
 from metalearn.inner import adapt
 from metalearn.models import MLP, Conv4, MetaBatchNorm
-from metalearn.outer import InnerLoop, Task, choose_vectorize, meta_batch
+from metalearn.outer import InnerLoop, Task, meta_batch
+from metalearn.plan import Vectorize, plan
 
 F64 = torch.float64
 Params = dict[str, Tensor]
@@ -48,6 +49,14 @@ def _vector_task(seed: int, shots: int = 2, ways: int = 3, **kwargs) -> Task:
     x = torch.randn(2 * n, 4, generator=g, dtype=F64)
     y = torch.arange(2 * n) % ways
     return Task((x[:n], y[:n]), (x[n:], y[n:]), **kwargs)
+
+
+def _one_chunk_mode(
+    model: nn.Module, tasks: list[Task], inner: InnerLoop, vectorize: Vectorize
+) -> str:
+    """The mode `plan` gives a meta-batch run as one chunk (what `meta_batch` runs)."""
+    (chunk,) = plan(model, tasks, inner, vectorize, chunk_size=None)
+    return chunk.mode
 
 
 def _mlp(out: int = 3, seed: int = 0) -> MLP:
@@ -103,8 +112,9 @@ def test_vmap_and_loop_give_the_same_meta_gradient(norm: str, seed: int) -> None
 
 
 def test_vmap_meta_gradient_with_batch_norm_matches_finite_differences() -> None:
-    """Directional derivatives along random directions: the trap DESIGN.md measured (fused
-    batch norm 12% off under vmapped second order) would show here.
+    """Directional derivatives along random directions: the fused batch-norm kernel's trap
+    (its vmapped second-order meta-gradient 10-72% off finite differences, measured in
+    ``tests/test_models.py``) would show here.
 
     The step is small on purpose: with ReLU the inner gradient, hence the MAML objective,
     jumps where a pre-activation changes sign, and at eps=1e-5 one direction crosses such a
@@ -137,12 +147,12 @@ def test_fused_batch_norm_refuses_vmap_and_auto_picks_the_loop() -> None:
     tasks = [_image_task(i) for i in range(3)]
     inner = InnerLoop(steps=2, lr=0.3)
     with pytest.raises(ValueError, match="MetaBatchNorm"):
-        choose_vectorize(model, tasks, inner, "vmap")
+        _one_chunk_mode(model, tasks, inner, "vmap")
     with pytest.raises(ValueError, match="MetaBatchNorm"):
         meta_batch(model, theta, tasks, inner, vectorize="vmap")
-    assert choose_vectorize(model, tasks, inner, "auto") == "loop"
+    assert _one_chunk_mode(model, tasks, inner, "auto") == "loop"
     # First order never takes the wrong mixed second derivative: vmap is allowed.
-    assert choose_vectorize(model, tasks, InnerLoop(first_order=True), "vmap") == "vmap"
+    assert _one_chunk_mode(model, tasks, InnerLoop(first_order=True), "vmap") == "vmap"
 
     # And the loop is right: the same net with MetaBatchNorm, vmapped, agrees.
     fused = meta_batch(model, theta, tasks, inner, vectorize="auto")
@@ -175,10 +185,10 @@ def test_fused_layer_norm_refuses_vmap_and_the_loop_matches_finite_differences()
     tasks = [_vector_task(i) for i in range(3)]
     inner = InnerLoop(steps=2, lr=0.3)
     with pytest.raises(ValueError, match="layer-norm"):
-        choose_vectorize(model, tasks, inner, "vmap")
-    assert choose_vectorize(model, tasks, inner, "auto") == "loop"
+        _one_chunk_mode(model, tasks, inner, "vmap")
+    assert _one_chunk_mode(model, tasks, inner, "auto") == "loop"
     plain = _LayerNormNet(affine=False).to(F64)
-    assert choose_vectorize(plain, tasks, inner, "auto") == "vmap"
+    assert _one_chunk_mode(plain, tasks, inner, "auto") == "vmap"
 
     def objective(p: Params) -> Tensor:
         return meta_batch(model, p, tasks, inner).loss
@@ -275,24 +285,24 @@ def test_tensor_kwargs_bucket_by_identity_not_by_their_rounded_repr() -> None:
 # --------------------------------------------------------------------------- choosing a path
 
 
-def test_choose_vectorize_auto_rule() -> None:
+def test_one_chunk_mode_rule() -> None:
     model = _mlp()
     inner = InnerLoop()
     small = [_vector_task(i) for i in range(3)]  # 3 x 12 examples in all
-    big = [_vector_task(i, shots=6) for i in range(30)]  # 30 x 36 = 1080 > 800 (the CPU limit)
+    big = [_vector_task(i, shots=6) for i in range(30)]  # 30 x 36 = 1080 > 480 (the CPU limit)
     stopping = [*small, _vector_task(9, stop=lambda s, loss: False)]
-    assert choose_vectorize(model, small, inner, "auto") == "vmap"
-    assert choose_vectorize(model, small[:1], inner, "auto") == "loop"  # nothing to batch
-    assert choose_vectorize(model, big, inner, "auto") == "loop"
-    assert choose_vectorize(model, big, inner, "vmap") == "vmap"  # allowed, only slower
-    assert choose_vectorize(model, stopping, inner, "auto") == "loop"
-    assert choose_vectorize(model, small, InnerLoop(checkpoint=True), "auto") == "loop"
-    assert choose_vectorize(model, small, inner, "loop") == "loop"
+    assert _one_chunk_mode(model, small, inner, "auto") == "vmap"
+    assert _one_chunk_mode(model, small[:1], inner, "auto") == "loop"  # nothing to batch
+    assert _one_chunk_mode(model, big, inner, "auto") == "loop"
+    assert _one_chunk_mode(model, big, inner, "vmap") == "vmap"  # allowed, only slower
+    assert _one_chunk_mode(model, stopping, inner, "auto") == "loop"
+    assert _one_chunk_mode(model, small, InnerLoop(checkpoint=True), "auto") == "loop"
+    assert _one_chunk_mode(model, small, inner, "loop") == "loop"
     with pytest.raises(ValueError, match="early-stopping"):
-        choose_vectorize(model, stopping, inner, "vmap")
+        _one_chunk_mode(model, stopping, inner, "vmap")
     with pytest.raises(ValueError, match="checkpoint"):
-        choose_vectorize(model, small, InnerLoop(checkpoint=True), "vmap")
+        _one_chunk_mode(model, small, InnerLoop(checkpoint=True), "vmap")
     with pytest.raises(ValueError, match="'vmap', 'loop' or 'auto'"):
-        choose_vectorize(model, small, inner, "fast")  # type: ignore[arg-type]
+        _one_chunk_mode(model, small, inner, "fast")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="empty"):
         meta_batch(model, _theta(model), [], inner)

@@ -1,4 +1,5 @@
-"""`MetaLearner`: the model (theta), any learnable inner-loop state, and the meta-gradient.
+"""The learner bases: `MetaLearner` (theta, inner-loop state, the meta-gradient) and
+`MetaLossLearner` (algorithms whose meta-gradient is the gradient of a meta-loss).
 
 Every algorithm is a small subclass. The training loop is the same for all of them::
 
@@ -9,26 +10,33 @@ Every algorithm is a small subclass. The training loop is the same for all of th
         metrics = learner.backward(tasks)   # fills .grad of learner.parameters()
         opt.step()
 
-``backward`` is the only method an algorithm must get right; MAML-style algorithms get it
-from autograd through `meta_loss`, Reptile and iMAML compute it their own way.
+``backward`` is the one method every algorithm must get right: MAML-style algorithms
+(`MetaLossLearner`) get it from autograd through their `MetaLossLearner.meta_loss`; Reptile
+and iMAML subclass `MetaLearner` and compute it their own way.
+
+A meta-batch walks down the layers: the learner plans it (`metalearn.plan.plan`), runs each
+chunk in its mode (`metalearn.outer.run_meta_batch`) and accumulates the chunks' gradients
+(`metalearn.chunking.ChunkedMetaGradient`).
 """
 
 from __future__ import annotations
 
+import abc
 from collections.abc import Collection, Mapping, Sequence
-from dataclasses import dataclass
-from typing import Literal
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from metalearn.chunking import ChunkSize, meta_backward, plan_chunks
+from metalearn.chunking import ChunkedMetaGradient
 from metalearn.functional import accumulate_grad
-from metalearn.inner import LearningRate, LossFn, adapt
-from metalearn.outer import InnerLoop, MetaBatch, Task, Vectorize, meta_batch
+from metalearn.inner import InnerLoop, LearningRate, LossFn, run_inner_loop
+from metalearn.outer import OnNonfinite, TaskFn, run_meta_batch, task_loss
+from metalearn.plan import Chunk, ChunkSize, Vectorize, plan
+from metalearn.task import AllTasksSkippedError, MetaBatch, Task
 
-__all__ = ["MetaLearner", "StepMetrics", "accumulate_grad", "check_loop_only"]
+__all__ = ["MetaLearner", "MetaLossLearner", "StepMetrics", "accumulate_grad", "check_loop_only"]
 
 
 @dataclass
@@ -45,8 +53,9 @@ class StepMetrics:
     """Tasks that ran under vmap."""
 
 
-class MetaLearner(nn.Module):
-    """MAML (Finn et al., 2017): the base every algorithm in this package specialises.
+class MetaLearner(nn.Module, abc.ABC):
+    """The base every algorithm in this package specialises: theta, the inner loop, and
+    `backward`, which each algorithm defines.
 
     Args:
         model: the network; its parameters are theta. Called through ``functional_call``.
@@ -56,14 +65,16 @@ class MetaLearner(nn.Module):
         adapt_keys: names of the parameters adapted in the inner loop (None: all). ANIL
             passes the head's.
         loss_fn: ``loss_fn(outputs, targets) -> Tensor[]``.
-        vectorize: ``"vmap"``, ``"loop"`` or ``"auto"``: how a meta-batch runs.
+        vectorize: ``"vmap"``, ``"loop"`` or ``"auto"``: how a meta-batch runs
+            (`metalearn.plan.plan`).
         checkpoint: recompute inner steps in the backward pass: memory grows by one copy
             of the fast weights per inner step instead of each step's activations (0.48x
             the plain loop's peak at 20 steps, for about 2x the time; docs/claims.md).
-        on_nonfinite: ``"raise"`` or ``"skip"`` tasks whose loss is not finite.
+        on_nonfinite: ``"raise"`` or ``"skip"`` tasks whose loss is not finite, in `backward`
+            and `evaluate` alike (`evaluate` gives skipped tasks NaN loss and accuracy).
         chunk_size: tasks per chunk of the meta-batch: each chunk's graph is built,
             differentiated and freed in turn (same meta-gradient, less memory; on a CPU
-            also faster, see `metalearn.chunking`). ``"auto"`` (default) picks by workload,
+            also faster, see `metalearn.plan`). ``"auto"`` (default) picks by workload,
             None runs the whole meta-batch as one graph.
     """
 
@@ -78,12 +89,14 @@ class MetaLearner(nn.Module):
         loss_fn: LossFn = F.cross_entropy,
         vectorize: Vectorize = "auto",
         checkpoint: bool = False,
-        on_nonfinite: Literal["raise", "skip"] = "raise",
+        on_nonfinite: OnNonfinite = "raise",
         chunk_size: ChunkSize = "auto",
     ) -> None:
         super().__init__()
         if inner_steps < 0:
             raise ValueError(f"inner_steps must be >= 0, got {inner_steps}")
+        if on_nonfinite not in ("raise", "skip"):
+            raise ValueError(f"on_nonfinite must be 'raise' or 'skip', got {on_nonfinite!r}")
         self.model = model
         self.inner_lr = inner_lr
         self.inner_steps = inner_steps
@@ -102,11 +115,19 @@ class MetaLearner(nn.Module):
         self.on_nonfinite = on_nonfinite
         self.chunk_size = chunk_size
 
+    @abc.abstractmethod
+    def backward(self, tasks: Sequence[Task]) -> StepMetrics:
+        """Accumulate the meta-gradient of a meta-batch into ``.grad`` (like loss.backward)."""
+
     # ------------------------------------------------------------------ pieces to override
 
     def theta(self) -> dict[str, Tensor]:
         """The model's parameters as a dict (the tensors themselves: gradients reach them)."""
         return dict(self.model.named_parameters())
+
+    def buffers_dict(self) -> dict[str, Tensor]:
+        """The model's buffers, name -> tensor, for ``functional_call``."""
+        return dict(self.model.named_buffers())
 
     def learning_rate(self) -> LearningRate:
         """The inner learning rate(s) in `metalearn.inner.LearningRate` form."""
@@ -123,66 +144,109 @@ class MetaLearner(nn.Module):
             checkpoint=self.checkpoint,
         )
 
-    def meta_loss(self, tasks: Sequence[Task]) -> MetaBatch:
-        """Mean query loss after adaptation; differentiable w.r.t. ``self.parameters()``."""
-        return meta_batch(
-            self.model, self.theta(), tasks, self.inner_loop(),
-            buffers=dict(self.model.named_buffers()), vectorize=self.vectorize,
-            on_nonfinite=self.on_nonfinite,
-        )  # fmt: skip
-
-    def backward(self, tasks: Sequence[Task]) -> StepMetrics:
-        """Accumulate the meta-gradient of a meta-batch into ``.grad`` (like loss.backward)."""
-        chunks = self.chunks(tasks, self.inner_loop())
-        if len(chunks) == 1:
-            result = self.meta_loss(tasks)
-            result.loss.backward()
-        else:
-            result = meta_backward(self.meta_loss, dict(self.named_parameters()), tasks, chunks)
-        return _metrics(result)
-
-    def chunks(self, tasks: Sequence[Task], inner: InnerLoop) -> list[range]:
-        """How `backward` and `evaluate` split ``tasks`` (see `metalearn.chunking`)."""
-        return plan_chunks(self.model, tasks, inner, self.vectorize, self.chunk_size)
+    def plan(self, tasks: Sequence[Task], inner: InnerLoop) -> list[Chunk]:
+        """How `backward` and `evaluate` split ``tasks`` and run each chunk."""
+        return plan(self.model, tasks, inner, self.vectorize, self.chunk_size)
 
     # ------------------------------------------------------------------ using a learner
 
     def adapt(self, task: Task, steps: int | None = None) -> dict[str, Tensor]:
         """Fast weights for one task, detached (for evaluation and deployment)."""
-        inner = self.inner_loop(steps, first_order=True)
-        with torch.no_grad():  # torch.func.grad inside adapt still differentiates
-            return adapt(
-                self.model, _detached(self.theta()), task.support, steps=inner.steps,
-                lr=_detached(inner.lr), loss_fn=inner.loss_fn, first_order=True,
-                adapt_keys=inner.adapt_keys, buffers=dict(self.model.named_buffers()),
-                model_kwargs=task.model_kwargs,
+        inner = _evaluation_loop(self.inner_loop(steps, first_order=True))
+        with torch.no_grad():  # torch.func.grad inside still differentiates
+            fast, _ = run_inner_loop(
+                self.model, _detached(self.theta()), task.support, inner,
+                buffers=self.buffers_dict(), model_kwargs=task.model_kwargs,
             )  # fmt: skip
+        return fast
 
     def evaluate(self, tasks: Sequence[Task], steps: int | None = None) -> tuple[Tensor, Tensor]:
         """Query loss and accuracy per task after ``steps`` inner steps: ``([T], [T])``.
 
         No outer graph is built (evaluation never needs the meta-gradient), so this is the
-        first-order inner loop, which gives the same adapted weights. Runs through
-        `meta_batch`, so evaluation is vmapped exactly when training would be.
+        first-order inner loop, which gives the same adapted weights. Planned and run as
+        `backward` runs, so evaluation is vmapped exactly when training would be. Under
+        ``on_nonfinite="skip"`` a task whose loss is not finite gets NaN loss and accuracy.
         """
-        inner = self.inner_loop(steps, first_order=True)
-        inner.lr = _detached(inner.lr)
+        inner = _evaluation_loop(self.inner_loop(steps, first_order=True))
+        return self._evaluate(tasks, inner, task_loss)
+
+    def _evaluate(
+        self, tasks: Sequence[Task], inner: InnerLoop, task_fn: TaskFn
+    ) -> tuple[Tensor, Tensor]:
+        """`evaluate` with a given per-task function (MAML++ passes its multi-step loss)."""
+        theta = _detached(self.theta())
         losses, accuracies = [], []
         with torch.no_grad():
-            for chunk in self.chunks(tasks, inner):
-                result = meta_batch(
-                    self.model, _detached(self.theta()), [tasks[i] for i in chunk], inner,
-                    buffers=dict(self.model.named_buffers()), vectorize=self.vectorize,
-                )  # fmt: skip
+            for chunk in self.plan(tasks, inner):
+                try:
+                    result = self._run_chunk(theta, tasks, chunk, inner, task_fn)
+                except AllTasksSkippedError:
+                    nan = torch.full((len(chunk.tasks),), float("nan"))
+                    result = MetaBatch(nan[0], nan[0], nan, nan, [], 0)
                 losses.append(result.task_losses)
                 accuracies.append(result.task_accuracies)
         return torch.cat(losses), torch.cat(accuracies)
+
+    def _run_chunk(
+        self,
+        theta: Mapping[str, Tensor],
+        tasks: Sequence[Task],
+        chunk: Chunk,
+        inner: InnerLoop,
+        task_fn: TaskFn,
+    ) -> MetaBatch:
+        """One chunk of a plan through `metalearn.outer.run_meta_batch`."""
+        return run_meta_batch(
+            self.model, theta, [tasks[i] for i in chunk.tasks], inner, chunk.mode,
+            buffers=self.buffers_dict(), on_nonfinite=self.on_nonfinite, task_fn=task_fn,
+            first_index=chunk.tasks.start,
+        )  # fmt: skip
+
+
+class MetaLossLearner(MetaLearner):
+    """MAML (Finn et al., 2017) and its relatives: the meta-gradient is the gradient of
+    `meta_loss`, the mean query loss after adaptation. Arguments as for `MetaLearner`."""
+
+    def task_fn(self) -> TaskFn:
+        """The meta-loss of one task (`metalearn.outer.task_loss`; MAML++ overrides it)."""
+        return task_loss
+
+    def meta_loss(self, tasks: Sequence[Task]) -> MetaBatch:
+        """Mean query loss after adaptation, one graph over all of ``tasks``; differentiable
+        w.r.t. ``self.parameters()``."""
+        inner = self.inner_loop()
+        (chunk,) = plan(self.model, tasks, inner, self.vectorize, chunk_size=None)
+        return self._run_chunk(self.theta(), tasks, chunk, inner, self.task_fn())
+
+    def backward(self, tasks: Sequence[Task]) -> StepMetrics:
+        """Accumulate the meta-gradient of a meta-batch into ``.grad``, chunk by chunk."""
+        inner = self.inner_loop()
+        chunks = self.plan(tasks, inner)
+        theta, task_fn = self.theta(), self.task_fn()
+        if len(chunks) == 1:
+            result = self._run_chunk(theta, tasks, chunks[0], inner, task_fn)
+            result.loss.backward()
+            return _metrics(result)
+        total = ChunkedMetaGradient(dict(self.named_parameters()))
+        for chunk in chunks:
+            try:
+                part = self._run_chunk(theta, tasks, chunk, inner, task_fn)
+            except AllTasksSkippedError:
+                part = None
+            total.add(chunk.tasks, part)
+        return _metrics(total.finish())
 
 
 def _metrics(result: MetaBatch) -> StepMetrics:
     return StepMetrics(
         float(result.loss.detach()), float(result.accuracy), len(result.skipped), result.vectorized
     )
+
+
+def _evaluation_loop(inner: InnerLoop) -> InnerLoop:
+    """``inner`` with detached learning rates: evaluation builds no graph to them."""
+    return replace(inner, lr=_detached(inner.lr))
 
 
 def _detached(tree: Mapping | Sequence | Tensor | float) -> Mapping | Sequence | Tensor | float:

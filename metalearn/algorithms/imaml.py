@@ -36,9 +36,9 @@ from metalearn.algorithms.base import (
     check_loop_only,
 )
 from metalearn.functional import tree_dot, tree_scale
-from metalearn.inner import LearningRate, LossFn, NonFiniteLossError, StopRule, adapt
-from metalearn.outer import MetaBatch, Task, _accuracy
+from metalearn.inner import LearningRate, LossFn, adapt
 from metalearn.second_order import DEFAULT_HVP_METHOD, CGResult, HVPMethod, conjugate_gradient, hvp
+from metalearn.task import AllTasksSkippedError, NonFiniteLossError, StopRule, Task, accuracy
 
 __all__ = [
     "IMAML",
@@ -185,7 +185,7 @@ def implicit_meta_gradient(
     if not torch.isfinite(loss):
         raise NonFiniteLossError("query", task_index, None, float(loss))
     if first_order:
-        return ImplicitResult(g_query, loss, _accuracy(out, query[1]), phi, g_query, None)
+        return ImplicitResult(g_query, loss, accuracy(out, query[1]), phi, g_query, None)
 
     def matvec(u: dict[str, Tensor]) -> dict[str, Tensor]:
         return tree_scale(1.0 / lam, hvp(support_loss, phi, u, method=hvp_method))
@@ -202,7 +202,7 @@ def implicit_meta_gradient(
             "problem (Eq. 4). Pass cg_damping > 0 (a biased but defined meta-gradient), or "
             "run the inner loop closer to convergence (smaller inner_lr, more inner_steps)"
         ) from error
-    return ImplicitResult(cg.x, loss, _accuracy(out, query[1]), phi, g_query, cg)
+    return ImplicitResult(cg.x, loss, accuracy(out, query[1]), phi, g_query, cg)
 
 
 @dataclass
@@ -270,12 +270,6 @@ class IMAML(MetaLearner):
         self.lam, self.cg_steps, self.cg_tol = lam, cg_steps, cg_tol
         self.cg_damping, self.hvp_method = cg_damping, hvp_method
 
-    def meta_loss(self, tasks: Sequence[Task]) -> MetaBatch:
-        raise NotImplementedError(
-            "iMAML's meta-gradient is implicit (CG on Eq. 7), not the gradient of a loss "
-            "with a graph; call learner.backward(tasks), which fills .grad"
-        )
-
     def backward(self, tasks: Sequence[Task]) -> IMAMLMetrics:
         """Accumulate ``mean_i g_i`` (Eq. 5-7) into ``.grad`` of theta.
 
@@ -297,10 +291,7 @@ class IMAML(MetaLearner):
                     raise
                 skipped += 1
         if not results:
-            raise FloatingPointError(
-                f"all {len(tasks)} tasks of the meta-batch had non-finite losses; lower the "
-                "inner learning rate or check the data for NaNs"
-            )
+            raise AllTasksSkippedError(len(tasks))
         accumulate_grad(theta, {k: torch.stack([r.grad[k] for r in results]).mean(0)
                                 for k in theta})  # fmt: skip
         return _metrics(results, skipped)
@@ -317,24 +308,40 @@ class IMAML(MetaLearner):
 
     def adapt(self, task: Task, steps: int | None = None) -> dict[str, Tensor]:
         """Fast weights for one task: the proximal inner problem (Eq. 4), detached."""
+        return self._adapt(task, steps, None)
+
+    def _adapt(self, task: Task, steps: int | None, index: int | None) -> dict[str, Tensor]:
         return proximal_adapt(
             self.model, self.theta(), task.support, lam=self.lam,
             steps=self.inner_steps if steps is None else steps, lr=self.learning_rate(),
-            loss_fn=self.loss_fn, buffers=dict(self.model.named_buffers()),
-            model_kwargs=task.model_kwargs,
+            loss_fn=self.loss_fn, buffers=self.buffers_dict(),
+            model_kwargs=task.model_kwargs, task_index=index,
         )  # fmt: skip
 
     def evaluate(self, tasks: Sequence[Task], steps: int | None = None) -> tuple[Tensor, Tensor]:
-        """Query loss and accuracy per task after the proximal inner loop: ``([T], [T])``."""
-        buffers = dict(self.model.named_buffers())
+        """Query loss and accuracy per task after the proximal inner loop: ``([T], [T])``.
+
+        Under ``on_nonfinite="skip"`` a task whose loss is not finite gets NaN for both.
+        """
+        buffers = self.buffers_dict()
         losses, accs = [], []
-        for task in tasks:
-            fast = self.adapt(task, steps)
-            with torch.no_grad():
-                out = functional_call(self.model, {**buffers, **fast}, (task.query[0],),
-                                      dict(task.model_kwargs))  # fmt: skip
-            losses.append(self.loss_fn(out, task.query[1]))
-            accs.append(_accuracy(out, task.query[1]))
+        for i, task in enumerate(tasks):
+            try:
+                fast = self._adapt(task, steps, i)
+                with torch.no_grad():
+                    out = functional_call(self.model, {**buffers, **fast}, (task.query[0],),
+                                          dict(task.model_kwargs))  # fmt: skip
+                loss = self.loss_fn(out, task.query[1])
+                if not torch.isfinite(loss):
+                    raise NonFiniteLossError("query", i, None, float(loss))
+            except NonFiniteLossError:
+                if self.on_nonfinite == "raise":
+                    raise
+                losses.append(task.query[0].new_full((), float("nan")))
+                accs.append(torch.full((), float("nan"), device=task.query[0].device))
+                continue
+            losses.append(loss)
+            accs.append(accuracy(out, task.query[1]))
         return torch.stack(losses), torch.stack(accs)
 
 

@@ -1,4 +1,4 @@
-"""MAML, first-order MAML and ANIL: `MetaLearner` with different inner-loop settings."""
+"""MAML, first-order MAML and ANIL: `MetaLossLearner` with different inner-loop settings."""
 
 from __future__ import annotations
 
@@ -6,16 +6,16 @@ from typing import Any
 
 from torch import nn
 
-from metalearn.algorithms.base import MetaLearner
+from metalearn.algorithms.base import MetaLossLearner
 
 __all__ = ["ANIL", "FOMAML", "MAML"]
 
 
-class MAML(MetaLearner):
+class MAML(MetaLossLearner):
     """Model-Agnostic Meta-Learning (Finn et al., 2017), exact second order by default."""
 
 
-class FOMAML(MetaLearner):
+class FOMAML(MetaLossLearner):
     """First-order MAML (Finn et al., 2017, Sec. 5.2): inner gradients treated as constants."""
 
     def __init__(self, model: nn.Module, **kwargs: Any) -> None:
@@ -24,13 +24,13 @@ class FOMAML(MetaLearner):
         super().__init__(model, first_order=True, **kwargs)
 
 
-class ANIL(MetaLearner):
+class ANIL(MetaLossLearner):
     """Almost No Inner Loop (Raghu et al., 2020): adapt only the head, meta-learn all.
 
     Args:
         model: the network.
         head: the prefix of the adapted parameters' names (``"head"`` for `Conv4`).
-        **kwargs: as for `MetaLearner`.
+        **kwargs: as for `metalearn.algorithms.base.MetaLearner`.
     """
 
     def __init__(self, model: nn.Module, head: str = "head", **kwargs: Any) -> None:

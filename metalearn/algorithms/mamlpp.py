@@ -4,8 +4,8 @@ What is here, by the paper's names (Sec. 4):
 
 * **MSL**, multi-step loss: the meta-loss of a task is ``sum_s w_s L_query(phi_{s+1})``
   over the inner steps, with weights annealed from uniform to the last step (`msl_weights`).
-  `multi_step_task_loss` computes it one inner step at a time; `metalearn.outer.meta_batch`
-  runs it on the vmap and loop paths alike (its ``task_fn`` hook).
+  `multi_step_task_loss` computes it one inner step at a time; `metalearn.outer` runs it in
+  the vmap and loop modes alike (`MAMLpp.task_fn`).
 * **DA**, derivative-order annealing: first order for the first ``first_order_epochs``
   epochs, exact second order after.
 * **LSLR**, per-layer per-step learning rates: a learnable ``Tensor[S]`` per adapted
@@ -22,23 +22,19 @@ keeps no running statistics (see `metalearn.models.batch_norm`).
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from dataclasses import replace
 from functools import partial
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 
-from metalearn.algorithms.base import MetaLearner, _detached
+from metalearn.algorithms.base import MetaLossLearner, _detached, _evaluation_loop
 from metalearn.algorithms.metasgd import adapted_names, keyed_names
-from metalearn.inner import (
-    LearningRate,
-    NonFiniteLossError,
-    Regularizer,
-    StopRule,
-    adapt_with_losses,
-)
+from metalearn.inner import InnerLoop, LearningRate, Regularizer, run_inner_loop
 from metalearn.models import MetaBatchNorm
-from metalearn.outer import InnerLoop, MetaBatch, Task, TaskResult, meta_batch, task_loss
+from metalearn.outer import TaskFn, task_loss
+from metalearn.task import NonFiniteLossError, StopRule, Task, TaskResult
 
 __all__ = ["MAMLpp", "batch_norm_names", "msl_weights", "multi_step_task_loss"]
 
@@ -105,8 +101,8 @@ def multi_step_task_loss(
     """MAML++'s meta-loss of one task: ``sum_s w_s L_query(phi_{s+1})`` (MSL, with BNWB).
 
     Takes `metalearn.outer.task_loss`'s arguments plus the two below, so it runs under
-    ``meta_batch(..., task_fn=partial(multi_step_task_loss, step_weights=..., ...))`` on
-    both paths. Each inner step is one ``adapt_with_losses(steps=1)`` call with that step's
+    ``meta_batch(..., task_fn=partial(multi_step_task_loss, step_weights=..., ...))`` in
+    both modes. Each inner step is one ``run_inner_loop`` call of one step with that step's
     learning rate and ``step_params``, so it is the same computation as `adapt`'s loop.
 
     If ``stop`` ends the inner loop after t < S steps, the remaining steps count as no-ops:
@@ -158,19 +154,21 @@ def _one_step(
     inner: InnerLoop,
     step: int,
     *,
+    buffers: Mapping[str, Tensor] | None,
+    model_kwargs: Mapping[str, Any] | None,
+    regularizer: Regularizer | None = None,
     stop: StopRule | None,
     check_finite: bool,
     task_index: int | None,
-    **kwargs: Any,
 ) -> tuple[dict[str, Tensor], Tensor]:
-    """Inner step ``step`` alone: ``adapt_with_losses(steps=1)`` with that step's rate."""
+    """Inner step ``step`` alone: a one-step `run_inner_loop` with that step's rate."""
     shifted = None if stop is None else (lambda _, value: stop(step, value))
+    one = replace(inner, steps=1, lr=_rate_at(inner.lr, step))
     try:
-        return adapt_with_losses(
-            model, params, support, steps=1, lr=_rate_at(inner.lr, step),
-            loss_fn=inner.loss_fn, first_order=inner.first_order, adapt_keys=inner.adapt_keys,
-            stop=shifted, checkpoint=inner.checkpoint, check_finite=check_finite,
-            task_index=task_index, **kwargs,
+        return run_inner_loop(
+            model, params, support, one, buffers=buffers, model_kwargs=model_kwargs,
+            regularizer=regularizer, stop=shifted, check_finite=check_finite,
+            task_index=task_index,
         )  # fmt: skip
     except NonFiniteLossError as error:  # it counted this step as step 0
         raise NonFiniteLossError(error.kind, task_index, step, error.value) from None
@@ -212,7 +210,7 @@ def _at(step_params: StepParams, step: int) -> Mapping[str, Tensor]:
     return step_params[min(step, len(step_params) - 1)] if step_params else {}
 
 
-class MAMLpp(MetaLearner):
+class MAMLpp(MetaLossLearner):
     """MAML++ (Antoniou et al., 2019): MAML with MSL, DA, LSLR and BNWB (see the module).
 
     The trainer calls ``learner.set_epoch(epoch)`` at the start of every epoch; it drives the
@@ -229,9 +227,9 @@ class MAMLpp(MetaLearner):
             bias (BNWB), initialised from the model's. The copies are meta-learned and not
             adapted in the inner loop; the model's own batch-norm parameters then go unused.
             No effect on a model without `MetaBatchNorm`.
-        **kwargs: as for `MetaLearner` (``inner_steps`` S >= 1, ``inner_lr`` the initial
-            rate of every layer and step, ``adapt_keys``, ...). ``first_order`` is not
-            accepted: DA decides it from the epoch.
+        **kwargs: as for `metalearn.algorithms.base.MetaLearner` (``inner_steps`` S >= 1,
+            ``inner_lr`` the initial rate of every layer and step, ``adapt_keys``, ...).
+            ``first_order`` is not accepted: DA decides it from the epoch.
     """
 
     def __init__(
@@ -317,23 +315,16 @@ class MAMLpp(MetaLearner):
             steps, not self.second_order if first_order is None else first_order
         )
 
-    def meta_loss(self, tasks: Sequence[Task]) -> MetaBatch:
-        """Mean over tasks of `multi_step_task_loss` with the current weights and copies."""
-
-        task_fn = partial(
+    def task_fn(self) -> TaskFn:
+        """`multi_step_task_loss` with the current MSL weights and batch-norm copies."""
+        return partial(
             multi_step_task_loss, step_weights=self.step_weights(), step_params=self.step_params()
         )
-        return meta_batch(
-            self.model, self.theta(), tasks, self.inner_loop(),
-            buffers=dict(self.model.named_buffers()), vectorize=self.vectorize,
-            on_nonfinite=self.on_nonfinite, task_fn=task_fn,
-        )  # fmt: skip
 
     def adapt(self, task: Task, steps: int | None = None) -> dict[str, Tensor]:
         """Fast weights for one task, detached, with the final step's batch-norm copies."""
         steps = self.inner_steps if steps is None else steps
-        inner = self.inner_loop(steps, first_order=True)
-        inner.lr = _detached(inner.lr)
+        inner = _evaluation_loop(self.inner_loop(steps, first_order=True))
         step_params = _detached(self.step_params())
         fast = _detached(self.theta())
         with torch.no_grad():  # torch.func.grad inside still differentiates the support loss
@@ -341,24 +332,16 @@ class MAMLpp(MetaLearner):
                 fast, _ = _one_step(
                     self.model, {**fast, **_at(step_params, s)}, task.support, inner, s,
                     stop=None, check_finite=True, task_index=None,
-                    buffers=dict(self.model.named_buffers()), model_kwargs=task.model_kwargs,
+                    buffers=self.buffers_dict(), model_kwargs=task.model_kwargs,
                 )  # fmt: skip
         return {**fast, **_at(step_params, max(steps - 1, 0))}
 
     def evaluate(self, tasks: Sequence[Task], steps: int | None = None) -> tuple[Tensor, Tensor]:
-        """Query loss and accuracy per task after ``steps`` inner steps: ``([T], [T])``."""
-        inner = self.inner_loop(steps, first_order=True)
-        inner.lr = _detached(inner.lr)
-        step_params = _detached(self.step_params())
-        losses, accs = [], []
-        with torch.no_grad():
-            theta = _detached(self.theta())
-            for i, task in enumerate(tasks):
-                r = multi_step_task_loss(
-                    self.model, theta, task.support, task.query, inner, step_params=step_params,
-                    buffers=dict(self.model.named_buffers()), model_kwargs=task.model_kwargs,
-                    check_finite=True, task_index=i,
-                )  # fmt: skip
-                losses.append(r.loss)
-                accs.append(r.accuracy)
-        return torch.stack(losses), torch.stack(accs)
+        """Query loss and accuracy per task after ``steps`` inner steps: ``([T], [T])``.
+
+        The final step's query loss (no MSL weights), with the learned per-step rates and
+        batch-norm copies; otherwise as `MetaLearner.evaluate` (NaN for skipped tasks).
+        """
+        inner = _evaluation_loop(self.inner_loop(steps, first_order=True))
+        task_fn = partial(multi_step_task_loss, step_params=_detached(self.step_params()))
+        return self._evaluate(tasks, inner, task_fn)

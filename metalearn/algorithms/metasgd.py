@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from metalearn.algorithms.base import MetaLearner
+from metalearn.algorithms.base import MetaLossLearner
 
 __all__ = ["MetaSGD", "parameter_dict_key"]
 
@@ -48,7 +48,7 @@ def adapted_names(model: nn.Module, adapt_keys: Iterable[str] | None) -> list[st
     return [n for n, _ in model.named_parameters() if chosen is None or n in chosen]
 
 
-class MetaSGD(MetaLearner):
+class MetaSGD(MetaLossLearner):
     """Meta-SGD (Li et al., 2017): elementwise learnable inner learning rates.
 
     Each adapted parameter ``p`` gets a rate tensor of ``p``'s shape, initialised to

@@ -28,8 +28,8 @@ from metalearn.algorithms.base import (
     accumulate_grad,
     check_loop_only,
 )
-from metalearn.inner import NonFiniteLossError, adapt
-from metalearn.outer import MetaBatch, Task, _accuracy
+from metalearn.inner import adapt
+from metalearn.task import AllTasksSkippedError, NonFiniteLossError, Task, accuracy
 
 __all__ = ["Reptile"]
 
@@ -78,12 +78,6 @@ class Reptile(MetaLearner):
         check_loop_only(self, "Reptile")
         self.train_on_query = train_on_query
 
-    def meta_loss(self, tasks: Sequence[Task]) -> MetaBatch:
-        raise NotImplementedError(
-            "Reptile has no meta-loss to differentiate (its update is theta - phi, not a "
-            "gradient of a loss); call learner.backward(tasks), which fills .grad"
-        )
-
     def backward(self, tasks: Sequence[Task]) -> StepMetrics:
         """Accumulate ``mean_i (theta - phi_i)`` into ``.grad`` of theta.
 
@@ -111,10 +105,7 @@ class Reptile(MetaLearner):
             losses.append(loss)
             accs.append(acc)
         if not directions:
-            raise FloatingPointError(
-                f"all {len(tasks)} tasks of the meta-batch had non-finite losses; lower the "
-                "inner learning rate or check the data for NaNs"
-            )
+            raise AllTasksSkippedError(len(tasks))
         mean = {k: torch.stack([d[k] for d in directions]).mean(0) for k in start}
         accumulate_grad(theta, mean)
         return StepMetrics(
@@ -143,4 +134,4 @@ class Reptile(MetaLearner):
             loss = self.loss_fn(out, task.query[1])
         if not torch.isfinite(loss):
             raise NonFiniteLossError("query", index, None, float(loss))
-        return fast, loss, _accuracy(out, task.query[1])
+        return fast, loss, accuracy(out, task.query[1])

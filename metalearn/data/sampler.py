@@ -25,7 +25,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from metalearn.outer import Task
+from metalearn.task import Task
 
 __all__ = ["EpisodicSampler", "check_generator"]
 
