@@ -1,8 +1,10 @@
 """Checkpoints written atomically and read back safely.
 
 A checkpoint is written to a temporary file beside its target, flushed to disk, then
-renamed over the target (``os.replace`` is atomic on POSIX and Windows), so a crash or a
-SIGTERM mid-write leaves the previous checkpoint intact, never half a file. Reading uses
+renamed over the target (``os.replace`` is atomic on POSIX and Windows), and the folder is
+fsynced so the rename itself survives a power cut; a crash or a SIGTERM mid-write leaves the
+previous checkpoint intact, never half a file. A temporary file left by a process killed
+mid-write (SIGKILL runs no cleanup) is removed by the next save to the same target. Reading uses
 ``torch.load(weights_only=True)``: only tensors and plain containers, no pickled code.
 """
 
@@ -26,6 +28,8 @@ def save_checkpoint(path: str | os.PathLike, obj: Any) -> Path:
     """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
+    for orphan in path.parent.glob(f".{path.name}.*.tmp"):  # left by a killed writer
+        orphan.unlink(missing_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
         with os.fdopen(fd, "wb") as f:
@@ -37,7 +41,19 @@ def save_checkpoint(path: str | os.PathLike, obj: Any) -> Path:
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+    _fsync_dir(path.parent)
     return path
+
+
+def _fsync_dir(folder: Path) -> None:
+    """Make a rename in ``folder`` durable (POSIX; Windows cannot open a folder)."""
+    if os.name != "posix":
+        return
+    fd = os.open(folder, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def load_checkpoint(path: str | os.PathLike, map_location: Any = "cpu") -> Any:
