@@ -8,14 +8,23 @@ Command:
     python experiments/omniglot_maml.py                         # CPU-sized default run
     python experiments/omniglot_maml.py --preset paper-5w1s     # the paper's setting (GPU)
     python experiments/omniglot_maml.py --algorithm anil --ways 20 --shots 1
-    python experiments/omniglot_maml.py --resume                # continue a stopped run
-    python experiments/omniglot_maml.py --help                  # every option
+    python experiments/omniglot_maml.py --resume --run-name NAME  # continue a stopped run
+    python experiments/omniglot_maml.py --preset paper-20w1s --help  # options, preset values
+    wandb sweep experiments/sweeps/omniglot_maml.yaml           # a W&B sweep (then wandb agent)
+    python scripts/grid.py --seeds 0 1 2 --set inner_lr=0.1,0.4  # a grid without a W&B server
     torchrun --nproc_per_node=2 experiments/omniglot_maml.py    # 2 processes (docs/distributed.md)
 
 Data: ``--data-root`` or ``$METALEARN_DATA`` pointing at the extracted Omniglot folder
-(``images_background/``, ``images_evaluation/``); downloaded when absent and the network
-allows. Expected result of the default run (5-way 1-shot, 2 CPU cores, see README.md):
-about 15 minutes, test accuracy printed as ``test/acc: 0.9xx ± 0.00x``.
+(``images_background/``, ``images_evaluation/``); without either, the cache folder is used
+and filled by a download when the network allows. Expected result of the default run
+(5-way 1-shot, 2 CPU cores, see README.md): about 15 minutes, test accuracy printed as
+``test/acc: 0.9xx ± 0.00x``.
+
+A run is its arguments: they are checked before any data loads, the learner's open ones
+(``--inner-lr``, ``--inner-steps``, ``--cg-damping``) are filled from the per-algorithm table
+in `metalearn.algorithms.build`, and the result is what W&B and the checkpoint record.
+``--resume`` continues the saved run with the saved arguments; only the RESUMABLE ones may
+be changed (see `metalearn.runs` for how no logged metric is lost across a kill and resume).
 
 Under ``torchrun`` each rank computes the meta-gradient of its share of every meta-batch
 and the shares are averaged (`metalearn.distributed`); every rank draws the same global
@@ -25,14 +34,11 @@ writes checkpoints and shows progress; evaluation tasks are split across ranks.
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import dataclasses
 import math
-import signal
-import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -41,16 +47,28 @@ import torch
 from tqdm import tqdm
 
 from metalearn import distributed, tune_malloc
-from metalearn.algorithms import MetaLearner, build_learner
+from metalearn.algorithms import MetaLearner
+from metalearn.algorithms.build import build_learner, learner_config, resolve_learner_args
 from metalearn.checkpoint import load_checkpoint, save_checkpoint
 from metalearn.cli import parse_dataclass
 from metalearn.data import EpisodicSampler, load_omniglot, omniglot_samplers
-from metalearn.tracking import graceful_shutdown, init_run
+from metalearn.data.omniglot import root_is_default
+from metalearn.runs import (
+    RunState,
+    Stopped,
+    UserError,
+    merge_resumed_args,
+    require,
+    run_cli,
+    signals_held,
+)
+from metalearn.seeding import seed_everything
+from metalearn.tracking import graceful_shutdown, init_run, log_model
 
 
 @dataclass
 class Args:
-    """Arguments of the Omniglot experiment (each is a --flag; see --help)."""
+    """Arguments of the Omniglot experiment (each is a --flag, also as --flag_name=VALUE)."""
 
     preset: Literal["cpu", "paper-5w1s", "paper-5w5s", "paper-20w1s", "paper-20w5s"] = "cpu"
     """Named configuration: cpu (about 15 min on 2 cores) or the MAML paper's settings."""
@@ -67,11 +85,14 @@ class Args:
     meta_batch: int = 16
     """Tasks per meta-step."""
     iterations: int = 2500
-    """Meta-steps."""
-    inner_lr: float = 0.4
-    """Inner-loop learning rate (MAML's alpha)."""
-    inner_steps: int = 1
-    """Inner steps during meta-training."""
+    """Meta-steps (may be raised on --resume to extend a run)."""
+    inner_lr: float | None = None
+    """Inner-loop learning rate (MAML's alpha); none: the algorithm's (0.4; iMAML 0.1)."""
+    inner_steps: int | None = None
+    """Inner steps during meta-training; none: the algorithm's (1; iMAML and Reptile 5)."""
+    cg_damping: float | None = None
+    """iMAML only: damping added to the conjugate-gradient system; none: 10 (conv4's
+    adapted support Hessian has eigenvalues below -lambda)."""
     eval_inner_steps: int = 10
     """Inner steps at validation and test time."""
     outer_lr: float = 1e-3
@@ -93,15 +114,19 @@ class Args:
     seed: int = 0
     """Seeds the initial weights and the task sampling."""
     data_root: str | None = None
-    """Omniglot folder; default $METALEARN_DATA, else the cache dir (downloaded)."""
+    """Omniglot folder (must exist); default $METALEARN_DATA, else the cache dir (downloaded)."""
     out_dir: str = "runs"
     """Where checkpoints and the W&B folder go."""
     run_name: str | None = None
-    """Run name (default: algorithm-NwKs-seedS); --resume looks for it in out_dir."""
+    """Run name (default: algorithm-NwKs-lrLR-stepsS-seedS); --resume looks for it in out_dir."""
     resume: bool = False
-    """Continue the run named run_name from its last checkpoint."""
+    """Continue the run named run_name from its last checkpoint, with its saved arguments;
+    only --iterations (to extend), --checkpoint-every, --device, --threads, --tune-malloc,
+    --track, --wandb-mode, --log-model, --dist-timeout, --data-root, --out-dir may change."""
     track: bool = True
     """Log to Weights & Biases (--no-track to skip)."""
+    log_model: bool = False
+    """Log the final checkpoint as a W&B artifact (type model, aliases best and latest)."""
     wandb_mode: Literal["auto", "online", "offline", "disabled"] = "auto"
     """auto: online when logged in and reachable, else offline."""
     wandb_project: str = "metalearn-omniglot"
@@ -132,16 +157,129 @@ PRESETS: dict[str, dict[str, Any]] = {
     "paper-20w5s": {**PAPER, "ways": 20, "shots": 5, "meta_batch": 16, "inner_lr": 0.1,
                     "inner_steps": 5},
 }  # fmt: skip
+# What --resume may change: how long and where the run goes on, not what it computes.
+RESUMABLE = (
+    "iterations", "checkpoint_every", "device", "threads", "tune_malloc", "track",
+    "wandb_mode", "log_model", "dist_timeout", "data_root", "out_dir", "resume",
+)  # fmt: skip
+_AT_LEAST_ONE = (
+    "ways", "shots", "query", "eval_query", "meta_batch", "iterations", "hidden",
+    "val_every", "val_tasks", "test_tasks", "checkpoint_every", "inner_steps",
+)  # fmt: skip
+
+
+# --------------------------------------------------------------------------- arguments
+
+
+def check_args(args: Args) -> None:
+    """Refuse values that would fail later (or silently do nothing), before any data loads."""
+    for name in _AT_LEAST_ONE:
+        value = getattr(args, name)
+        require(value is None or value >= 1, f"{_flag(name)} {value}: must be at least 1")
+    require(args.ways >= 2, f"--ways {args.ways}: a task needs at least 2 classes")
+    for name in ("inner_lr", "outer_lr", "dist_timeout"):
+        value = getattr(args, name)
+        require(value is None or value > 0, f"{_flag(name)} {value}: must be positive")
+    require(args.cg_damping is None or args.cg_damping >= 0,
+            f"--cg-damping {args.cg_damping}: must be >= 0")  # fmt: skip
+    require(args.eval_inner_steps >= 0, f"--eval-inner-steps {args.eval_inner_steps}: must be >= 0")
+    require(args.threads >= 0, f"--threads {args.threads}: must be >= 1 (0: torch's default)")
+    require(0 <= args.seed < 2**32, f"--seed {args.seed}: must be in [0, 2**32)")
+    if args.data_root is not None:
+        require(Path(args.data_root).expanduser().is_dir(),
+                f"--data-root {args.data_root} does not exist; give the folder holding "
+                "images_background/ and images_evaluation/, or drop --data-root")  # fmt: skip
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def resolve_args(args: Args) -> Args:
+    """Checked ``args`` with the learner's open values and the run name filled in."""
+    check_args(args)
+    try:
+        resolved = Args(**resolve_learner_args(dataclasses.asdict(args)))
+    except ValueError as err:
+        raise UserError(str(err)) from None
+    if resolved.run_name is None:
+        resolved.run_name = (f"{resolved.algorithm}-{resolved.ways}w{resolved.shots}s-"
+                             f"lr{resolved.inner_lr:g}-steps{resolved.inner_steps}-"
+                             f"seed{resolved.seed}")  # fmt: skip
+    return resolved
+
+
+def checkpoint_path(args: Args) -> Path:
+    return Path(args.out_dir) / str(args.run_name) / "checkpoint.pt"
+
+
+def start_from(args: Args) -> tuple[Args, dict | None]:
+    """The run's arguments and its checkpoint (None for a fresh run). Writes nothing.
+
+    Raises:
+        UserError: resuming a run that does not exist, a resume that changes a fixed
+            argument, or a fresh run whose name is taken.
+    """
+    args = resolve_args(args)
+    path = checkpoint_path(args)
+    if not args.resume:
+        require(not path.exists(), f"{path} exists: pass --resume to continue that run, or "
+                                   "--run-name NEW for a new one")  # fmt: skip
+        return args, None
+    try:
+        saved = load_checkpoint(path)
+    except FileNotFoundError as err:
+        raise UserError(str(err)) from None
+    merged = merge_resumed_args(saved["args"], dataclasses.asdict(args), RESUMABLE)
+    require(merged["iterations"] >= saved["iteration"],
+            f"--iterations {merged['iterations']} is below the {saved['iteration']} steps "
+            f"{path} already holds; pass at least {saved['iteration']}")  # fmt: skip
+    return Args(**merged), saved
+
+
+def parse_args(argv: Sequence[str] | None = None) -> Args:
+    """The command line as `Args`; with ``--resume``, unspecified flags take the saved run's
+    values (so ``--resume --run-name NAME`` alone continues that run as it was)."""
+    description = __doc__.split("\n\n")[0]
+    args = parse_dataclass(Args, argv, description=description, presets=PRESETS)
+    if not args.resume:
+        return args
+    path = checkpoint_path(resolve_args(args))
+    if not path.is_file():  # start_from names it (or rank 0 holds it, under torchrun)
+        return args
+    saved = load_checkpoint(path)["args"]
+    base = Args(**{**{k: v for k, v in saved.items() if k in _fields()}, "resume": True})
+    return parse_dataclass(Args, argv, description=description, base=base)
+
+
+def _fields() -> set[str]:
+    return {f.name for f in dataclasses.fields(Args)}
+
+
+# --------------------------------------------------------------------------- the pieces
+
+
+def make_samplers(args: Args) -> dict[str, EpisodicSampler]:
+    """Train, validation and test task samplers (validation and test with eval_query)."""
+    try:
+        with distributed.main_first():  # one process per machine fills the cache (or downloads)
+            data = load_omniglot(args.data_root, download=root_is_default(args.data_root))
+    except FileNotFoundError as err:
+        raise UserError(" ".join(str(err).split())) from None
+    common = dict(ways=args.ways, shots=args.shots, device=args.device)
+    samplers = omniglot_samplers(data, args.split, queries=args.query, **common)
+    evaluation = omniglot_samplers(data, args.split, queries=args.eval_query, **common)
+    samplers.update({k: v for k, v in evaluation.items() if k != "train"})
+    return samplers
 
 
 def make_learner(args: Args) -> MetaLearner:
-    """The algorithm around a fresh conv4 (seeded by args.seed).
+    """The algorithm around a fresh conv4 (seeded by args.seed), built exactly as recorded.
 
-    `metalearn.algorithms.build_learner` holds the construction (iMAML with ``cg_damping=10``:
-    conv4's adapted support Hessian has eigenvalues below -lambda), so a deployed checkpoint
-    is rebuilt exactly as it was trained.
+    `metalearn.algorithms.build.build_learner` holds the construction, so a deployed
+    checkpoint is rebuilt exactly as it was trained.
     """
-    torch.manual_seed(args.seed)
+    seed_everything(args.seed)
     return build_learner(dataclasses.asdict(args)).to(args.device)
 
 
@@ -152,8 +290,52 @@ def make_optimizer(args: Args, learner: MetaLearner) -> torch.optim.Optimizer:
     return torch.optim.Adam(learner.parameters(), lr=args.outer_lr)
 
 
+def make_run(args: Args, state: RunState, learner: MetaLearner) -> Any:
+    """The W&B run (None without tracking), continuing ``state.wandb_id`` on resume.
+
+    A resumed run first re-logs the checkpoint's history (see `metalearn.runs`).
+    """
+    if not args.track or not distributed.is_main():
+        return None
+    run = init_run(
+        {**dataclasses.asdict(args), "learner": learner_config(dataclasses.asdict(args)),
+         "dataset": "omniglot", "params": sum(p.numel() for p in learner.parameters()),
+         "world_size": distributed.info().world_size},
+        project=args.wandb_project, mode=args.wandb_mode, name=state.run_name,
+        group=f"{args.algorithm}-{args.ways}w{args.shots}s",
+        tags=[args.algorithm, "omniglot", f"{args.ways}w{args.shots}s", args.split],
+        dir=args.out_dir, run_id=state.wandb_id,
+    )  # fmt: skip
+    if run is not None:
+        state.wandb_id = run.id
+        for row in state.history:
+            run.log({k: v for k, v in row.items() if k != "step"}, step=row["step"])
+    return run
+
+
+def make_progress(args: Args, state: RunState, has_val: bool) -> tqdm:
+    """One bar over every task left to run: training, validations and the test.
+
+    Counting tasks (not steps) lets the ETA include validation and test; an evaluation
+    task (more inner steps, no meta-gradient) costs roughly what a training task does.
+    """
+    steps = range(state.iteration + 1, args.iterations + 1)
+    validations = sum(1 for s in steps if s % args.val_every == 0 or s == args.iterations)
+    total = len(steps) * args.meta_batch + validations * args.val_tasks * has_val
+    return tqdm(total=total + args.test_tasks, initial=0, desc="train", unit="task",
+                dynamic_ncols=True, disable=not distributed.is_main())  # fmt: skip
+
+
+# --------------------------------------------------------------------------- train, evaluate
+
+
 def evaluate(
-    learner: MetaLearner, sampler: EpisodicSampler, n_tasks: int, steps: int, seed: int
+    learner: MetaLearner,
+    sampler: EpisodicSampler,
+    n_tasks: int,
+    steps: int,
+    seed: int,
+    progress: Callable[[int], Any] | None = None,
 ) -> tuple[float, float]:
     """Mean query accuracy over ``n_tasks`` tasks and its 95% confidence half-width.
 
@@ -161,6 +343,7 @@ def evaluate(
     the same tasks and validation curves compare like with like.
     Under torchrun every rank draws the same tasks, evaluates its share of each chunk, and
     the accuracies are gathered in task order, so every rank returns the same numbers.
+    ``progress(n)`` is called after each chunk of ``n`` tasks.
     """
     gen = torch.Generator().manual_seed(seed)  # the sampler draws indices on the CPU
     accs = []
@@ -172,91 +355,79 @@ def evaluate(
             tasks = sampler.tasks_from_indices(classes[part], examples[part])
             local = learner.evaluate(tasks, steps=steps)[1]
         accs.append(distributed.gather_tensor(local.float()))
+        if progress is not None:
+            progress(len(classes))
     acc = torch.cat(accs).double()
     half = 1.96 * acc.std().item() / math.sqrt(len(acc)) if len(acc) > 1 else float("nan")
     return acc.mean().item(), half
 
 
-def train(args: Args, learner: MetaLearner, samplers: dict, state: dict, run: Any) -> dict:
-    """Meta-train from ``state`` (fresh or resumed); returns the final state."""
+def train(
+    args: Args,
+    learner: MetaLearner,
+    samplers: dict,
+    state: RunState,
+    run: Any,
+    bar: tqdm,
+    saved: dict | None,
+) -> dict:
+    """Meta-train from ``state`` (fresh or resumed); returns the last checkpoint written."""
     opt = make_optimizer(args, learner)
-    if (saved_opt := state.pop("optimizer", None)) is not None:
-        opt.load_state_dict(saved_opt)
     gen = torch.Generator().manual_seed(args.seed)
-    if (saved_gen := state.pop("generator", None)) is not None:
-        gen.set_state(saved_gen)
-    ckpt_path = Path(args.out_dir) / state["run_name"] / "checkpoint.pt"
-    bar = tqdm(
-        range(state["iteration"], args.iterations),
-        initial=state["iteration"],
-        total=args.iterations,
-        desc="meta-train",
-        unit="step",
-        dynamic_ncols=True,
-        disable=not distributed.is_main(),
-    )
-    snapshot = _snapshot(learner, opt, gen, state)
+    if saved is not None:
+        opt.load_state_dict(saved["optimizer"])
+        gen.set_state(saved["generator"])
+    path = checkpoint_path(args)
+    snapshot = _snapshot(args, learner, opt, gen, state)
     try:
-        for it in bar:
-            start = time.perf_counter()
-            tasks = _my_tasks(samplers["train"], args.meta_batch, gen)
-            opt.zero_grad(set_to_none=True)
-            metrics = learner.backward(tasks)
-            metrics = distributed.average_meta_step(learner, metrics, len(tasks))
-            opt.step()
-            seconds = time.perf_counter() - start
-            row = {
-                "train/loss": metrics.loss,
-                "train/acc": metrics.accuracy,
-                "perf/step_s": seconds,
-                "perf/tasks_per_s": args.meta_batch / seconds,
-                "perf/vectorized_tasks": metrics.vectorized,
-                "train/skipped": metrics.skipped,
-            }
+        for it in range(state.iteration, args.iterations):
+            bar.set_description("train")
+            row = _meta_step(args, learner, opt, samplers["train"], gen)
+            bar.update(args.meta_batch)
             if (it + 1) % args.val_every == 0 or it + 1 == args.iterations:
-                row.update(validate(args, learner, samplers, state, it + 1))
-            state["iteration"] = it + 1
+                row.update(validate(args, learner, samplers, state, it + 1, bar))
+            state.iteration = it + 1
+            state.history.append({"step": state.iteration, **row})
             # Everything a resumed run needs, taken only at step boundaries, so an interrupt
             # anywhere inside a step resumes from the last *completed* one.
-            snapshot = _snapshot(learner, opt, gen, state)
+            snapshot = _snapshot(args, learner, opt, gen, state)
             if run is not None:
-                run.log(row, step=state["iteration"])
-            bar.set_postfix(loss=f"{metrics.loss:.3f}", acc=f"{metrics.accuracy:.3f}",
-                            val=f"{state['best_val']:.3f}")  # fmt: skip
-            if state["iteration"] % args.checkpoint_every == 0:
+                run.log(row, step=state.iteration)
+            bar.set_postfix(_postfix(row, state), refresh=False)
+            if state.iteration % args.checkpoint_every == 0:
                 distributed.check_same(learner.parameters())  # a diverged rank fails loudly
                 if distributed.is_main():
-                    save_checkpoint(ckpt_path, {"args": dataclasses.asdict(args), **snapshot})
+                    save_checkpoint(path, snapshot)
     finally:
         # Ctrl-C / SIGTERM / an error: keep the last completed step, so --resume continues.
         # No collective here: the other ranks may be gone.
         if distributed.is_main():
-            with _signals_held():
-                save_checkpoint(ckpt_path, {"args": dataclasses.asdict(args), **snapshot})
-    return state
+            with signals_held():
+                save_checkpoint(path, snapshot)
+    return snapshot
 
 
-@contextlib.contextmanager
-def _signals_held() -> Iterator[None]:
-    """Hold SIGINT/SIGTERM until the block ends, then raise KeyboardInterrupt if one came.
+def _meta_step(args: Args, learner: MetaLearner, opt, sampler, gen) -> dict[str, float]:
+    """One meta-step on this rank's share of a meta-batch; returns its logged metrics."""
+    start = time.perf_counter()
+    tasks = _my_tasks(sampler, args.meta_batch, gen)
+    opt.zero_grad(set_to_none=True)
+    metrics = learner.backward(tasks)
+    metrics = distributed.average_meta_step(learner, metrics, len(tasks))
+    opt.step()
+    seconds = time.perf_counter() - start
+    return {
+        "train/loss": metrics.loss, "train/acc": metrics.accuracy, "perf/step_s": seconds,
+        "perf/tasks_per_s": args.meta_batch / seconds,
+        "perf/vectorized_tasks": metrics.vectorized, "train/skipped": metrics.skipped,
+    }  # fmt: skip
 
-    When one rank fails, torchrun sends SIGTERM to the others, often while rank 0 is
-    writing its final checkpoint: without this the write is cut short (atomic, so the
-    previous checkpoint survives, but the last steps are lost).
-    """
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    held: list[int] = []
-    signals = (signal.SIGINT, signal.SIGTERM)
-    previous = {s: signal.signal(s, lambda signum, frame: held.append(signum)) for s in signals}
-    try:
-        yield
-    finally:
-        for s, handler in previous.items():
-            signal.signal(s, handler)
-    if held:
-        raise KeyboardInterrupt(f"received signal {held[0]}")
+
+def _postfix(row: dict[str, float], state: RunState) -> dict[str, str]:
+    shown = {"loss": f"{row['train/loss']:.3f}", "acc": f"{row['train/acc']:.3f}"}
+    if state.best_val is not None:  # nothing to show before the first validation
+        shown["best_val"] = f"{state.best_val:.3f}"
+    return shown
 
 
 def _my_tasks(sampler: EpisodicSampler, meta_batch: int, gen: torch.Generator) -> list:
@@ -271,59 +442,65 @@ def _my_tasks(sampler: EpisodicSampler, meta_batch: int, gen: torch.Generator) -
     return sampler.tasks_from_indices(classes[part], examples[part])
 
 
-def _snapshot(learner: MetaLearner, opt, gen: torch.Generator, state: dict) -> dict:
-    """A copy of the run's state at a step boundary (CPU tensors; cheap next to a step)."""
-    return copy.deepcopy({
-        **state, "learner": _cpu_state(learner), "optimizer": opt.state_dict(),
-        "generator": gen.get_state(), "torch_rng": torch.get_rng_state(),
-    })  # fmt: skip
+def _snapshot(args: Args, learner: MetaLearner, opt, gen: torch.Generator, state: RunState) -> dict:
+    """The checkpoint of the run at a step boundary (CPU tensors; cheap next to a step).
+
+    The history is copied as a list of the same rows (rows are never changed once logged),
+    so a snapshot costs O(steps) pointers, not a deep copy of every metric.
+    """
+    fields = {**state.to_dict(), "history": list(state.history)}
+    return {
+        "args": dataclasses.asdict(args), **fields, "learner": _cpu_state(learner),
+        "optimizer": copy.deepcopy(opt.state_dict()), "generator": gen.get_state(),
+        "torch_rng": torch.get_rng_state(),
+    }  # fmt: skip
 
 
-def validate(args: Args, learner: MetaLearner, samplers: dict, state: dict, iteration: int) -> dict:
+def validate(
+    args: Args, learner: MetaLearner, samplers: dict, state: RunState, iteration: int, bar: tqdm
+) -> dict[str, float]:
     """Validation accuracy; remembers the best weights (or the latest, with no val split)."""
     sampler = samplers.get("val")
     if sampler is None:  # the alphabet split with no held-out alphabets: keep the latest
-        state["best_learner"] = _cpu_state(learner)
+        state.best_learner, state.best_iteration = _cpu_state(learner), iteration
         return {}
-    acc, half = evaluate(learner, sampler, args.val_tasks, args.eval_inner_steps, seed=1)
-    if acc > state["best_val"]:
-        state["best_val"], state["best_iteration"] = acc, iteration
-        state["best_learner"] = _cpu_state(learner)
-    return {"val/acc": acc, "val/acc_ci95": half, "val/best_acc": state["best_val"]}
+    bar.set_description("validate")
+    acc, half = evaluate(learner, sampler, args.val_tasks, args.eval_inner_steps, seed=1,
+                         progress=bar.update)  # fmt: skip
+    if state.best_val is None or acc > state.best_val:
+        state.best_val, state.best_iteration = acc, iteration
+        state.best_learner = _cpu_state(learner)
+    return {"val/acc": acc, "val/acc_ci95": half, "val/best_acc": state.best_val}
 
 
 def _cpu_state(learner: MetaLearner) -> dict[str, torch.Tensor]:
     return {k: v.detach().to("cpu", copy=True) for k, v in learner.state_dict().items()}
 
 
-def initial_state(args: Args, learner: MetaLearner) -> dict:
-    """A fresh run's state, or the checkpoint's when resuming."""
-    name = args.run_name or f"{args.algorithm}-{args.ways}w{args.shots}s-seed{args.seed}"
-    path = Path(args.out_dir) / name / "checkpoint.pt"
-    # Rank 0 reads (only its machine need hold the file) and every rank gets its answer.
-    saved = distributed.from_main(_read_start, path, args.resume)
-    if saved is not None:
-        learner.load_state_dict(saved.pop("learner"))
-        torch.set_rng_state(saved.pop("torch_rng"))
-        saved.pop("args")
-        return saved
-    return {"run_name": name, "iteration": 0, "best_val": -1.0, "best_iteration": 0,
-            "best_learner": None, "wandb_id": None}  # fmt: skip
+def test(
+    args: Args, learner: MetaLearner, samplers: dict, state: RunState, bar: tqdm
+) -> dict[str, float]:
+    """Accuracy of the best-validation weights on ``args.test_tasks`` test tasks."""
+    if state.best_learner is not None:
+        learner.load_state_dict(state.best_learner)
+    bar.set_description("test")
+    acc, half = evaluate(learner, samplers["test"], args.test_tasks, args.eval_inner_steps, 2,
+                         progress=bar.update)  # fmt: skip
+    return {"test/acc": acc, "test/acc_ci95": half, "test/best_iteration": state.best_iteration}
 
 
-def _read_start(path: Path, resume: bool) -> dict | None:
-    """The checkpoint to resume from, or None for a fresh run (refusing to overwrite one)."""
-    if resume:
-        return load_checkpoint(path)  # raises FileNotFoundError naming the path and fix
-    if path.exists():
-        raise FileExistsError(
-            f"{path} exists: pass --resume to continue that run, or --run-name NEW for a new one"
-        )
-    return None
+# --------------------------------------------------------------------------- main
 
 
 def main(args: Args) -> dict[str, float]:
-    """Meta-train, test the best-validation weights, log everything; returns the results."""
+    """Meta-train, test the best-validation weights, log everything; returns the results.
+
+    Raises:
+        UserError: a bad argument, a resume that changes the run, missing data (nothing
+            has been written then).
+        Stopped: SIGINT/SIGTERM; the run was checkpointed and marked failed in W&B.
+    """
+    check_args(args)  # before anything else touches the machine
     if args.threads > 0:
         torch.set_num_threads(args.threads)
     if args.tune_malloc:
@@ -337,67 +514,58 @@ def main(args: Args) -> dict[str, float]:
 
 
 def _main(args: Args, dist: distributed.DistInfo) -> dict[str, float]:
-    if args.meta_batch < dist.world_size:
-        raise ValueError(
-            f"meta_batch={args.meta_batch} is below the {dist.world_size} processes: every "
-            "rank needs a task; raise --meta-batch or launch fewer processes"
-        )
-    with distributed.main_first():  # one process per machine fills the cache (or downloads)
-        data = load_omniglot(args.data_root)
-    samplers = omniglot_samplers(data, args.split, ways=args.ways, shots=args.shots,
-                                 queries=args.query, device=args.device)  # fmt: skip
-    eval_samplers = omniglot_samplers(data, args.split, ways=args.ways, shots=args.shots,
-                                      queries=args.eval_query, device=args.device)  # fmt: skip
-    samplers.update({k: v for k, v in eval_samplers.items() if k != "train"})
+    require(args.meta_batch >= dist.world_size,
+            f"--meta-batch {args.meta_batch} is below the {dist.world_size} processes: every "
+            "rank needs a task; raise --meta-batch or launch fewer processes")  # fmt: skip
+    # Rank 0 reads (only its machine need hold the checkpoint) and every rank gets its answer.
+    args, saved = distributed.from_main(start_from, args)
+    samplers = make_samplers(args)
     learner = make_learner(args)
-    state = initial_state(args, learner)
+    state = RunState(run_name=str(args.run_name))
+    if saved is not None:
+        learner.load_state_dict(saved["learner"])
+        torch.set_rng_state(saved["torch_rng"])
+        state = RunState.from_dict(saved)
     distributed.broadcast_params(learner)  # every rank starts from rank 0's weights
-    run = None
-    if args.track and dist.is_main:
-        run = init_run(
-            {**dataclasses.asdict(args), "dataset": "omniglot", "params": _count(learner),
-             "world_size": dist.world_size},
-            project=args.wandb_project, mode=args.wandb_mode, name=state["run_name"],
-            group=f"{args.algorithm}-{args.ways}w{args.shots}s",
-            tags=[args.algorithm, "omniglot", f"{args.ways}w{args.shots}s", args.split],
-            dir=args.out_dir, run_id=state.get("wandb_id"),
-        )  # fmt: skip
-        state["wandb_id"] = run.id if run is not None else None
-    started = time.perf_counter()
+    run = make_run(args, state, learner)
+    if dist.is_main:
+        print(f"checkpoint: {checkpoint_path(args)}")
+        print(f"W&B run: {Path(run.dir).parent if run is not None else 'not tracked'}")
+    return _train_and_test(args, learner, samplers, state, run, saved, dist)
+
+
+def _train_and_test(args, learner, samplers, state, run, saved, dist) -> dict[str, float]:
+    """Train, test, record; the W&B run ends failed (exit code != 0) unless all of it ran."""
+    started, exit_code = time.perf_counter(), 1
     try:
-        with graceful_shutdown():
-            state = train(args, learner, samplers, state, run)
-            results = test(args, learner, samplers, state)
+        with graceful_shutdown(), make_progress(args, state, "val" in samplers) as bar:
+            final = train(args, learner, samplers, state, run, bar, saved)
+            results = test(args, learner, samplers, state, bar)
         results["perf/total_minutes"] = (time.perf_counter() - started) / 60
+        state.results = final["results"] = results
+        if dist.is_main:
+            save_checkpoint(checkpoint_path(args), final)  # a finished run (the grid skips it)
         if run is not None:
             run.summary.update(results)
-    except (KeyboardInterrupt, distributed.PeerError):
+            if args.log_model:
+                log_model(run, checkpoint_path(args), name=f"{state.run_name}-model")
+        exit_code = 0
+    except (KeyboardInterrupt, distributed.PeerError) as stop:
+        exit_code = stop.exit_code if isinstance(stop, Stopped) else 1
+        if run is not None and isinstance(stop, Stopped):
+            run.mark_preempting()  # online: shown as preempted, resumable
         where = f"rank {dist.rank}: " if dist.distributed else ""
-        print(
-            f"\n{where}stopped at step {state['iteration']}; continue with --resume "
-            f"--run-name {state['run_name']}"
-        )
+        print(f"\n{where}stopped at step {state.iteration}; continue with --resume "
+              f"--run-name {state.run_name}")  # fmt: skip
         raise
     finally:
         if run is not None:
-            run.finish()
+            run.finish(exit_code=exit_code)
     if dist.is_main:
         print(" ".join(f"{k}: {v:.4f}" for k, v in results.items() if k != "test/acc_ci95"))
         print(f"test/acc: {results['test/acc']:.4f} ± {results['test/acc_ci95']:.4f}")
     return results
 
 
-def test(args: Args, learner: MetaLearner, samplers: dict, state: dict) -> dict[str, float]:
-    """Accuracy of the best-validation weights on ``args.test_tasks`` test tasks."""
-    if state.get("best_learner") is not None:
-        learner.load_state_dict(state["best_learner"])
-    acc, half = evaluate(learner, samplers["test"], args.test_tasks, args.eval_inner_steps, 2)
-    return {"test/acc": acc, "test/acc_ci95": half, "test/best_iteration": state["best_iteration"]}
-
-
-def _count(learner: MetaLearner) -> int:
-    return sum(p.numel() for p in learner.parameters())
-
-
 if __name__ == "__main__":
-    main(parse_dataclass(Args, description=__doc__.split("\n\n")[0], presets=PRESETS))
+    run_cli(main, parse_args)

@@ -1,9 +1,16 @@
 """A typed command line from an experiment's argument dataclass.
 
-Each field becomes ``--field-name``; its type drives parsing (``bool`` fields become
+Each field becomes ``--field-name`` (``--field_name`` too, the form ``wandb agent`` passes:
+``--inner_lr=0.3``); its type drives parsing (``bool`` fields become
 ``--flag`` / ``--no-flag``, ``Literal`` fields get choices, ``X | None`` accepts ``none``),
 and the string literal under each field is its ``--help`` text, so the dataclass stays the
-one place an argument is documented.
+one place an argument is documented. A mistyped flag is answered with the closest ones.
+
+Why not tyro (measured with tyro 1.0.17): it parses ``--inner_lr=0.3`` and suggests flags
+for typos too, but its preset helper, ``tyro.extras.overridable_config_cli``, takes the
+preset as a positional subcommand (``omniglot_maml.py paper-5w1s``) and refuses the
+``--preset paper-5w1s`` form every documented command line uses, and a resumed run needs
+the saved arguments as the defaults (``base=``), which this module does in one line.
 """
 
 from __future__ import annotations
@@ -11,6 +18,7 @@ from __future__ import annotations
 import argparse
 import ast
 import dataclasses
+import difflib
 import inspect
 import types
 import typing
@@ -51,6 +59,8 @@ def _converter(tp: Any) -> tuple[Any, list[Any] | None]:
         def optional(text: str) -> Any:
             return None if text.lower() == "none" else parse(text)
 
+        optional.__name__ = getattr(parse, "__name__", "value")  # argparse's error names it
+
         return optional, choices
     if origin is typing.Literal:
         return type(args[0]), list(args)
@@ -59,12 +69,29 @@ def _converter(tp: Any) -> tuple[Any, list[Any] | None]:
     raise TypeError(f"unsupported argument type {tp!r}; use int, float, str, bool, Literal")
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse that answers an unknown flag with the closest known ones."""
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        if message.startswith("unrecognized arguments:"):
+            known = [s for a in self._actions for s in a.option_strings if "_" not in s]
+            hints = []
+            for word in message.split(":", 1)[1].split():
+                flag = word.split("=", 1)[0].replace("_", "-")
+                if flag.startswith("--"):
+                    close = difflib.get_close_matches(flag, known, n=3, cutoff=0.6)
+                    hints += [f"{flag}: did you mean {' or '.join(close)}?"] if close else []
+            message = "; ".join([message, *hints])
+        super().error(message)
+
+
 def parse_dataclass(
     cls: type[T],
     argv: Sequence[str] | None = None,
     *,
     description: str | None = None,
     presets: Mapping[str, Mapping[str, Any]] | None = None,
+    base: T | None = None,
 ) -> T:
     """Parse ``argv`` into an instance of the dataclass ``cls``.
 
@@ -74,33 +101,48 @@ def parse_dataclass(
         description: ``--help``'s opening text.
         presets: named groups of field values, applied when ``cls`` has a ``preset`` field
             naming one (``--preset NAME``); flags given on the command line win over it.
+        base: an instance whose values stand in for the defaults (a resumed run's saved
+            arguments): only the flags given change it, and no preset is applied.
 
     Returns:
         The dataclass instance.
     """
     hints = typing.get_type_hints(cls)
     docs = field_docs(cls)
-    parser = argparse.ArgumentParser(description=description)
+    defaults = _defaults(cls, argv, presets, base)
+    parser = _Parser(description=description)
     for f in dataclasses.fields(cls):
-        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
-        flag = "--" + f.name.replace("_", "-")
+        flags = ["--" + f.name.replace("_", "-")] + (["--" + f.name] if "_" in f.name else [])
         # argparse %-formats help strings: a literal "95%" must reach it as "95%%".
-        help_text = f"{docs.get(f.name, '')} (default: {default})".replace("%", "%%")
+        help_text = f"{docs.get(f.name, '')} (default: {defaults[f.name]})".replace("%", "%%")
         if hints[f.name] is bool:
-            parser.add_argument(
-                flag, action=argparse.BooleanOptionalAction, default=None, help=help_text
-            )
+            action: dict[str, Any] = {"action": argparse.BooleanOptionalAction}
         else:
             parse, choices = _converter(hints[f.name])
-            parser.add_argument(flag, type=parse, choices=choices, default=None, help=help_text)
-        parser.set_defaults(**{f"_default_{f.name}": default})
-    namespace = vars(parser.parse_args(argv))
-    values = {f.name: namespace[f"_default_{f.name}"] for f in dataclasses.fields(cls)}
-    explicit = {k: v for k, v in namespace.items() if k in values and v is not None}
-    preset = explicit.get("preset", values.get("preset"))
-    if presets and preset is not None:
-        if preset not in presets:
-            raise ValueError(f"unknown preset {preset!r}; choose one of {sorted(presets)}")
-        values.update(presets[preset])
-    values.update(explicit)
-    return cls(**values)
+            action = {"type": parse, "choices": choices}
+        parser.add_argument(*flags, **action, default=defaults[f.name], help=help_text,
+                            dest=f.name)  # fmt: skip
+    return cls(**vars(parser.parse_args(argv)))
+
+
+def _defaults(
+    cls: type,
+    argv: Sequence[str] | None,
+    presets: Mapping[str, Mapping[str, Any]] | None,
+    base: Any,
+) -> dict[str, Any]:
+    """Each field's value when its flag is not given: ``base``'s, else the field default
+    under the chosen preset (read from ``argv`` first, so ``--preset X --help`` shows X)."""
+    if base is not None:
+        return {f.name: getattr(base, f.name) for f in dataclasses.fields(cls)}
+    defaults = {
+        f.name: f.default if f.default is not dataclasses.MISSING else f.default_factory()
+        for f in dataclasses.fields(cls)
+    }
+    if presets and "preset" in defaults:
+        pre = argparse.ArgumentParser(add_help=False)
+        pre.add_argument("--preset", default=defaults["preset"])
+        name = pre.parse_known_args(argv)[0].preset
+        if name in presets:  # an unknown name is refused by the full parser's choices
+            defaults.update(presets[name], preset=name)
+    return defaults

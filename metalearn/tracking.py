@@ -1,10 +1,13 @@
 """Weights & Biases tracking: offline by default, clean shutdown, reading runs back.
 
-Facts this module is built on (wandb 0.31, measured; see DESIGN.md): offline ``init`` takes
+Facts this module is built on (wandb 0.31, measured): offline ``init`` takes
 about 0.5 s; with an API key set but no network, online ``init`` blocks ~100 s before
 failing, so the mode is decided *before* calling it; offline runs keep everything in their
 ``.wandb`` file, which ``wandb leet inspect --json`` reads back; data reaches that file only
-every 15 s or at ``finish``, so SIGTERM is turned into a clean finish.
+every 15 s or at ``finish``, so SIGTERM is turned into a clean finish (and a killed process
+loses up to 15 s of metrics: `metalearn.runs` keeps them in the checkpoint); an offline run
+resumed under the same id is written to a new ``offline-run-*`` folder; ``finish(exit_code=N)``
+with N != 0 records the run as ``failed``.
 """
 
 from __future__ import annotations
@@ -21,12 +24,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from metalearn.runs import Stopped
+
 __all__ = [
     "RunRecord",
     "decide_mode",
     "git_commit",
     "graceful_shutdown",
     "init_run",
+    "log_model",
     "read_offline_run",
     "read_online_runs",
 ]
@@ -120,23 +126,42 @@ def init_run(
 
 @contextlib.contextmanager
 def graceful_shutdown() -> Iterator[None]:
-    """Turn SIGTERM into KeyboardInterrupt inside the block, so ``finally`` clauses run.
+    """Turn SIGTERM into `metalearn.runs.Stopped` (a KeyboardInterrupt) inside the block.
 
-    A killed job (SIGTERM from a scheduler, ``timeout``, ``kill``) then finishes its W&B run
-    and keeps its last checkpoint, exactly like Ctrl-C does.
+    A killed job (SIGTERM from a scheduler, ``timeout``, ``kill``) then runs its ``finally``
+    clauses: it keeps its last checkpoint and finishes its W&B run, exactly like Ctrl-C;
+    ``Stopped.exit_code`` (143) is what the run and the process should end with.
     """
+
     if sys.platform == "win32" or not _in_main_thread():
         yield
         return
 
     def handler(signum: int, frame: Any) -> None:
-        raise KeyboardInterrupt(f"received signal {signum}")
+        raise Stopped(signum)
 
     previous = signal.signal(signal.SIGTERM, handler)
     try:
         yield
     finally:
         signal.signal(signal.SIGTERM, previous)
+
+
+def log_model(run: Any, path: str | Path, name: str) -> Any:
+    """Log the checkpoint at ``path`` as a W&B artifact of type ``model``.
+
+    Aliases ``best`` and ``latest``: the checkpoint holds both the best-validation and the
+    last weights. Offline runs carry the artifact in their ``.wandb`` file until
+    ``wandb sync``; then ``wandb artifact get <entity>/<project>/<name>:best`` fetches it.
+
+    Returns:
+        The logged artifact.
+    """
+    import wandb
+
+    artifact = wandb.Artifact(name, type="model", metadata={"file": Path(path).name})
+    artifact.add_file(str(path))
+    return run.log_artifact(artifact, aliases=["best", "latest"])
 
 
 def _in_main_thread() -> bool:

@@ -64,6 +64,7 @@ __all__ = [
     "omniglot_samplers",
     "omniglot_splits",
     "resolve_data_root",
+    "root_is_default",
     "safe_extract",
 ]
 
@@ -142,6 +143,16 @@ def resolve_data_root(data_root: str | os.PathLike | None = None) -> Path:
         return Path(data_root).expanduser()
     env = os.environ.get("METALEARN_DATA")
     return Path(env).expanduser() if env else default_cache_dir() / "omniglot"
+
+
+def root_is_default(data_root: str | os.PathLike | None = None) -> bool:
+    """Whether `resolve_data_root` falls back to the cache folder.
+
+    Experiments create and download into that folder only: a folder the user named
+    (argument or ``$METALEARN_DATA``) that does not exist is more likely a typo than a wish
+    for a 10 MB download into it.
+    """
+    return data_root is None and not os.environ.get("METALEARN_DATA")
 
 
 def _layout_at(root: Path) -> Path | None:
