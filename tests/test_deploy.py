@@ -45,7 +45,9 @@ CHARACTERS = DATA / "images_evaluation" / "Angelic"
 
 
 def _args(**overrides) -> om.Args:
-    return dataclasses.replace(om.Args(hidden=8, device="cpu"), **overrides)
+    # Learner arguments given in full: the checkpoint records what was built.
+    base = om.Args(hidden=8, device="cpu", inner_lr=0.4, inner_steps=1)
+    return dataclasses.replace(base, **overrides)
 
 
 def experiment_checkpoint(path: Path, args: om.Args, best: bool = True) -> Path:
