@@ -152,8 +152,8 @@ def _start_run(args: Args, run_args: Mapping[str, Any], chosen: Mapping[str, Any
     group = f"{run_args['algorithm']}-{run_args['ways']}w{run_args['shots']}s"
     with _job_type("eval"):
         return init_run(
-            config, project=project,
-            mode=args.wandb_mode, name=f"{checkpoint.parent.name}-eval", group=group,
+            config, project=project, mode=args.wandb_mode, name=f"{checkpoint.parent.name}-eval",
+            group=group,
             tags=["eval", run_args["algorithm"], f"{chosen['ways']}w{chosen['shots']}s"],
             dir=checkpoint.parent.parent,
         )  # fmt: skip
