@@ -31,6 +31,8 @@ MLP(64, [100, 32], 5)      1.40             1.98                  3.27
 
 Double backward also had the lowest peak memory on both conv4s (29.2 and 25.4 MB against
 30.6-32.6 MB), and all three agree to float32 rounding (relative difference at most 2.6e-6).
+The GPU measurements in ``docs/benchmarks.md`` (H200) rank the three methods the same way
+on all three models.
 
 Inside a ``torch.func`` transform (``vmap``, ``grad``, ...) autograd cannot mark the
 transform's tensors for differentiation, so there ``"double-backward"`` runs as
