@@ -50,13 +50,13 @@ die() {  # one line on stderr naming what was wrong and the fix, exit 2
 }
 
 cd "$(dirname "$0")/.."
-OUT_DIR="" DATA_ROOT="${METALEARN_DATA:-}" DEVICE=cuda ITERATIONS=500 QUICK=0 FULL_TESTS=0
+DEST="" DATA_ROOT="${METALEARN_DATA:-}" DEVICE=cuda ITERATIONS=500 QUICK=0 FULL_TESTS=0
 PY=$([ -x .venv/bin/python ] && echo .venv/bin/python || echo python3)
 SKIP=" "
 while [ $# -gt 0 ]; do
     case "$1" in
         -h | --help) usage; exit 0 ;;
-        --out) [ $# -ge 2 ] || die "--out needs a folder"; OUT_DIR=$2; shift 2 ;;
+        --out) [ $# -ge 2 ] || die "--out needs a folder"; DEST=$2; shift 2 ;;
         --data-root) [ $# -ge 2 ] || die "--data-root needs a folder"; DATA_ROOT=$2; shift 2 ;;
         --device) [ $# -ge 2 ] || die "--device needs a value (cuda, cuda:N or cpu)"; DEVICE=$2; shift 2 ;;
         --python) [ $# -ge 2 ] || die "--python needs an interpreter"; PY=$2; shift 2 ;;
@@ -77,16 +77,16 @@ done
 if [ -n "$DATA_ROOT" ] && [ ! -d "$DATA_ROOT/images_background" ]; then
     die "no $DATA_ROOT/images_background: pass --data-root the folder holding Omniglot's images_background/"
 fi
-OUT_DIR=${OUT_DIR:-gpu-check/$(date -u +%Y%m%dT%H%M%SZ)}
-if [ -e "$OUT_DIR" ] && [ -n "$(ls -A "$OUT_DIR" 2>/dev/null)" ]; then
-    die "$OUT_DIR already holds files; pass --out a new or empty folder"
+DEST=${DEST:-gpu-check/$(date -u +%Y%m%dT%H%M%SZ)}
+if [ -e "$DEST" ] && [ -n "$(ls -A "$DEST" 2>/dev/null)" ]; then
+    die "$DEST already holds files; pass --out a new or empty folder"
 fi
 command -v "$PY" > /dev/null 2>&1 || die "no interpreter '$PY'; set up .venv (README) or pass --python"
 if ! "$PY" -c "import sys, torch; d = torch.device(sys.argv[1]); \
 sys.exit(0 if d.type != 'cuda' or torch.cuda.is_available() else 1)" "$DEVICE" 2> /dev/null; then
     die "torch ($PY) sees no CUDA device for --device $DEVICE; install a CUDA build of torch, or pass --device cpu for a dry run"
 fi
-mkdir -p "$OUT_DIR" || die "cannot create $OUT_DIR; pass --out a writable folder"
+mkdir -p "$DEST" || die "cannot create $DEST; pass --out a writable folder"
 
 # metalearn from this checkout, also for an interpreter where it is not pip-installed
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
@@ -120,7 +120,7 @@ limit_of() {  # limit_of PART: its time limit in seconds
     for entry in "${LIMITS[@]}"; do [ "${entry%%=*}" = "$1" ] && echo "${entry#*=}"; done
 }
 
-SUMMARY="$OUT_DIR/summary.md"
+SUMMARY="$DEST/summary.md"
 {
     echo "# metalearn GPU check"
     echo
@@ -135,7 +135,7 @@ torch.cuda.get_device_name(0) if torch.cuda.is_available() else 'no CUDA device'
     echo "|---|---|---|---|"
 } > "$SUMMARY"
 
-part() {  # part NAME RESULT_PATTERN COMMAND...: run under the part's time limit, log to $OUT_DIR/NAME.log
+part() {  # part NAME RESULT_PATTERN COMMAND...: run under the part's time limit, log to $DEST/NAME.log
     local name=$1 pattern=$2 limit
     shift 2
     if [[ "$SKIP" == *" $name "* ]]; then
@@ -145,13 +145,13 @@ part() {  # part NAME RESULT_PATTERN COMMAND...: run under the part's time limit
     limit=$(limit_of "$name")
     echo "== $name (limit ${limit}s): $*"
     local start=$SECONDS rc result
-    timeout "$limit" "$@" > "$OUT_DIR/$name.log" 2>&1
+    timeout "$limit" "$@" > "$DEST/$name.log" 2>&1
     rc=$?
-    [ "$rc" = 124 ] && echo "(stopped at the ${limit}s limit)" >> "$OUT_DIR/$name.log"
+    [ "$rc" = 124 ] && echo "(stopped at the ${limit}s limit)" >> "$DEST/$name.log"
     # progress bars end lines in \r: split them so the result line is found and shown
-    result=$(tr '\r' '\n' < "$OUT_DIR/$name.log" | grep -E "$pattern" | tail -n 1 | cut -c1-200)
+    result=$(tr '\r' '\n' < "$DEST/$name.log" | grep -E "$pattern" | tail -n 1 | cut -c1-200)
     # no result line: show the log's last line instead (an error, or the time-limit note)
-    [ -n "$result" ] || result=$(tr '\r' '\n' < "$OUT_DIR/$name.log" | grep -v '^\s*$' | tail -n 1 | cut -c1-200)
+    [ -n "$result" ] || result=$(tr '\r' '\n' < "$DEST/$name.log" | grep -v '^\s*$' | tail -n 1 | cut -c1-200)
     echo "== $name: exit $rc after $((SECONDS - start)) s${result:+: $result}"
     echo "| $name | $rc | $((SECONDS - start)) | ${result//|//} |" >> "$SUMMARY"
 }
@@ -161,7 +161,7 @@ part bench_maml '^speedup_vs_learn2learn' "$PY" scripts/bench_maml.py --device "
 part bench_hvp '^hvp_over_grad' "$PY" scripts/bench_hvp.py --device "$DEVICE" "${HVP[@]}"
 part bench_chunks '^\|' "$PY" scripts/bench_chunks.py --device "$DEVICE" "${CHUNKS[@]}"
 part omniglot 'test/acc' "$PY" experiments/omniglot_maml.py --device "$DEVICE" --threads 0 \
-    --run-name gpu-check --out-dir "$OUT_DIR/omniglot" "${TRACK[@]}" "${OMNIGLOT[@]}"
+    --run-name gpu-check --out-dir "$DEST/omniglot" "${TRACK[@]}" "${OMNIGLOT[@]}"
 
 echo
 echo "summary: $SUMMARY"
