@@ -122,7 +122,8 @@ class Args:
     resume: bool = False
     """Continue the run named run_name from its last checkpoint, with its saved arguments;
     only --iterations (to extend), --checkpoint-every, --device, --threads, --tune-malloc,
-    --track, --wandb-mode, --log-model, --dist-timeout, --data-root, --out-dir may change."""
+    --track, --wandb-mode, --wandb-group, --log-model, --dist-timeout, --data-root, --out-dir
+    may change."""
     track: bool = True
     """Log to Weights & Biases (--no-track to skip)."""
     log_model: bool = False
@@ -131,6 +132,8 @@ class Args:
     """auto: online when logged in and reachable, else offline."""
     wandb_project: str = "metalearn-omniglot"
     """W&B project."""
+    wandb_group: str | None = None
+    """W&B group (default: algorithm-NwKs); scripts/grid.py puts a whole grid in one."""
     device: str = "cuda" if torch.cuda.is_available() else "cpu"
     """Torch device."""
     threads: int = 1
@@ -160,7 +163,7 @@ PRESETS: dict[str, dict[str, Any]] = {
 # What --resume may change: how long and where the run goes on, not what it computes.
 RESUMABLE = (
     "iterations", "checkpoint_every", "device", "threads", "tune_malloc", "track",
-    "wandb_mode", "log_model", "dist_timeout", "data_root", "out_dir", "resume",
+    "wandb_mode", "wandb_group", "log_model", "dist_timeout", "data_root", "out_dir", "resume",
 )  # fmt: skip
 _AT_LEAST_ONE = (
     "ways", "shots", "query", "eval_query", "meta_batch", "iterations", "hidden",
@@ -302,7 +305,7 @@ def make_run(args: Args, state: RunState, learner: MetaLearner) -> Any:
          "dataset": "omniglot", "params": sum(p.numel() for p in learner.parameters()),
          "world_size": distributed.info().world_size},
         project=args.wandb_project, mode=args.wandb_mode, name=state.run_name,
-        group=f"{args.algorithm}-{args.ways}w{args.shots}s",
+        group=args.wandb_group or f"{args.algorithm}-{args.ways}w{args.shots}s",
         tags=[args.algorithm, "omniglot", f"{args.ways}w{args.shots}s", args.split],
         dir=args.out_dir, run_id=state.wandb_id,
     )  # fmt: skip

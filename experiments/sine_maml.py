@@ -31,6 +31,8 @@ from metalearn.algorithms import MAML
 from metalearn.cli import parse_dataclass
 from metalearn.data import SineTasks, sine
 from metalearn.models import MLP
+from metalearn.runs import Stopped, require, run_cli
+from metalearn.seeding import seed_everything
 from metalearn.tracking import graceful_shutdown, init_run
 
 
@@ -133,9 +135,20 @@ def plot(learner: MAML, scratch: MAML, tasks: SineTasks, path: Path) -> Path:
 
 def main(args: Args) -> dict[str, float]:
     """Meta-train, evaluate against the scratch baseline, plot, log; returns the MSEs."""
+    for name in ("iterations", "meta_batch", "shots", "inner_steps", "eval_tasks"):
+        require(
+            getattr(args, name) >= 1,
+            f"--{name.replace('_', '-')} {getattr(args, name)}: must be at least 1",
+        )
+    for name in ("inner_lr", "outer_lr"):
+        require(
+            getattr(args, name) > 0,
+            f"--{name.replace('_', '-')} {getattr(args, name)}: must be positive",
+        )
+    require(args.threads >= 0, f"--threads {args.threads}: must be >= 1 (0: torch's default)")
     if args.threads > 0:
         torch.set_num_threads(args.threads)
-    torch.manual_seed(args.seed)
+    seed_everything(args.seed)
     common = dict(inner_lr=args.inner_lr, inner_steps=args.inner_steps, loss_fn=F.mse_loss,
                   vectorize=args.vectorize)  # fmt: skip
     learner, scratch = MAML(make_model(), **common), MAML(make_model(), **common)
@@ -145,7 +158,7 @@ def main(args: Args) -> dict[str, float]:
         run = init_run(dataclasses.asdict(args), project=args.wandb_project,
                        mode=args.wandb_mode, dir=args.out_dir, group="sine-maml",
                        tags=["maml", "sine"])  # fmt: skip
-    started = time.perf_counter()
+    started, exit_code = time.perf_counter(), 1
     try:
         with graceful_shutdown():
             train(args, learner, tasks, run)
@@ -157,9 +170,13 @@ def main(args: Args) -> dict[str, float]:
 
             run.summary.update(results)
             run.log({"test/adapted_curves": wandb.Image(str(png))})
+        exit_code = 0
+    except Stopped as stop:  # SIGTERM / Ctrl-C: the W&B run ends failed, with the signal's code
+        exit_code = stop.exit_code
+        raise
     finally:
         if run is not None:
-            run.finish()
+            run.finish(exit_code=exit_code)
     print(f"{'steps':>5} {'MAML MSE':>10} {'scratch MSE':>12}")
     for steps in (0, 1, 10):
         print(f"{steps:>5} {results[f'test/mse_{steps}step']:>10.3f}"
@@ -169,4 +186,4 @@ def main(args: Args) -> dict[str, float]:
 
 
 if __name__ == "__main__":
-    main(parse_dataclass(Args, description=__doc__.split("\n\n")[0]))
+    run_cli(main, lambda: parse_dataclass(Args, description=__doc__.split("\n\n")[0]))

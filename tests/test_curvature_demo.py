@@ -46,3 +46,8 @@ def test_main_runs_and_logs_offline(tmp_path):
 def test_cli_flags_come_from_the_dataclass():
     cfg = curvature_demo.parse_args(["--steps", "7", "--lr", "0.1", "--wandb-mode", "disabled"])
     assert (cfg.steps, cfg.lr, cfg.wandb_mode) == (7, 0.1, "disabled")
+
+
+def test_cli_takes_the_underscore_form_too():
+    cfg = curvature_demo.parse_args(["--measure_every=5", "--n-points", "16"])
+    assert (cfg.measure_every, cfg.n_points) == (5, 16)

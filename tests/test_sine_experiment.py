@@ -5,11 +5,13 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "experiments"))
 import sine_maml  # noqa: E402
 
+from metalearn.runs import UserError  # noqa: E402
 from metalearn.tracking import read_offline_run  # noqa: E402
 
 
@@ -27,3 +29,9 @@ def test_short_run_beats_scratch_and_logs_the_plot(tmp_path):
     record = read_offline_run(run_dir)
     assert record.summary["test/mse_1step"] == results["test/mse_1step"]
     assert "test/adapted_curves" in record.summary
+
+
+def test_bad_values_are_refused_before_training(tmp_path):
+    with pytest.raises(UserError, match="--inner-lr -1.0: must be positive"):
+        sine_maml.main(sine_maml.Args(inner_lr=-1.0, out_dir=str(tmp_path), track=False))
+    assert list(tmp_path.iterdir()) == []
