@@ -9,7 +9,28 @@ Typical use::
     tasks = samplers["train"].batch(32, torch.Generator().manual_seed(0))
 """
 
+from metalearn.data.augment import (
+    AUGMENTATION_KINDS,
+    ColorJitter,
+    Compose,
+    HorizontalFlip,
+    PadCrop,
+    RandomResizedCrop,
+    SmallAffine,
+    standard_augmentation,
+)
+from metalearn.data.benchmarks import (
+    IMAGE_SET_NAMES,
+    IMAGE_SETS,
+    image_set_samplers,
+    load_image_set,
+)
+from metalearn.data.cifar import load_cifar_fs, load_fc100
+from metalearn.data.cub import load_cub
 from metalearn.data.folders import IMAGE_SUFFIXES, SupportSet, load_support_folder
+from metalearn.data.image_folder import load_image_folder
+from metalearn.data.image_set import IMAGE_SPLITS, ImageSet
+from metalearn.data.mini_imagenet import load_mini_imagenet
 from metalearn.data.omniglot import (
     OMNIGLOT_ZIPS,
     RESAMPLE_FILTERS,
@@ -28,10 +49,32 @@ from metalearn.data.omniglot import (
     resolve_data_root,
     safe_extract,
 )
-from metalearn.data.sampler import EpisodicSampler, check_generator
+from metalearn.data.sampler import Augmentation, EpisodicSampler, check_generator
 from metalearn.data.sine import SineTasks, sine
+from metalearn.data.tiered_imagenet import load_tiered_imagenet
 
 __all__ = [
+    "AUGMENTATION_KINDS",
+    "ColorJitter",
+    "Compose",
+    "HorizontalFlip",
+    "PadCrop",
+    "RandomResizedCrop",
+    "SmallAffine",
+    "standard_augmentation",
+    "IMAGE_SET_NAMES",
+    "IMAGE_SETS",
+    "image_set_samplers",
+    "load_image_set",
+    "load_cifar_fs",
+    "load_fc100",
+    "load_cub",
+    "load_image_folder",
+    "IMAGE_SPLITS",
+    "ImageSet",
+    "load_mini_imagenet",
+    "Augmentation",
+    "load_tiered_imagenet",
     "IMAGE_SUFFIXES",
     "OMNIGLOT_ZIPS",
     "RESAMPLE_FILTERS",

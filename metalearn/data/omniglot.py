@@ -429,15 +429,21 @@ def _decode_all(
     return torch.from_numpy(np.stack(arrays))
 
 
-def _load_cache(path: Path, fingerprint: str) -> dict | None:
-    """The cached dict if ``path`` is a readable cache for ``fingerprint``, else None."""
+def _load_cache(
+    path: Path, fingerprint: str, *, what: str = "Omniglot", mmap: bool = False
+) -> dict | None:
+    """The cached dict if ``path`` is a readable cache for ``fingerprint``, else None.
+
+    ``what`` names the data in the warning; ``mmap`` maps the tensors from the file instead
+    of reading them (pages load on first touch: for sets larger than memory).
+    """
     if not path.is_file():
         return None
     try:
-        cached = torch.load(path, weights_only=True)
+        cached = torch.load(path, weights_only=True, mmap=mmap)
     except Exception as err:  # a truncated or foreign file: rebuild it, but say so
         warnings.warn(
-            f"ignoring unreadable Omniglot cache {path} ({err}); rebuilding it", stacklevel=3
+            f"ignoring unreadable {what} cache {path} ({err}); rebuilding it", stacklevel=3
         )
         return None
     if not isinstance(cached, dict) or cached.get("fingerprint") != fingerprint:

@@ -1,0 +1,326 @@
+"""Labelled image sets for episodic sampling: one uint8 tensor, classes of any sizes.
+
+An `ImageSet` is one split of a benchmark (or of a user's folder): every image as uint8
+``[N, ch, H, W]``, class by class, with the number of images of each class. It is what
+every loader in `metalearn.data` returns and what `EpisodicSampler` draws tasks from.
+
+Images come either from arrays the data set ships (pickles, ``.npz``), used as they are, or
+from image files (JPEG/PNG, or encoded PNG bytes in a pickle) decoded once and cached as
+Omniglot's are: a ``.pt`` file in `default_cache_dir` keyed on a fingerprint of the
+sources' paths, sizes and modification times, so the data root may be read-only and any
+change to the files rebuilds the cache. The cache is memory-mapped when read back, so a
+set larger than memory (tiered-ImageNet's 9.5 GB of training images) loads pages as tasks
+touch them.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import sys
+import warnings
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from metalearn.checkpoint import save_checkpoint
+from metalearn.data.omniglot import _fingerprint, _load_cache, default_cache_dir
+from metalearn.data.sampler import Augmentation, EpisodicSampler
+
+__all__ = [
+    "IMAGE_SPLITS",
+    "ImageSet",
+    "cached_decode",
+    "check_split",
+    "check_split_classes",
+    "decode_picture",
+    "image_set_from_files",
+    "warn_on_counts",
+]
+
+IMAGE_SPLITS = ("train", "val", "test")
+_CACHE_FORMAT = 1  # bump when the cached tensors' meaning changes
+_POOL_MIN_IMAGES = 2000  # below this, process start-up costs more than it saves
+
+
+@dataclass(frozen=True)
+class ImageSet:
+    """One split of a labelled image set, resident as uint8.
+
+    Attributes:
+        images: uint8 ``[N, ch, H, W]``, class-major: class ``c``'s images are rows
+            ``offsets[c] : offsets[c] + counts[c]``.
+        counts: long ``[C]``, images per class (any sizes >= 1).
+        class_names: the classes' names (ImageNet wnids, folder names, ...), ``C`` of them.
+        name: the data set (``"mini-imagenet"``, ...).
+        split: ``"train"``, ``"val"`` or ``"test"``.
+        fingerprint: the decoded cache's key (None for sets read from arrays).
+    """
+
+    images: Tensor
+    counts: Tensor
+    class_names: tuple[str, ...]
+    name: str = ""
+    split: str = ""
+    fingerprint: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.images.dtype != torch.uint8 or self.images.dim() != 4:
+            raise ValueError(
+                f"ImageSet images must be uint8 [N, ch, H, W], got {self.images.dtype} "
+                f"{tuple(self.images.shape)}"
+            )
+        if len(self.counts) != len(self.class_names) or int(self.counts.sum()) != len(self.images):
+            raise ValueError(
+                f"ImageSet of {len(self.images)} images has {len(self.counts)} counts summing "
+                f"to {int(self.counts.sum())} and {len(self.class_names)} class names; they "
+                "must agree"
+            )
+
+    @classmethod
+    def from_labels(
+        cls, images: Tensor, labels: Tensor, class_names: Sequence[str], **fields: str
+    ) -> ImageSet:
+        """Group ``images [N, ch, H, W]`` by ``labels [N]`` (in ``range(len(class_names))``).
+
+        Images keep their order within a class (a stable sort), so the set is the same
+        whatever order the classes were listed in.
+        """
+        labels = torch.as_tensor(labels, dtype=torch.long)
+        order = torch.sort(labels, stable=True).indices
+        counts = torch.bincount(labels, minlength=len(class_names))
+        if (counts == 0).any():
+            empty = class_names[int((counts == 0).nonzero()[0])]
+            raise ValueError(f"class {empty!r} has no images; remove it or add its images")
+        sorted_images = images if bool((order == torch.arange(len(order))).all()) else images[order]
+        return cls(sorted_images, counts, tuple(class_names), **fields)
+
+    @property
+    def num_classes(self) -> int:
+        """``C``."""
+        return len(self.counts)
+
+    @property
+    def image_shape(self) -> tuple[int, int, int]:
+        """``(ch, H, W)``."""
+        return tuple(self.images.shape[1:])
+
+    @property
+    def offsets(self) -> Tensor:
+        """long ``[C]``: the first row of each class."""
+        return torch.cumsum(self.counts, 0) - self.counts
+
+    def labels(self) -> Tensor:
+        """long ``[N]``: the class of each row."""
+        return torch.arange(self.num_classes).repeat_interleave(self.counts)
+
+    def class_images(self, index: int) -> Tensor:
+        """uint8 ``[counts[index], ch, H, W]``: the images of one class."""
+        start = int(self.offsets[index])
+        return self.images[start : start + int(self.counts[index])]
+
+    def sampler(
+        self,
+        *,
+        ways: int,
+        shots: int,
+        queries: int,
+        rotations: Sequence[int] = (0,),
+        augment: Augmentation | None = None,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str | None = None,
+    ) -> EpisodicSampler:
+        """An `EpisodicSampler` over this set's classes (images in [0, 1] as ``dtype``)."""
+        return EpisodicSampler(
+            self.images.to(device),
+            counts=self.counts,
+            ways=ways,
+            shots=shots,
+            queries=queries,
+            rotations=rotations,
+            dtype=dtype,
+            augment=augment,
+            class_names=self.class_names,
+        )
+
+    def __repr__(self) -> str:
+        return (
+            f"ImageSet({self.name} {self.split}: {self.num_classes} classes, "
+            f"{len(self.images)} images {tuple(self.image_shape)}, "
+            f"{int(self.counts.min())}-{int(self.counts.max())} per class)"
+        )
+
+
+def check_split(split: str) -> str:
+    """``split`` if it is one of `IMAGE_SPLITS`, else a ValueError naming them."""
+    if split not in IMAGE_SPLITS:
+        raise ValueError(f"split={split!r}; choose one of {', '.join(IMAGE_SPLITS)}")
+    return split
+
+
+def check_split_classes(name: str, split: str, found: int, expected: int, source: str) -> None:
+    """Refuse a split whose class count is not the published one, naming where it came from.
+
+    Raises:
+        ValueError: ``found != expected``.
+    """
+    if found != expected:
+        raise ValueError(
+            f"{name} {split} split: {source} gives {found} classes, the published split has "
+            f"{expected}; the files are incomplete or from another split: re-download them "
+            "(see docs/datasets.md)"
+        )
+
+
+def warn_on_counts(image_set: ImageSet, expected: int) -> None:
+    """Warn, naming a class, when images per class differ from the published ``expected``."""
+    odd = (image_set.counts != expected).nonzero().flatten()
+    if len(odd):
+        first = int(odd[0])
+        warnings.warn(
+            f"{image_set.name} {image_set.split}: {len(odd)} of {image_set.num_classes} classes "
+            f"do not hold the published {expected} images, e.g. {image_set.class_names[first]!r} "
+            f"holds {int(image_set.counts[first])}; results will not be comparable to papers",
+            stacklevel=3,
+        )
+
+
+def decode_picture(source: str | bytes, size: int, channels: int = 3) -> np.ndarray:
+    """Decode one image file (a path, or its encoded bytes) to uint8 ``[channels, size, size]``.
+
+    Colour images are converted to RGB (``channels=3``) or grayscale (``1``) and resized to a
+    ``size`` square with Pillow's LANCZOS filter (the preprocessing of mini-ImageNet's
+    84x84 images); an image already that size is left untouched.
+
+    Raises:
+        ValueError: the image cannot be opened or decoded (the message names it).
+    """
+    from PIL import Image
+
+    try:
+        with Image.open(io.BytesIO(source) if isinstance(source, bytes) else source) as image:
+            image = image.convert("RGB" if channels == 3 else "L")
+            if image.size != (size, size):
+                image = image.resize((size, size), Image.Resampling.LANCZOS)
+            pixels = np.asarray(image)
+    except Exception as err:  # any decoder failure: name the file, then stop
+        what = "an encoded image" if isinstance(source, bytes) else source
+        raise ValueError(
+            f"cannot decode {what} ({type(err).__name__}: {err}); the file is corrupt: "
+            "re-extract or re-download it"
+        ) from None
+    return pixels[None] if pixels.ndim == 2 else pixels.transpose(2, 0, 1)
+
+
+def _decode_chunk(job: tuple[Sequence[str | bytes], int, int]) -> np.ndarray:
+    sources, size, channels = job
+    return np.stack([decode_picture(source, size, channels) for source in sources])
+
+
+def _decode_many(
+    sources: Sequence[str | bytes], size: int, channels: int, workers: int | None, desc: str
+) -> Tensor:
+    """Decode every source, in a forked process pool when there are many; ``[N, ch, S, S]``."""
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+
+    from PIL import Image  # noqa: F401  (imported before forking, not in each child)
+
+    chunk = 256
+    jobs = [(sources[i : i + chunk], size, channels) for i in range(0, len(sources), chunk)]
+    # fork, for the reasons `metalearn.data.omniglot._decode_all` gives; elsewhere decode here.
+    can_fork = sys.platform.startswith("linux")
+    if workers is None:
+        many = len(sources) >= _POOL_MIN_IMAGES and can_fork
+        workers = min(os.cpu_count() or 1, 8) if many else 0
+    if workers <= 1 or not can_fork:
+        arrays = [_decode_chunk(job) for job in jobs]
+    else:
+        pool = ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("fork"))
+        try:
+            arrays = list(pool.map(_decode_chunk, jobs))
+        finally:  # on a corrupt file, stop now rather than after decoding the rest
+            pool.shutdown(cancel_futures=True)
+    if not arrays:
+        raise ValueError(f"{desc}: no images to decode")
+    return torch.from_numpy(np.concatenate(arrays))
+
+
+def cached_decode(
+    name: str,
+    root: Path,
+    files: Sequence[Path],
+    sources: Callable[[], Sequence[str | bytes]],
+    *,
+    size: int,
+    channels: int = 3,
+    key: str = "",
+    cache_dir: str | os.PathLike | None = None,
+    workers: int | None = None,
+) -> tuple[Tensor, str]:
+    """Decoded images of ``sources()``, from the cache or decoded once and cached.
+
+    Args:
+        name: the data set, in the cache file's name and in messages.
+        root: the data root; ``files`` are fingerprinted relative to it.
+        files: every file the images come from (the image files, or the pickle holding
+            encoded images): their paths, sizes and mtimes key the cache.
+        sources: called on a cache miss only: the image paths or encoded bytes, in order.
+        size, channels: of the decoded images (`decode_picture`).
+        key: anything else that changes the decoded tensor (the split, the class order).
+        cache_dir: where the cache lives (default: `default_cache_dir`).
+        workers: decoding processes (None: the CPU count, at most 8, for 2000 images or
+            more; 0: decode in this process).
+
+    Returns:
+        uint8 ``[N, channels, size, size]`` (memory-mapped from the cache) and the fingerprint.
+    """
+    entries = [(list(files),)]
+    fingerprint = _fingerprint(root, entries, f"{_CACHE_FORMAT}|{size}|{channels}|{key}")
+    cache = Path(cache_dir) if cache_dir is not None else default_cache_dir()
+    path = cache / f"{name}-{size}px-{fingerprint[:20]}.pt"
+    cached = _load_cache(path, fingerprint, what=name, mmap=True)
+    if cached is None:
+        images = _decode_many(sources(), size, channels, workers, name)
+        save_checkpoint(path, {"images": images, "fingerprint": fingerprint})
+        return images, fingerprint
+    return cached["images"], fingerprint
+
+
+def image_set_from_files(
+    name: str,
+    split: str,
+    root: Path,
+    classes: Sequence[tuple[str, Sequence[Path]]],
+    *,
+    size: int,
+    channels: int = 3,
+    cache_dir: str | os.PathLike | None = None,
+    workers: int | None = None,
+) -> ImageSet:
+    """An `ImageSet` of image files, ``(class name, its files)`` per class, decoded and cached.
+
+    Raises:
+        ValueError: a class without files (named), or a file that cannot be decoded (named).
+    """
+    for class_name, files in classes:
+        if not files:
+            raise ValueError(f"{name} {split}: class {class_name!r} has no images; add them")
+    files = [path for _, paths in classes for path in paths]
+    images, fingerprint = cached_decode(
+        name,
+        root,
+        files,
+        lambda: [str(path) for path in files],
+        size=size,
+        channels=channels,
+        key=f"{split}|" + "|".join(class_name for class_name, _ in classes),
+        cache_dir=cache_dir,
+        workers=workers,
+    )
+    counts = torch.tensor([len(paths) for _, paths in classes])
+    return ImageSet(images, counts, tuple(c for c, _ in classes), name, split, fingerprint)
