@@ -1,6 +1,11 @@
 """The README's set-up commands are the ones CI runs."""
 
+import math
+import os
 from pathlib import Path
+
+import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -27,3 +32,35 @@ def test_main_command_script_exists():
     main_cmd = _readme_commands()[0]
     script = next(tok for tok in main_cmd.split() if tok.startswith("experiments/"))
     assert (ROOT / script).is_file()
+
+
+def _python_examples() -> list[str]:
+    text = (ROOT / "README.md").read_text()
+    return [part.split("```", 1)[0] for part in text.split("```python\n")[1:]]
+
+
+def test_readme_hvp_example_runs_and_matches_its_dense_hessian():
+    code = next(block for block in _python_examples() if "hvp(" in block)
+    scope: dict = {}
+    exec(compile(code, "README.md", "exec"), scope)  # the example as a user pastes it
+    params, v, hv, H = scope["params"], scope["v"], scope["hv"], scope["H"]
+    flat_v = torch.cat([v[k].reshape(-1) for k in params])
+    flat_hv = torch.cat([hv[k].reshape(-1) for k in params])
+    torch.testing.assert_close(flat_hv, H @ flat_v, rtol=1e-4, atol=1e-5)
+
+
+def _omniglot_root() -> Path | None:
+    env = os.environ.get("METALEARN_DATA")
+    root = Path(env) if env else ROOT.parent / "shared" / "data" / "omniglot"
+    return root if (root / "images_background").is_dir() else None
+
+
+@pytest.mark.skipif(_omniglot_root() is None, reason="Omniglot not found: set METALEARN_DATA")
+def test_readme_engine_example_trains_and_evaluates(monkeypatch):
+    monkeypatch.setenv("METALEARN_DATA", str(_omniglot_root()))
+    code = next(block for block in _python_examples() if "learner.backward" in block)
+    scope: dict = {}
+    exec(compile(code, "README.md", "exec"), scope)
+    assert scope["metrics"].skipped == 0 and math.isfinite(scope["metrics"].loss)
+    assert scope["accuracies"].shape == (8,) and scope["losses"].isfinite().all()
+    assert all(p.grad is not None for p in scope["learner"].parameters())
