@@ -141,8 +141,8 @@ def call(
 def transforms_active() -> bool:
     """Whether any ``torch.func`` transform (vmap, grad, jvp, ...) is running right now.
 
-    Fast paths that are only right, or only fast, in plain autograd (the fused batch-norm
-    kernel, ``torch.autograd.grad`` in the inner loop) check this first. It reads
+    The meta-learning engine does not use it (its inner step is the same torch.func step
+    everywhere); `metalearn.second_order.hvp`'s double-backward fast path does. It reads
     functorch's interpreter stack through a private API; if that API moves, the answer is
     True, which sends every caller to its transform-safe path. Under ``torch.compile``
     the answer is True too: dynamo cannot trace the interpreter stack, and the
