@@ -14,7 +14,9 @@ experiment's reporting, as in Finn et al., 2017, Sec. 5.2).
 
 from __future__ import annotations
 
+import contextlib
 import math
+from collections.abc import Callable
 from typing import Protocol
 
 import torch
@@ -53,7 +55,7 @@ def evaluate_tasks(
     generator: torch.Generator,
     *,
     chunk: int = 50,
-    progress: bool = True,
+    progress: bool | Callable[[int], object] = True,
     desc: str = "evaluate",
 ) -> tuple[float, float]:
     """Mean query accuracy of ``learner`` over ``tasks`` tasks, and its 95% half-width.
@@ -65,7 +67,9 @@ def evaluate_tasks(
         steps: inner steps on each support set (>= 0).
         generator: all task randomness; the same seed gives the same tasks.
         chunk: tasks built and adapted at a time (memory only: the result is the same).
-        progress: show a progress bar over tasks (on rank 0 only).
+        progress: True: a progress bar over tasks (on rank 0 only); False: none; a
+            callable: called with the number of tasks after each chunk (e.g. the update of
+            a bar the caller owns).
         desc: the bar's label.
 
     Returns:
@@ -82,9 +86,11 @@ def evaluate_tasks(
         )
     classes, examples = source.sample_indices(generator, tasks)
     accs = []
-    bar = tqdm(total=tasks, desc=desc, unit="task", dynamic_ncols=True, leave=False,
-               disable=not (progress and distributed.is_main()))  # fmt: skip
-    with bar:
+    with contextlib.ExitStack() as stack:
+        if not callable(progress):
+            bar = tqdm(total=tasks, desc=desc, unit="task", dynamic_ncols=True, leave=False,
+                       disable=not (progress and distributed.is_main()))  # fmt: skip
+            progress = stack.enter_context(bar).update
         for start in range(0, tasks, chunk):
             stop = min(start + chunk, tasks)
             part = distributed.shard_slice(stop - start)
@@ -94,7 +100,7 @@ def evaluate_tasks(
                 batch = source.tasks_from_indices(classes[mine], examples[mine])
                 local = learner.evaluate(batch, steps=steps)[1].detach().cpu()
             accs.append(distributed.gather_tensor(local.float()))
-            bar.update(stop - start)
+            progress(stop - start)
     acc = torch.cat(accs).double()
     return acc.mean().item(), accuracy_interval(acc)
 

@@ -93,6 +93,10 @@ def test_the_result_does_not_depend_on_the_chunk_size(checkpoint) -> None:
         for chunk in (1, 3, 50)
     }
     assert results[1] == results[3] == results[50]
+    seen: list[int] = []  # a caller's own progress: told of each chunk's tasks
+    again = evaluate_tasks(learner, sampler, 7, 1, torch.Generator().manual_seed(3), chunk=3,
+                           progress=seen.append)  # fmt: skip
+    assert seen == [3, 3, 1] and again == results[3]
     accuracies = learner.evaluate(sampler.batch(7, torch.Generator().manual_seed(3)), steps=1)[1]
     assert results[1][0] == pytest.approx(accuracies.double().mean().item(), abs=1e-12)
     with pytest.raises(ValueError, match="need tasks >= 1"):
