@@ -1,0 +1,478 @@
+"""Loaders of the few-shot benchmarks, each on a fixture written in its published layout.
+
+Each fixture holds the published number of classes per split with a few tiny images each;
+images are checked against Pillow (or the arrays written), split class counts against the
+published ones, and every loader's refusals (a wrong class count, missing files) against
+the files they name. The real data sets are not on this machine.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import pickle
+import warnings
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from metalearn.data import (
+    IMAGE_SET_NAMES,
+    ImageSet,
+    image_set_samplers,
+    load_cifar_fs,
+    load_cub,
+    load_fc100,
+    load_image_folder,
+    load_image_set,
+    load_mini_imagenet,
+    load_tiered_imagenet,
+)
+from metalearn.data import image_set as image_set_module
+from metalearn.data.cifar import CIFAR100_SUPERCLASSES
+
+RNG = np.random.default_rng(0)
+
+
+def _pixels(height: int, width: int, channels: int = 3) -> np.ndarray:
+    return RNG.integers(0, 256, size=(height, width, channels), dtype=np.uint8)
+
+
+def _pil_rgb(path: Path, size: int) -> np.ndarray:
+    """Reference decode: Pillow, RGB, LANCZOS to a square, as [3, S, S]."""
+    with Image.open(path) as image:
+        image = image.convert("RGB")
+        if image.size != (size, size):
+            image = image.resize((size, size), Image.Resampling.LANCZOS)
+        return np.asarray(image).transpose(2, 0, 1)
+
+
+def _quiet(load, *args, **kwargs):
+    """Load, ignoring the warning that a fixture's classes hold fewer images than published."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        return load(*args, **kwargs)
+
+
+# ---------------------------------------------------------------- mini-ImageNet
+
+MINI = {"train": 64, "val": 16, "test": 20}
+
+
+@pytest.fixture(scope="module")
+def mini_csv(tmp_path_factory) -> Path:
+    """Ravi and Larochelle's layout: images/ + {split}.csv, 2 JPEGs (84x84) per class."""
+    root = tmp_path_factory.mktemp("mini-imagenet")
+    (root / "images").mkdir()
+    wnid = 1000
+    for split, classes in MINI.items():
+        with open(root / f"{split}.csv", "w", newline="") as f:
+            writer = csv.writer(f)
+            writer.writerow(["filename", "label"])
+            for _ in range(classes):
+                wnid += 1
+                for k in (2, 1):  # file order within a class is kept, not sorted
+                    name = f"n{wnid:08d}{k:08d}.jpg"
+                    Image.fromarray(_pixels(84, 84)).save(root / "images" / name)
+                    writer.writerow([name, f"n{wnid:08d}"])
+    return root
+
+
+def test_mini_imagenet_csv_layout(mini_csv, tmp_path):
+    with pytest.warns(UserWarning, match=r"do not hold the published 600 images.*holds 2"):
+        train = load_mini_imagenet(mini_csv, "train", cache_dir=tmp_path, workers=0)
+    assert train.num_classes == 64 and train.images.shape == (128, 3, 84, 84)
+    assert train.images.dtype == torch.uint8 and train.counts.tolist() == [2] * 64
+    assert list(train.class_names) == sorted(train.class_names)
+    first = train.class_names[0]
+    assert np.array_equal(
+        train.class_images(0)[0].numpy(), _pil_rgb(mini_csv / f"images/{first}00000002.jpg", 84)
+    )
+    for split, classes in MINI.items():
+        assert (
+            _quiet(load_mini_imagenet, mini_csv, split, cache_dir=tmp_path).num_classes == classes
+        )
+    task = train.sampler(ways=5, shots=1, queries=1).sample(torch.Generator().manual_seed(0))
+    assert task.support[0].shape == (5, 3, 84, 84) and task.query[1].tolist() == [0, 1, 2, 3, 4]
+
+
+def test_mini_imagenet_cache_hits_and_sizes(mini_csv, tmp_path, monkeypatch):
+    first = _quiet(load_mini_imagenet, mini_csv, "val", cache_dir=tmp_path, workers=0)
+
+    def no_decoding(*args, **kwargs):
+        raise AssertionError("decoded although the cache should have hit")
+
+    with monkeypatch.context() as patch:
+        patch.setattr(image_set_module, "_decode_many", no_decoding)
+        again = _quiet(load_mini_imagenet, mini_csv, "val", cache_dir=tmp_path)
+    assert torch.equal(first.images, again.images) and first.fingerprint == again.fingerprint
+    small = _quiet(load_mini_imagenet, mini_csv, "val", cache_dir=tmp_path, image_size=32)
+    assert small.images.shape == (32, 3, 32, 32)
+    path = mini_csv / f"images/{small.class_names[3]}00000001.jpg"
+    assert np.array_equal(small.class_images(3)[1].numpy(), _pil_rgb(path, 32))
+
+
+def test_mini_imagenet_pickles_give_the_same_set(mini_csv, tmp_path):
+    root = tmp_path / "pickles"
+    root.mkdir()
+    for split, file in (("train", "train"), ("val", "validation"), ("test", "test")):
+        reference = _quiet(load_mini_imagenet, mini_csv, split, cache_dir=tmp_path / "c")
+        # Rows in another order than the classes: class_dict says which rows are which.
+        perm = torch.randperm(len(reference.images), generator=torch.Generator().manual_seed(0))
+        data = reference.images[perm].permute(0, 2, 3, 1).numpy()
+        where = torch.argsort(perm)  # where[i]: the pickle row of the reference's row i
+        class_dict = {
+            name: where[int(start) : int(start) + int(count)].tolist()
+            for name, start, count in zip(
+                reference.class_names, reference.offsets, reference.counts
+            )
+        }
+        with open(root / f"mini-imagenet-cache-{file}.pkl", "wb") as f:
+            pickle.dump({"image_data": data, "class_dict": class_dict}, f)
+        loaded = _quiet(load_mini_imagenet, root, split)
+        assert loaded.class_names == reference.class_names
+        assert torch.equal(loaded.images, reference.images)
+        assert torch.equal(loaded.counts, reference.counts)
+
+
+def test_mini_imagenet_refusals(mini_csv, tmp_path):
+    with pytest.raises(FileNotFoundError) as info:
+        load_mini_imagenet(tmp_path, "val")
+    for needle in ("mini-imagenet-cache-validation.pkl", "images/", "val.csv", "docs/datasets.md"):
+        assert needle in str(info.value)
+    root = tmp_path / "short"
+    (root / "images").mkdir(parents=True)
+    rows = (mini_csv / "test.csv").read_text().splitlines()
+    (root / "test.csv").write_text("\n".join(rows[:-2]) + "\n")  # the last class's two rows
+    for line in rows[1:-2]:
+        name = line.split(",")[0]
+        (root / "images" / name).write_bytes((mini_csv / "images" / name).read_bytes())
+    with pytest.raises(ValueError, match=r"test split: test.csv gives 19 classes, the published"):
+        _quiet(load_mini_imagenet, root, "test", cache_dir=tmp_path)
+    (root / "test.csv").write_text(rows[0] + "\nmissing.jpg,n1\n")
+    with pytest.raises(ValueError, match=r"line 2 names images/missing.jpg, which is missing"):
+        load_mini_imagenet(root, "test", cache_dir=tmp_path)
+    with pytest.raises(ValueError, match="split='validation'; choose one of train, val, test"):
+        load_mini_imagenet(mini_csv, "validation")
+
+
+# ---------------------------------------------------------------- tiered-ImageNet
+
+TIERED = {"train": (351, 20), "val": (97, 6), "test": (160, 8)}
+
+
+def _tiered_labels(split: str, per_class: int = 2) -> dict:
+    classes, supers = TIERED[split]
+    specific = [c for c in range(classes) for _ in range(per_class)]
+    specific = [specific[i] for i in RNG.permutation(len(specific))]  # images not class-major
+    return {
+        "label_specific": specific,
+        "label_general": [c % supers for c in specific],
+        "label_specific_str": [f"n{split}{c:04d}" for c in range(classes)],
+        "label_general_str": [f"super{s}" for s in range(supers)],
+    }
+
+
+@pytest.fixture(scope="module")
+def tiered(tmp_path_factory) -> tuple[Path, dict]:
+    """Ren et al.'s layout in tiered-imagenet/: val as PNG pickles, test as npz, 84x84."""
+    root = tmp_path_factory.mktemp("tiered")
+    folder = root / "tiered-imagenet"
+    folder.mkdir()
+    arrays = {}
+    for split, form in (("val", "png"), ("test", "npz")):
+        labels = _tiered_labels(split)
+        with open(folder / f"{split}_labels.pkl", "wb") as f:
+            pickle.dump(labels, f)
+        arrays[split] = np.stack([_pixels(84, 84) for _ in labels["label_specific"]])
+        if form == "npz":
+            np.savez(folder / f"{split}_images.npz", images=arrays[split])
+            continue
+        encoded = []
+        for image in arrays[split]:
+            buffer = io.BytesIO()
+            Image.fromarray(image).save(buffer, format="PNG")
+            encoded.append(np.frombuffer(buffer.getvalue(), dtype=np.uint8))  # as cv2 writes
+        with open(folder / f"{split}_images_png.pkl", "wb") as f:
+            pickle.dump(encoded, f)
+    return root, arrays
+
+
+@pytest.mark.parametrize("split", ["val", "test"])
+def test_tiered_imagenet_both_image_files(tiered, tmp_path, split):
+    root, arrays = tiered
+    with pytest.warns(UserWarning, match=rf"{len(arrays[split])} images, the published split"):
+        loaded = load_tiered_imagenet(root, split, cache_dir=tmp_path, workers=0)
+    classes, _ = TIERED[split]
+    assert loaded.num_classes == classes and loaded.counts.tolist() == [2] * classes
+    assert loaded.images.shape == (2 * classes, 3, 84, 84) and loaded.images.dtype == torch.uint8
+    assert loaded.class_names[5] == f"n{split}0005"
+    # Reference: the written arrays, grouped by label in file order.
+    labels = _tiered_labels_written(root, split)
+    for c in (0, classes - 1):
+        rows = [i for i, label in enumerate(labels) if label == c]
+        expected = torch.from_numpy(arrays[split][rows]).permute(0, 3, 1, 2)
+        assert torch.equal(loaded.class_images(c), expected)
+    task = loaded.sampler(ways=5, shots=1, queries=1).sample(torch.Generator().manual_seed(0))
+    assert task.support[0].shape == (5, 3, 84, 84)
+
+
+def _tiered_labels_written(root: Path, split: str) -> list[int]:
+    with open(root / "tiered-imagenet" / f"{split}_labels.pkl", "rb") as f:
+        return pickle.load(f)["label_specific"]
+
+
+def test_tiered_imagenet_refusals(tiered, tmp_path):
+    with pytest.raises(FileNotFoundError, match=r"put train_labels.pkl and train_images_png.pkl"):
+        load_tiered_imagenet(tiered[0], "train")
+    labels = _tiered_labels("train")
+    labels["label_specific"] = [c % 350 for c in labels["label_specific"]]
+    with open(tmp_path / "train_labels.pkl", "wb") as f:
+        pickle.dump(labels, f)
+    with pytest.raises(ValueError, match=r"train split: train_labels.pkl gives 350 classes.*351"):
+        load_tiered_imagenet(tmp_path, "train")
+    labels = _tiered_labels("train")
+    labels["label_general"] = [c % 19 for c in labels["label_specific"]]
+    with open(tmp_path / "train_labels.pkl", "wb") as f:
+        pickle.dump(labels, f)
+    with pytest.raises(ValueError, match=r"gives 19 super-categories, the published split has 20"):
+        load_tiered_imagenet(tmp_path, "train")
+    with open(tmp_path / "train_labels.pkl", "wb") as f:
+        pickle.dump(_tiered_labels("train"), f)
+    with pytest.raises(FileNotFoundError, match=r"train_images_png.pkl \(or train_images.npz\)"):
+        load_tiered_imagenet(tmp_path, "train")
+
+
+# ---------------------------------------------------------------- CIFAR-FS and FC100
+
+FINE = sorted(c for classes in CIFAR100_SUPERCLASSES.values() for c in classes)
+COARSE = sorted(CIFAR100_SUPERCLASSES)
+
+
+def _write_cifar(root: Path, drop: str | None = None, rename: str | None = None) -> Path:
+    """cifar-100-python/{train,test,meta}: 2 train and 1 test image per class."""
+    folder = root / "cifar-100-python"
+    folder.mkdir(parents=True)
+    coarse_of = {f: COARSE.index(c) for c, fs in CIFAR100_SUPERCLASSES.items() for f in fs}
+    for part, per_class in (("train", 2), ("test", 1)):
+        fine = [i for i in range(100) for _ in range(per_class) if FINE[i] != drop]
+        fine = [fine[i] for i in RNG.permutation(len(fine))]
+        batch = {
+            b"data": RNG.integers(0, 256, size=(len(fine), 3072), dtype=np.uint8),
+            b"fine_labels": fine,
+            b"coarse_labels": [coarse_of[FINE[i]] for i in fine],
+        }
+        with open(folder / part, "wb") as f:
+            pickle.dump(batch, f)
+    names = [("renamed" if n == rename else n).encode() for n in FINE]
+    with open(folder / "meta", "wb") as f:
+        pickle.dump(
+            {b"fine_label_names": names, b"coarse_label_names": [c.encode() for c in COARSE]}, f
+        )
+    return root
+
+
+@pytest.fixture(scope="module")
+def cifar(tmp_path_factory) -> Path:
+    return _write_cifar(tmp_path_factory.mktemp("cifar"))
+
+
+def _cifar_rows(root: Path, class_name: str) -> np.ndarray:
+    """Reference: the rows of one class, train then test, reshaped as CIFAR documents."""
+    rows = []
+    for part in ("train", "test"):
+        with open(root / "cifar-100-python" / part, "rb") as f:
+            batch = pickle.load(f, encoding="bytes")
+        for row, label in zip(batch[b"data"], batch[b"fine_labels"]):
+            if FINE[label] == class_name:
+                rows.append(row.reshape(3, 32, 32))
+    return np.stack(rows)
+
+
+@pytest.mark.parametrize(
+    "load, counts, member",
+    [(load_cifar_fs, (64, 16, 20), ("test", "whale")), (load_fc100, (60, 20, 20), ("val", "wolf"))],
+)
+def test_cifar_splits(cifar, load, counts, member):
+    sets = {split: _quiet(load, cifar, split) for split in ("train", "val", "test")}
+    assert tuple(s.num_classes for s in sets.values()) == counts
+    names = [set(s.class_names) for s in sets.values()]
+    assert not (names[0] & names[1] or names[0] & names[2] or names[1] & names[2])
+    assert len(names[0] | names[1] | names[2]) == 100
+    split, name = member
+    image_set = sets[split]
+    assert image_set.images.shape == (3 * counts[("train", "val", "test").index(split)], 3, 32, 32)
+    assert image_set.images.dtype == torch.uint8 and image_set.counts.tolist()[0] == 3
+    index = image_set.class_names.index(name)
+    assert np.array_equal(image_set.class_images(index).numpy(), _cifar_rows(cifar, name))
+    with pytest.warns(UserWarning, match=r"do not hold the published 600 images.*holds 3"):
+        load(cifar, "test")
+    task = image_set.sampler(ways=5, shots=1, queries=2).sample(torch.Generator().manual_seed(0))
+    assert task.support[0].shape == (5, 3, 32, 32) and task.query[0].shape == (10, 3, 32, 32)
+
+
+def test_fc100_splits_follow_super_classes(cifar):
+    supers = {}
+    for split in ("train", "val", "test"):
+        names = _quiet(load_fc100, cifar, split).class_names
+        supers[split] = {c for c, fs in CIFAR100_SUPERCLASSES.items() if set(fs) <= set(names)}
+    assert [len(s) for s in supers.values()] == [12, 4, 4]
+    assert supers["test"] == {"aquatic_mammals", "insects", "medium_mammals", "people"}
+
+
+def test_cifar_refusals(tmp_path):
+    with pytest.raises(FileNotFoundError, match=r"cifar-100-python/train, cifar-100-python/test"):
+        load_cifar_fs(tmp_path, "train")
+    dropped = _write_cifar(tmp_path / "dropped", drop="whale")
+    with pytest.raises(
+        ValueError, match=r"cifar-fs test split: .* gives 19 classes, the published"
+    ):
+        _quiet(load_cifar_fs, dropped, "test")
+    renamed = _write_cifar(tmp_path / "renamed", rename="whale")
+    with pytest.raises(ValueError, match=r"lacks cifar-fs test classes whale"):
+        load_cifar_fs(renamed, "test")
+    with pytest.raises(ValueError, match=r"fc100 test split: .* gives 19 classes"):
+        _quiet(load_fc100, dropped, "test")
+
+
+# ---------------------------------------------------------------- CUB-200-2011
+
+
+@pytest.fixture(scope="module")
+def cub(tmp_path_factory) -> Path:
+    """CUB_200_2011/images/<NNN.Name>/*.jpg: 200 species, 2 or 3 photos of 20x14 each."""
+    root = tmp_path_factory.mktemp("cub")
+    for i in range(1, 201):
+        folder = root / "CUB_200_2011" / "images" / f"{i:03d}.Bird_{i}"
+        folder.mkdir(parents=True)
+        for k in range(2 + i % 2):
+            Image.fromarray(_pixels(14, 20)).save(folder / f"Bird_{i}_{k}.jpg")
+    return root
+
+
+def test_cub_split_of_chen_et_al(cub, tmp_path):
+    sets = {
+        s: load_cub(cub, s, image_size=16, cache_dir=tmp_path) for s in ("train", "val", "test")
+    }
+    assert [s.num_classes for s in sets.values()] == [100, 50, 50]
+    # Species 001, 003, ... train; 002, 006, ... validate; 004, 008, ... test.
+    assert sets["train"].class_names[:2] == ("001.Bird_1", "003.Bird_3")
+    assert sets["val"].class_names[:2] == ("002.Bird_2", "006.Bird_6")
+    assert sets["test"].class_names[-1] == "200.Bird_200"
+    train = sets["train"]
+    assert train.images.shape == (300, 3, 16, 16) and train.counts.tolist() == [3] * 100
+    assert sets["val"].counts.tolist() == [2] * 50  # uneven across splits, any size accepted
+    photo = cub / "CUB_200_2011/images/003.Bird_3/Bird_3_2.jpg"
+    assert np.array_equal(train.class_images(1)[2].numpy(), _pil_rgb(photo, 16))
+    task = sets["test"].sampler(ways=5, shots=1, queries=1).sample(torch.Generator().manual_seed(0))
+    assert task.support[0].shape == (5, 3, 16, 16)
+
+
+def test_cub_refusals(cub, tmp_path):
+    with pytest.raises(FileNotFoundError, match=r"CUB_200_2011/images/<species>/\*.jpg"):
+        load_cub(tmp_path, "train")
+    images = tmp_path / "CUB_200_2011" / "images"
+    for folder in sorted((cub / "CUB_200_2011" / "images").iterdir())[:199]:
+        (images / folder.name).mkdir(parents=True)
+    with pytest.raises(ValueError, match=r"holds 199 species folders, CUB-200-2011 has 200"):
+        load_cub(tmp_path, "train")
+
+
+# ---------------------------------------------------------------- image folders
+
+
+@pytest.fixture
+def folder(tmp_path) -> Path:
+    """ROOT/{train,val,test}/<class>/: classes of 3, 5 and 4 grayscale PNGs of 12x12."""
+    root = tmp_path / "mine"
+    for split in ("train", "val", "test"):
+        for name, count in (("cat", 3), ("dog", 5), ("emu", 4)):
+            (root / split / name).mkdir(parents=True)
+            for k in range(count):
+                Image.fromarray(_pixels(12, 12, 1)[..., 0]).save(root / split / name / f"{k}.png")
+    return root
+
+
+def test_image_folder_uneven_classes(folder, tmp_path):
+    gray = load_image_folder(folder, "val", image_size=12, channels=1, cache_dir=tmp_path)
+    assert gray.class_names == ("cat", "dog", "emu") and gray.counts.tolist() == [3, 5, 4]
+    assert gray.images.shape == (12, 1, 12, 12) and gray.images.dtype == torch.uint8
+    with Image.open(folder / "val/dog/4.png") as image:
+        assert np.array_equal(gray.class_images(1)[4, 0].numpy(), np.asarray(image))
+    rgb = load_image_folder(folder, "val", image_size=8, cache_dir=tmp_path)
+    assert rgb.images.shape == (12, 3, 8, 8)
+    sampler = gray.sampler(ways=3, shots=1, queries=2)  # 3 images in the smallest class
+    for task in sampler.batch(20, torch.Generator().manual_seed(0)):
+        assert task.query[0].shape == (6, 1, 12, 12)
+        pool = torch.cat([task.support[0], task.query[0]]).flatten(1)
+        assert len({tuple(row.tolist()) for row in pool}) == 9  # no image twice in a task
+
+
+def test_image_folder_refusals(folder, tmp_path):
+    with pytest.raises(FileNotFoundError, match=r"empty/train is missing: an image folder holds"):
+        load_image_folder(tmp_path / "empty", "train")
+    with pytest.raises(ValueError, match=r"5 \+ 1 = 6 but class 0 \('cat'\) has only 3"):
+        load_image_folder(folder, "val", cache_dir=tmp_path).sampler(ways=2, shots=5, queries=1)
+    (folder / "val" / "notes.txt").write_text("hi")
+    with pytest.raises(ValueError, match=r"files beside the class folders \(notes.txt\)"):
+        load_image_folder(folder, "val")
+    (folder / "test" / "cat" / "notes.txt").write_text("hi")
+    with pytest.raises(ValueError, match=r"not images \(notes.txt\)"):
+        load_image_folder(folder, "test")
+    (folder / "train" / "dog" / "4.png").write_bytes(b"not a png")
+    with pytest.raises(ValueError, match=r"cannot decode .*train/dog/4.png"):
+        load_image_folder(folder, "train", cache_dir=tmp_path, workers=0)
+
+
+# ---------------------------------------------------------------- the entry point
+
+
+def test_entry_point_loads_by_name_and_augments_training_only(cifar):
+    assert set(IMAGE_SET_NAMES) == {
+        "mini-imagenet", "tiered-imagenet", "cifar-fs", "fc100", "cub", "folder", "omniglot",
+    }  # fmt: skip
+    direct = _quiet(load_cifar_fs, cifar, "val")
+    named = _quiet(load_image_set, "cifar-fs", cifar, "val")
+    assert isinstance(named, ImageSet) and torch.equal(named.images, direct.images)
+    kwargs = dict(ways=5, shots=1, queries=2)
+    samplers = _quiet(image_set_samplers, "cifar-fs", cifar, augment=True, **kwargs)
+    assert set(samplers) == {"train", "val", "test"}
+    assert samplers["train"].augment is not None
+    assert samplers["val"].augment is None and samplers["test"].augment is None
+    plain = _quiet(image_set_samplers, "cifar-fs", cifar, **kwargs)
+    assert plain["train"].augment is None
+    one = samplers["train"].sample(torch.Generator().manual_seed(0))
+    two = plain["train"].sample(torch.Generator().manual_seed(0))
+    assert one.support[0].shape == two.support[0].shape == (5, 3, 32, 32)
+    assert torch.equal(one.support[1], two.support[1])
+    assert not torch.equal(one.query[0], two.query[0])
+    with pytest.raises(ValueError, match=r"dataset 'imagenet'; choose one of mini-imagenet"):
+        load_image_set("imagenet", cifar, "train")
+
+
+def _real_omniglot() -> Path | None:
+    import os
+
+    env = os.environ.get("METALEARN_DATA")
+    root = Path(env) if env else Path(__file__).resolve().parents[2] / "shared/data/omniglot"
+    return root if (root / "images_background").is_dir() else None
+
+
+@pytest.mark.skipif(_real_omniglot() is None, reason="full Omniglot not found (METALEARN_DATA)")
+def test_entry_point_omniglot_keeps_its_tasks():
+    from metalearn.data import load_omniglot, omniglot_samplers
+
+    root = _real_omniglot()
+    reference = omniglot_samplers(
+        load_omniglot(root, progress=False, download=False), ways=5, shots=1, queries=2
+    )
+    named = image_set_samplers("omniglot", root, ways=5, shots=1, queries=2)
+    for split in ("train", "val", "test"):
+        a = reference[split].batch(2, torch.Generator().manual_seed(3))
+        b = named[split].batch(2, torch.Generator().manual_seed(3))
+        assert all(torch.equal(x.query[0], y.query[0]) for x, y in zip(a, b))
+    test = load_image_set("omniglot", root, "test")
+    assert test.num_classes == 423 and test.images.shape == (423 * 20, 1, 28, 28)
