@@ -148,8 +148,9 @@ def _start_run(args: Args, run_args: Mapping[str, Any], chosen: Mapping[str, Any
     project = args.wandb_project or run_args["wandb_project"]
     config = {**asdict(args), **chosen, "checkpoint": str(checkpoint), "wandb_project": project,
               "run": checkpoint.parent.name, "run_args": dict(run_args)}  # fmt: skip
-    # The experiment's group name (experiments/omniglot_maml.py): algorithm-NwKs.
-    group = f"{run_args['algorithm']}-{run_args['ways']}w{run_args['shots']}s"
+    # The run's group as experiments/omniglot_maml.py names it: --wandb-group, else algorithm-NwKs.
+    default_group = f"{run_args['algorithm']}-{run_args['ways']}w{run_args['shots']}s"
+    group = run_args.get("wandb_group") or default_group
     with _job_type("eval"):
         return init_run(
             config, project=project, mode=args.wandb_mode, name=f"{checkpoint.parent.name}-eval",
