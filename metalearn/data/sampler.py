@@ -106,7 +106,9 @@ class EpisodicSampler:
             dtype = images.dtype if images.is_floating_point() else torch.float32
         self.dtype = dtype
         self._divisor = None if images.is_floating_point() else torch.iinfo(images.dtype).max
-        turned = [torch.rot90(images, r, dims=(-2, -1)) for r in rotations]
+        # No turn is the images themselves: rot90(x, 0) would copy them (and read a
+        # memory-mapped cache in full).
+        turned = [images if r == 0 else torch.rot90(images, r, dims=(-2, -1)) for r in rotations]
         if counts is None:
             self.examples: int | None = images.shape[1]
             self.image_shape = tuple(images.shape[2:])
