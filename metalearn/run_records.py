@@ -24,6 +24,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterable, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -42,6 +43,9 @@ __all__ = [
 STALE_AFTER_S = 600.0
 """Seconds without a write after which an unfinished offline run counts as truncated: 40x
 the 15 s flush of a live run, and the 10 min ``wandb leet inspect --follow`` waits."""
+
+READ_WORKERS = 4
+"""Run folders read at once (each read is two ``wandb leet`` processes)."""
 
 
 class RunReadError(RuntimeError):
@@ -104,7 +108,9 @@ def read_offline_runs(paths: Iterable[str | Path]) -> list[RunRecord]:
     """Every run under ``paths`` (see `find_run_dirs`), resumed segments merged into one
     record, ordered by start time."""
     dirs = sorted({d.resolve() for p in paths for d in find_run_dirs(p)})
-    return merge_segments(read_offline_run(d) for d in dirs)
+    # Each read waits on two ``wandb`` CLI processes (~1 s each, mostly its start-up).
+    with ThreadPoolExecutor(max_workers=READ_WORKERS) as pool:
+        return merge_segments(pool.map(read_offline_run, dirs))
 
 
 def read_offline_run(run_dir: str | Path) -> RunRecord:

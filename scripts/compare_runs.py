@@ -1,83 +1,395 @@
-"""Compare tracked runs: a table of what differs and how they ended, and overlaid curves.
+"""Compare tracked runs: the config that differs, how each run ended, and its curves.
 
 Usage:
-    python scripts/compare_runs.py runs/wandb                       # every offline run there
-    python scripts/compare_runs.py RUN_DIR RUN_DIR --metrics val/acc train/loss
-    python scripts/compare_runs.py my-entity/metalearn --filter config.algorithm=maml
+    python scripts/compare_runs.py runs/wandb                        # every offline run there
+    python scripts/compare_runs.py runs/wandb --group-by algorithm   # seeds: mean ± 95% CI
+    python scripts/compare_runs.py runs/wandb --metrics val/acc perf/tasks_per_s --format csv
+    python scripts/compare_runs.py runs/wandb --group-by inner_lr --plot runs/compare.png
+    python scripts/compare_runs.py ENTITY/PROJECT --online --filter config.algorithm=maml
 
-Offline runs are read with wandb's own ``wandb leet inspect --json`` (wandb >= 0.31);
-``entity/project`` reads online runs with ``wandb.Api()``. For an interactive look, open the
-same folder with ``wandb leet runs/wandb`` and select the runs to overlay their charts.
+Each metric is read in the direction `DIRECTIONS` gives it (accuracies up; losses, interval
+widths and times down; throughput up); a metric it does not know shows its final value only.
+One row per run, or with ``--group-by`` one row per group of runs (e.g. seeds), each number
+the mean over the group's runs ± the 95% confidence half-width of that mean (Student t,
+n - 1 degrees of freedom). Offline runs are read with `metalearn.run_records`; a resumed run
+is one row, a damaged file is named on stderr. For an interactive look, open the same folder
+with ``wandb leet runs/wandb``.
 """
 
 from __future__ import annotations
 
 import argparse
+import csv
+import io
+import json
 import math
+import re
+import sys
+from collections import Counter
+from dataclasses import dataclass, field
+from fnmatch import fnmatchcase
 from pathlib import Path
 from typing import Any
 
-from metalearn.tracking import RunRecord, read_offline_run, read_online_runs
+from metalearn.run_records import (
+    RunReadError,
+    RunRecord,
+    read_offline_runs,
+    read_online_runs,
+)
+
+DEFAULT_METRICS = ("val/acc", "test/acc", "train/loss")
+"""What `experiments/omniglot_maml.py` logs to judge a run: validation, test, training."""
+
+DIRECTIONS: tuple[tuple[str, str, str], ...] = (
+    # (pattern on the metric's last path part, "up" or "down", what it measures);
+    # the first match wins, so the suffixes come before the words they end.
+    ("*_ci95", "down", "95% interval half-width"),
+    ("*_per_s", "up", "throughput"),
+    ("*_s", "down", "seconds"),
+    ("*_seconds", "down", "seconds"),
+    ("*_minutes", "down", "minutes"),
+    ("acc", "up", "accuracy"),
+    ("*_acc", "up", "accuracy"),
+    ("*accuracy", "up", "accuracy"),
+    ("*loss*", "down", "loss"),
+    ("*mse*", "down", "squared error"),
+)
+
+BOOKKEEPING = frozenset({
+    "out_dir", "run_name", "resume", "track", "wandb", "wandb_mode", "wandb_project",
+    "threads", "device", "data_root", "tune_malloc", "dist_timeout", "checkpoint_every",
+})  # fmt: skip
+"""Config keys that say where and how a run was kept, not what was run: never compared."""
+
+ONLINE_PATH = re.compile(r"[\w-][\w.-]*/[\w-][\w.-]*")
+"""``ENTITY/PROJECT``: the only form read from the W&B server, and only with ``--online``."""
+
+PLOTS_HINT = "pip install 'metalearn[plots]'"
 
 
-def find_run_dirs(path: Path) -> list[Path]:
-    """Run directories under ``path``: itself if it is one, else its ``*run-*`` children."""
-    if list(path.glob("*.wandb")):
-        return [path]
-    base = path / "wandb" if (path / "wandb").is_dir() else path
-    return sorted(p for p in base.glob("*run-*") if p.is_dir() and list(p.glob("*.wandb")))
+class UsageError(Exception):
+    """A mistake in the command line: printed as one line, exit status 2."""
 
 
-def load(sources: list[str], filters: dict[str, Any]) -> list[RunRecord]:
-    """Runs from offline directories or ``entity/project`` paths."""
-    runs: list[RunRecord] = []
+def direction(metric: str) -> tuple[str, str] | None:
+    """("up" or "down", what it measures) for a metric, or None when unknown."""
+    name = metric.rsplit("/", 1)[-1]
+    for pattern, way, what in DIRECTIONS:
+        if fnmatchcase(name, pattern):
+            return way, what
+    return None
+
+
+# --- statistics --------------------------------------------------------------------------
+
+
+def t_cdf_two_sided(t: float, dof: int) -> float:
+    """P(|T| <= t) for Student's t with ``dof`` degrees of freedom (t >= 0).
+
+    The closed forms of Abramowitz & Stegun 26.7.3-4 in theta = atan(t / sqrt(dof)): a finite
+    series in cos^2(theta), exact for integer ``dof``.
+    """
+    theta = math.atan(t / math.sqrt(dof))
+    c2, term, total = math.cos(theta) ** 2, 1.0, 1.0
+    if dof % 2 == 0:  # sin(theta) * (1 + 1/2 c2 + 1*3/(2*4) c2^2 + ...), dof/2 terms
+        for k in range(1, dof // 2):
+            term *= c2 * (2 * k - 1) / (2 * k)
+            total += term
+        return math.sin(theta) * total
+    if dof == 1:
+        return 2 * theta / math.pi
+    for k in range(1, (dof - 1) // 2):  # 2/pi (theta + sin cos (1 + 2/3 c2 + ...))
+        term *= c2 * (2 * k) / (2 * k + 1)
+        total += term
+    return 2 / math.pi * (theta + math.sin(theta) * math.cos(theta) * total)
+
+
+def t_quantile(level: float, dof: int) -> float:
+    """t such that P(|T| <= t) = ``level``: the two-sided critical value (bisection)."""
+    lo, hi = 0.0, 1.0
+    while t_cdf_two_sided(hi, dof) < level:
+        hi *= 2
+    for _ in range(100):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if t_cdf_two_sided(mid, dof) < level else (lo, mid)
+    return (lo + hi) / 2
+
+
+def mean_ci95(values: list[float]) -> tuple[float, float | None]:
+    """Mean of ``values`` and the half-width of its 95% confidence interval.
+
+    Half-width = t_{0.975, n-1} * s / sqrt(n), s the sample standard deviation (n - 1 in
+    the denominator); None for a single value.
+    """
+    n = len(values)
+    mean = sum(values) / n
+    if n < 2:
+        return mean, None
+    s = math.sqrt(sum((v - mean) ** 2 for v in values) / (n - 1))
+    return mean, t_quantile(0.95, n - 1) * s / math.sqrt(n)
+
+
+# --- reading -----------------------------------------------------------------------------
+
+
+def load(sources: list[str], online: bool, filters: dict[str, Any]) -> list[RunRecord]:
+    """Runs from local run folders, and from ``ENTITY/PROJECT`` when ``online``; a damaged
+    run file is named on stderr, and skipped when nothing of it could be read."""
+    local, projects = [], []
     for src in sources:
-        path = Path(src)
-        if path.exists():
-            dirs = find_run_dirs(path)
-            if not dirs:
-                raise FileNotFoundError(f"no W&B runs under {path} (looked for */run-*.wandb)")
-            # Directory names sort by second only; the recorded start time breaks ties.
-            runs.extend(sorted((read_offline_run(d) for d in dirs), key=lambda r: r.start_time))
-        elif src.count("/") == 1:
-            runs.extend(read_online_runs(src, filters))
+        if Path(src).exists():
+            local.append(src)
+        elif online and ONLINE_PATH.fullmatch(src):
+            projects.append(src)
+        elif ONLINE_PATH.fullmatch(src):
+            raise UsageError(f"no such run folder: {src} (to read W&B project {src}, add --online)")
         else:
-            raise FileNotFoundError(
-                f"{src!r} is neither a run directory nor entity/project; pass a wandb/ folder, "
-                "a wandb/offline-run-* folder or entity/project"
-            )
-    return runs
-
-
-def differing_keys(runs: list[RunRecord]) -> list[str]:
-    """Config keys whose values are not the same across all runs."""
-    keys = sorted({k for r in runs for k in r.config})
-    return [k for k in keys if len({repr(r.config.get(k)) for r in runs}) > 1]
-
-
-def best(values: list[float], metric: str) -> float:
-    """Best value of a metric: max for accuracies, min otherwise."""
-    finite = [v for v in values if isinstance(v, (int, float)) and math.isfinite(v)]
-    if not finite:
-        return float("nan")
-    return max(finite) if "acc" in metric else min(finite)
-
-
-def table(runs: list[RunRecord], metrics: list[str]) -> str:
-    """A markdown table: name, differing config, then final and best of each metric."""
-    keys = differing_keys(runs)
-    head = ["run", "state", *keys]
-    for m in metrics:
-        head += [f"{m} (final)", f"{m} (best)"]
-    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+            raise UsageError(f"no such run folder: {src}")
+    runs = read_offline_runs(local) if local else []
+    for project in projects:
+        runs += read_online_runs(project, filters)
     for r in runs:
-        cells = [r.name, r.state, *(_fmt(r.config.get(k)) for k in keys)]
+        for problem in r.problems:
+            print(f"warning: {problem}{'' if r.run_id else '; skipped'}", file=sys.stderr)
+    return [r for r in runs if r.run_id]
+
+
+def _number(value: Any) -> float | None:
+    if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
+        return float(value)
+    return None
+
+
+def final_value(run: RunRecord, metric: str) -> float | None:
+    """The run's final value: its summary's, else the last logged one."""
+    value = _number(run.summary.get(metric))
+    if value is None:
+        values = [v for v in map(_number, run.series(metric)[1]) if v is not None]
+        value = values[-1] if values else None
+    return value
+
+
+def best_step(run: RunRecord, metric: str, way: str) -> dict[str, Any] | None:
+    """The history row where ``metric`` was best in direction ``way`` (first on ties)."""
+    rows = [r for r in run.history if _number(r.get(metric)) is not None]
+    if not rows:
+        return None
+    pick = max if way == "up" else min
+    return pick(rows, key=lambda r: r[metric])
+
+
+# --- the comparison ----------------------------------------------------------------------
+
+
+@dataclass
+class Estimate:
+    """A number in the table: a run's value, or the mean over a group's runs."""
+
+    value: float
+    ci95: float | None
+    """Half-width: the run's logged ``<metric>_ci95``, or across a group's runs (t)."""
+    n: int
+    """Runs behind it."""
+
+
+@dataclass
+class Row:
+    """One run, or one group of runs."""
+
+    label: str
+    runs: list[RunRecord]
+    config: dict[str, Any]
+    final: dict[str, Estimate | None] = field(default_factory=dict)
+    best: dict[str, Estimate | None] = field(default_factory=dict)
+
+
+@dataclass
+class Comparison:
+    """Everything the table, the CSV, the JSON and the plot show."""
+
+    rows: list[Row]
+    metrics: list[str]
+    config_keys: list[str]
+    group_by: list[str]
+    varied_within: list[str]
+    """Config keys that differ inside a group (what the group's runs average over)."""
+    bookkeeping: list[str]
+    """Differing config keys left out as bookkeeping."""
+    best_row: dict[str, str | None]
+    with_best: list[str]
+    """Metrics with a best-over-steps column (known direction, a history)."""
+
+
+def _differs(runs: list[RunRecord], key: str) -> bool:
+    return len({repr(r.config.get(key)) for r in runs}) > 1
+
+
+def compare(runs: list[RunRecord], metrics: list[str], group_by: list[str]) -> Comparison:
+    """Rows (runs, or groups of runs by the ``group_by`` config keys) and their numbers."""
+    keys = sorted({k for r in runs for k in r.config})
+    differing = [k for k in keys if _differs(runs, k)]
+    groups: dict[str, list[RunRecord]] = {}
+    names = Counter(r.name for r in runs)
+    for r in runs:  # a group per row, or a run per row in the order they were started
+        label = ", ".join(f"{k}={r.config.get(k, '-')}" for k in group_by)
+        label = label or (r.name if names[r.name] == 1 else f"{r.name} ({r.run_id})")
+        groups.setdefault(label, []).append(r)
+    varied = [k for k in differing if any(_differs(g, k) for g in groups.values())]
+    shown = [k for k in differing if k not in BOOKKEEPING and k not in varied]
+    shown = [*group_by, *(k for k in shown if k not in group_by)]
+    rows = [Row(label, g, {k: g[0].config.get(k) for k in shown}) for label, g in groups.items()]
+    with_best = [m for m in metrics if direction(m) and any(len(r.series(m)[1]) > 1 for r in runs)]
+    for row in rows:
         for m in metrics:
-            _, values = r.series(m)
-            final = r.summary.get(m, values[-1] if values else None)
-            cells += [_fmt(final), _fmt(best(values, m) if values else r.summary.get(m))]
+            row.final[m] = _estimate(row.runs, m, None, grouped=bool(group_by))
+            if m in with_best:
+                row.best[m] = _estimate(row.runs, m, direction(m)[0], grouped=bool(group_by))
+    return Comparison(
+        rows=rows, metrics=metrics, config_keys=shown, group_by=group_by,
+        varied_within=[k for k in varied if k not in BOOKKEEPING],
+        bookkeeping=[k for k in differing if k in BOOKKEEPING],
+        best_row={m: _best_row(rows, m) for m in metrics}, with_best=with_best,
+    )  # fmt: skip
+
+
+def _estimate(runs: list[RunRecord], m: str, way: str | None, grouped: bool) -> Estimate | None:
+    """Final value (``way`` None) or best-over-steps value of ``m``: a run's own, with its
+    logged interval, or the mean of a group's with the t interval across its runs."""
+    points = []  # (value, logged half-width)
+    for r in runs:
+        if way is None:
+            value, half = final_value(r, m), final_value(r, f"{m}_ci95")
+        else:
+            step = best_step(r, m, way)
+            value, half = (None, None) if step is None else (step[m], step.get(f"{m}_ci95"))
+        if value is not None:
+            points.append((float(value), _number(half)))
+    if not points:
+        return None
+    if not grouped:
+        return Estimate(points[0][0], points[0][1], 1)
+    mean, half = mean_ci95([v for v, _ in points])
+    return Estimate(mean, half, len(points))
+
+
+def _best_row(rows: list[Row], m: str) -> str | None:
+    known = direction(m)
+    scored = [(row.final[m].value, row.label) for row in rows if row.final.get(m)]
+    if known is None or not scored:
+        return None
+    pick = max if known[0] == "up" else min
+    return pick(scored, key=lambda s: s[0])[1]
+
+
+# --- output ------------------------------------------------------------------------------
+
+
+def notes(c: Comparison) -> list[str]:
+    """What the numbers mean: direction of each metric, the intervals, what was left out."""
+    lines = []
+    for m in c.metrics:
+        known = direction(m)
+        if known is None:
+            lines.append(f"{m}: direction unknown, final value only")
+        else:
+            way = "higher" if known[0] == "up" else "lower"
+            best = f"; best final: {c.best_row[m]}" if c.best_row[m] else ""
+            lines.append(f"{m}: {known[1]}, {way} is better{best}")
+    if c.group_by:
+        lines.append(
+            "±: 95% confidence interval of the mean across a group's n runs "
+            "(Student t, n - 1 degrees of freedom); none for n = 1"
+        )
+        if c.varied_within:
+            lines.append(f"averaged over (differs within groups): {', '.join(c.varied_within)}")
+    else:
+        lines.append("±: the run's own logged <metric>_ci95, where it logged one")
+    if c.with_best:
+        lines.append("best: each run's best logged value over its steps")
+    if c.bookkeeping:
+        lines.append(f"left out as bookkeeping: {', '.join(c.bookkeeping)}")
+    return lines
+
+
+def _cell(e: Estimate | None) -> str:
+    if e is None:
+        return "-"
+    return f"{e.value:.4g}" + ("" if e.ci95 is None else f" ± {e.ci95:.2g}")
+
+
+def _columns(c: Comparison) -> list[tuple[str, str, str]]:
+    """(header, metric, "final" or "best") per metric column."""
+    cols = []
+    for m in c.metrics:
+        arrow = {"up": " ↑", "down": " ↓"}.get((direction(m) or ("", ""))[0], "")
+        cols.append((f"{m}{arrow}", m, "final"))
+        if m in c.with_best:
+            cols.append((f"{m}{arrow} best", m, "best"))
+    return cols
+
+
+def to_markdown(c: Comparison) -> str:
+    """A markdown table (the best final value of each metric in bold), then its notes."""
+    cols = _columns(c)
+    head = ["group" if c.group_by else "run", *(["n"] if c.group_by else []), "state"]
+    head += [*c.config_keys, *(h for h, _, _ in cols)]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for row in c.rows:
+        cells = [row.label, *([str(len(row.runs))] if c.group_by else []), _state(row)]
+        cells += [_fmt(row.config.get(k)) for k in c.config_keys]
+        for _, m, kind in cols:
+            text = _cell(getattr(row, kind)[m])
+            bold = kind == "final" and c.best_row[m] == row.label and len(c.rows) > 1
+            cells.append(f"**{text}**" if bold else text)
         lines.append("| " + " | ".join(cells) + " |")
-    return "\n".join(lines)
+    return "\n".join([*lines, "", *notes(c)])
+
+
+def to_csv(c: Comparison) -> str:
+    """One line per row: label, n, state, config, then value and ±95% per metric column."""
+    out = io.StringIO()
+    writer = csv.writer(out, lineterminator="\n")
+    cols = [(f"{m} {kind}", m, kind) for _, m, kind in _columns(c)]
+    writer.writerow(["label", "n", "state", *c.config_keys,
+                     *(x for h, _, _ in cols for x in (h, f"{h} ci95"))])  # fmt: skip
+    for row in c.rows:
+        cells: list[Any] = [row.label, len(row.runs), _state(row)]
+        cells += [row.config.get(k) for k in c.config_keys]
+        for _, m, kind in cols:
+            e = getattr(row, kind)[m]
+            cells += ["", ""] if e is None else [e.value, "" if e.ci95 is None else e.ci95]
+        writer.writerow(cells)
+    return out.getvalue().rstrip("\n")
+
+
+def to_json(c: Comparison) -> str:
+    """The comparison as one JSON object (rows, metrics with direction and best row, notes)."""
+
+    def est(e: Estimate | None) -> dict[str, Any] | None:
+        return None if e is None else {"value": e.value, "ci95": e.ci95, "n": e.n}
+
+    rows = [
+        {"label": r.label, "n": len(r.runs), "state": _state(r), "config": r.config,
+         "runs": [run.path for run in r.runs],
+         "metrics": {m: {"final": est(r.final[m]), "best": est(r.best.get(m))}
+                     for m in c.metrics}}
+        for r in c.rows
+    ]  # fmt: skip
+    metrics = [
+        {"name": m, "direction": (direction(m) or (None,))[0], "best_row": c.best_row[m]}
+        for m in c.metrics
+    ]
+    return json.dumps(
+        {"group_by": c.group_by, "metrics": metrics, "rows": rows, "notes": notes(c),
+         "varied_within_groups": c.varied_within, "bookkeeping_left_out": c.bookkeeping},
+        default=str, indent=1,
+    )  # fmt: skip
+
+
+def _state(row: Row) -> str:
+    counts = Counter(r.state for r in row.runs)
+    return ", ".join(s if len(row.runs) == 1 else f"{n} {s}" for s, n in counts.items())
 
 
 def _fmt(value: Any) -> str:
@@ -86,51 +398,164 @@ def _fmt(value: Any) -> str:
     return "-" if value is None else str(value)
 
 
-def plot(runs: list[RunRecord], metrics: list[str], out: Path) -> Path | None:
-    """One panel per metric, every run's curve overlaid; None if nothing was logged."""
-    import matplotlib
+# --- plot --------------------------------------------------------------------------------
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
 
-    metrics = [m for m in metrics if any(r.series(m)[1] for r in runs)]
+def require_matplotlib(out: Path) -> None:
+    """Fail before any work when the plot cannot be written."""
+    try:
+        from matplotlib.backends.backend_agg import FigureCanvasAgg
+    except ImportError:
+        raise UsageError(f"--plot needs matplotlib: {PLOTS_HINT}") from None
+    kinds = FigureCanvasAgg.get_supported_filetypes()
+    if out.suffix.lstrip(".").lower() not in kinds:
+        raise UsageError(f"--plot {out}: end the name in one of .{', .'.join(sorted(kinds))}")
+
+
+def figure(c: Comparison) -> Any:
+    """One panel per metric: curves with 95% bands, or points with intervals for metrics
+    logged only once (test metrics). Returns the matplotlib Figure."""
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(5 * len(c.metrics), 3.8), layout="constrained")
+    axes = fig.subplots(1, len(c.metrics), squeeze=False)[0]
+    for ax, m in zip(axes, c.metrics):
+        known = direction(m)
+        way = "" if known is None else f" ({'higher' if known[0] == 'up' else 'lower'} is better)"
+        if any(len(r.series(m)[1]) > 1 for row in c.rows for r in row.runs):
+            for row in c.rows:
+                _curve(ax, row, m, grouped=bool(c.group_by))
+            ax.set_xlabel("step")
+        else:
+            _points(ax, c.rows, m)
+        ax.set_ylabel(f"{m}{way}")
+        ax.set_title(m)
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(fontsize=7)
+    band = "mean ± 95% CI across runs (t)" if c.group_by else "± logged 95% interval"
+    fig.suptitle(f"bands and bars: {band}", fontsize=9)
+    return fig
+
+
+def _curve(ax: Any, row: Row, m: str, grouped: bool) -> None:
+    """The row's curve: a run's values (± its logged ``m_ci95``), or a group's mean ± CI."""
+    by_step: dict[float, list[tuple[float, float | None]]] = {}
+    for r in row.runs:
+        for i, h in enumerate(r.history):
+            if _number(h.get(m)) is not None:
+                step = h.get("_step", i)
+                by_step.setdefault(step, []).append((h[m], _number(h.get(f"{m}_ci95"))))
+    if not by_step:
+        return
+    steps = sorted(by_step)
+    if grouped:
+        stats = [mean_ci95([v for v, _ in by_step[s]]) for s in steps]
+    else:
+        stats = [by_step[s][-1] for s in steps]
+    (line,) = ax.plot(steps, [mean for mean, _ in stats], label=f"{row.label} (n={len(row.runs)})")
+    band = [(s, mean, half) for s, (mean, half) in zip(steps, stats) if half is not None]
+    if band:
+        xs, means, halves = zip(*band)
+        lo = [a - h for a, h in zip(means, halves)]
+        hi = [a + h for a, h in zip(means, halves)]
+        ax.fill_between(xs, lo, hi, color=line.get_color(), alpha=0.25, linewidth=0)
+
+
+def _points(ax: Any, rows: list[Row], m: str) -> None:
+    """A point per row at its final value, with its interval as an error bar."""
+    for i, row in enumerate(rows):
+        e = row.final.get(m)
+        if e is not None:
+            ax.errorbar([i], [e.value], yerr=[e.ci95 or 0.0], fmt="o", capsize=4,
+                        label=f"{row.label} (n={e.n})")  # fmt: skip
+    ax.set_xticks(range(len(rows)), [row.label for row in rows], rotation=20, fontsize=7)
+
+
+# --- command line ------------------------------------------------------------------------
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("sources", nargs="+", help="run folders, wandb/ folders, .wandb files")
+    parser.add_argument("--metrics", nargs="+", help=f"default: {' '.join(DEFAULT_METRICS)}")
+    parser.add_argument(
+        "--group-by", nargs="+", default=[], metavar="KEY",
+        help="config keys: a row per group, mean ± 95%% CI of its runs",
+    )  # fmt: skip
+    parser.add_argument("--format", choices=["markdown", "csv", "json"], default="markdown")
+    parser.add_argument("--plot", type=Path, help="write the curves to this image (.png, ...)")
+    parser.add_argument("--online", action="store_true", help="read ENTITY/PROJECT sources")
+    parser.add_argument("--filter", action="append", default=[], metavar="KEY=VALUE",
+                        help="online runs only, e.g. config.algorithm=maml")  # fmt: skip
+    return parser.parse_args(argv)
+
+
+def _filters(items: list[str], online: bool) -> dict[str, Any]:
+    if items and not online:
+        raise UsageError("--filter selects online runs; add --online with an ENTITY/PROJECT")
+    filters = {}
+    for item in items:
+        key, eq, value = item.partition("=")
+        if not eq or not key:
+            raise UsageError(f"--filter {item!r}: write KEY=VALUE, e.g. config.algorithm=maml")
+        try:
+            filters[key] = json.loads(value)  # numbers and booleans match as such
+        except json.JSONDecodeError:
+            filters[key] = value
+    return filters
+
+
+def _metrics(runs: list[RunRecord], asked: list[str] | None) -> list[str]:
+    if asked:
+        return asked
+    logged = {k for r in runs for k in r.summary} | {k for r in runs for h in r.history for k in h}
+    metrics = [m for m in DEFAULT_METRICS if m in logged]
     if not metrics:
-        return None
-    fig, axes = plt.subplots(1, len(metrics), figsize=(5 * len(metrics), 3.5), squeeze=False)
-    for ax, m in zip(axes[0], metrics):
-        for r in runs:
-            steps, values = r.series(m)
-            if values:
-                ax.plot(steps, values, label=r.name)
-        ax.set(title=m, xlabel="step")
-        ax.legend(fontsize=7)
-    fig.tight_layout()
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, dpi=120)
-    plt.close(fig)
-    return out
+        names = ", ".join(sorted(k for k in logged if not k.startswith("_"))[:12])
+        raise UsageError(f"these runs logged none of {', '.join(DEFAULT_METRICS)}; pass "
+                         f"--metrics KEY... (logged: {names or 'nothing'})")  # fmt: skip
+    return metrics
 
 
-def default_metrics(runs: list[RunRecord]) -> list[str]:
-    """The namespaced scalar metrics the runs logged (train/, val/, test/), up to four."""
-    keys = sorted({k for r in runs for row in r.history for k in row if "/" in k})
-    return keys[:4]
+def run(argv: list[str] | None = None) -> str:
+    """The comparison as text in the chosen format (and the plot, if asked).
+
+    Raises:
+        UsageError: a bad source, key, filter or plot path; matplotlib missing for --plot.
+    """
+    args = parse_args(argv)
+    if args.plot is not None:
+        require_matplotlib(args.plot)
+    filters = _filters(args.filter, args.online)
+    try:
+        runs = load(args.sources, args.online, filters)
+    except (FileNotFoundError, RunReadError) as e:
+        raise UsageError(str(e)) from None
+    if not runs:
+        raise UsageError(f"no readable runs in {' '.join(args.sources)}")
+    for key in args.group_by:
+        if not any(key in r.config for r in runs):
+            keys = ", ".join(sorted({k for r in runs for k in r.config}))
+            raise UsageError(f"--group-by {key}: no run has this config key (keys: {keys})")
+    c = compare(runs, _metrics(runs, args.metrics), args.group_by)
+    text = {"markdown": to_markdown, "csv": to_csv, "json": to_json}[args.format](c)
+    if args.plot is not None:
+        args.plot.parent.mkdir(parents=True, exist_ok=True)
+        figure(c).savefig(args.plot, dpi=120)
+        print(f"plot: {args.plot}", file=sys.stderr)
+    return text
 
 
 def main(argv: list[str] | None = None) -> str:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("sources", nargs="+", help="run dirs, wandb/ dirs, or entity/project")
-    parser.add_argument("--metrics", nargs="*", help="metrics to compare (default: logged ones)")
-    parser.add_argument("--filter", action="append", default=[], help="online: key=value")
-    parser.add_argument("--out", default="runs/compare.png", help="where to write the plot")
-    args = parser.parse_args(argv)
-    filters = dict(f.split("=", 1) for f in args.filter)
-    runs = load(args.sources, filters)
-    metrics = args.metrics or default_metrics(runs)
-    text = table(runs, metrics)
+    """Print the comparison; a usage error is one line on stderr and exit status 2."""
+    try:
+        text = run(argv)
+    except UsageError as e:
+        print(f"compare_runs.py: error: {e}", file=sys.stderr)
+        raise SystemExit(2) from None
     print(text)
-    png = plot(runs, metrics, Path(args.out))
-    print(f"\nplot: {png}" if png else "\nno metric history to plot")
     return text
 
 

@@ -38,6 +38,9 @@ def offline_run(
         run.log(row, step=step)
     run.summary.update(summary or {})
     run.finish()
+    # finish() can return before wandb's service has written the run's file (seen here: 7
+    # bytes right after it, the whole 15 KB 50 ms later); teardown waits for the service.
+    wandb.teardown()
     return Path(run.dir).parent
 
 

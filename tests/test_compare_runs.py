@@ -1,0 +1,195 @@
+"""compare_runs.py on offline runs written here with known histories."""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from test_run_records import damage, offline_run
+
+from metalearn.run_records import read_offline_runs
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "scripts"))
+import compare_runs  # noqa: E402
+
+T975 = {1: 12.7062, 2: 4.3027, 4: 2.7764, 9: 2.2622, 30: 2.0423}
+"""Two-sided 95% critical values of Student's t, from a printed table."""
+
+
+def run_json(capsys, *argv: str) -> dict:
+    compare_runs.main([*argv, "--format", "json"])
+    return json.loads(capsys.readouterr().out)
+
+
+def usage_error(capsys, *argv: str) -> str:
+    with pytest.raises(SystemExit) as exit_:
+        compare_runs.main(list(argv))
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and len(err.strip().splitlines()) == 1, err
+    return err
+
+
+def test_t_quantile_matches_the_printed_table():
+    for dof, t in T975.items():
+        assert compare_runs.t_quantile(0.95, dof) == pytest.approx(t, abs=6e-5)
+
+
+def test_each_metric_is_judged_in_its_own_direction(tmp_path, capsys):
+    # a: slower, narrower intervals, higher loss; b: faster, wider intervals, lower loss.
+    curves = {
+        "a": {"perf/tasks_per_s": [10.0, 12.0], "val/acc_ci95": [0.03, 0.02],
+              "perf/step_s": [0.5, 0.4], "train/loss": [0.9, 0.8], "train/skipped": [3.0, 1.0]},
+        "b": {"perf/tasks_per_s": [20.0, 22.0], "val/acc_ci95": [0.05, 0.04],
+              "perf/step_s": [0.2, 0.1], "train/loss": [0.7, 0.6], "train/skipped": [0.0, 2.0]},
+    }  # fmt: skip
+    for name, lr, out in (("a", 0.1, "x"), ("b", 0.4, "y")):
+        rows = {s: {k: v[s] for k, v in curves[name].items()} for s in range(2)}
+        offline_run(tmp_path, rows, name=name, config={"inner_lr": lr, "out_dir": out, "seed": 0})
+    out = run_json(capsys, str(tmp_path), "--metrics", *curves["a"])
+    best = {m["name"]: m["best_row"] for m in out["metrics"]}
+    assert best == {"perf/tasks_per_s": "b", "val/acc_ci95": "a", "perf/step_s": "b",
+                    "train/loss": "b", "train/skipped": None}  # fmt: skip
+    a = out["rows"][0]["metrics"]
+    assert a["perf/tasks_per_s"]["best"]["value"] == 12.0  # a run's best step: the max
+    assert a["val/acc_ci95"]["best"]["value"] == 0.02  # ... and the narrowest interval
+    assert a["train/skipped"] == {"final": {"value": 1.0, "ci95": None, "n": 1}, "best": None}
+    assert "train/skipped: direction unknown, final value only" in out["notes"]
+    # Only what was run differs in the table; where it was kept is named as left out.
+    assert [r["config"] for r in out["rows"]] == [{"inner_lr": 0.1}, {"inner_lr": 0.4}]
+    assert out["bookkeeping_left_out"] == ["out_dir"]
+
+
+def test_seeds_grouped_as_mean_and_t_interval(tmp_path, capsys):
+    finals = [0.80, 0.83, 0.87]
+    for seed, acc in enumerate(finals):
+        rows = {0: {"val/acc": 0.5}, 10: {"val/acc": acc, "val/acc_ci95": 0.01}}
+        offline_run(tmp_path, rows, config={"algorithm": "maml", "seed": seed},
+                    summary={"test/acc": acc + 0.05, "test/acc_ci95": 0.004})  # fmt: skip
+    offline_run(tmp_path, {0: {"val/acc": 0.4}, 10: {"val/acc": 0.6}},
+                config={"algorithm": "fomaml", "seed": 0}, summary={"test/acc": 0.62})  # fmt: skip
+    out = run_json(capsys, str(tmp_path), "--group-by", "algorithm")
+    maml, fomaml = out["rows"]
+    mean = sum(finals) / 3
+    s = math.sqrt(sum((v - mean) ** 2 for v in finals) / 2)
+    half = T975[2] * s / math.sqrt(3)
+    final = maml["metrics"]["val/acc"]["final"]
+    assert final["n"] == 3 and maml["n"] == 3 and maml["state"] == "3 finished"
+    assert final["value"] == pytest.approx(mean, rel=1e-12)
+    assert final["ci95"] == pytest.approx(half, rel=1e-4)  # the table's t has 5 digits
+    test = maml["metrics"]["test/acc"]["final"]  # across seeds, not a run's own interval
+    assert test["value"] == pytest.approx(mean + 0.05) and test["ci95"] == pytest.approx(half, 1e-4)
+    assert fomaml["n"] == 1 and fomaml["metrics"]["test/acc"]["final"]["ci95"] is None
+    assert [r["label"] for r in out["rows"]] == ["algorithm=maml", "algorithm=fomaml"]
+    assert out["varied_within_groups"] == ["seed"]
+    assert maml["config"] == {"algorithm": "maml"}
+    assert any("Student t" in n for n in out["notes"])
+
+
+def test_test_metric_shown_with_its_logged_interval(tmp_path, capsys):
+    offline_run(tmp_path, {0: {"train/loss": 1.0}, 1: {"train/loss": 0.5}}, name="r",
+                summary={"test/acc": 0.9581, "test/acc_ci95": 0.0037})  # fmt: skip
+    text = compare_runs.main([str(tmp_path)])
+    header, _, row = text.splitlines()[:3]
+    cells = dict(zip(header.strip("|").split("|"), row.strip("|").split("|")))
+    cells = {k.strip(): v.strip() for k, v in cells.items()}
+    assert cells["test/acc ↑"] == "0.9581 ± 0.0037"
+    assert cells["train/loss ↓"] == "0.5" and cells["train/loss ↓ best"] == "0.5"
+    assert "val/acc ↑" not in cells  # a default metric nobody logged is not a column
+
+
+def test_resumed_and_damaged_runs(tmp_path, capsys):
+    offline_run(tmp_path, {s: {"train/loss": 1.0} for s in range(3)}, name="res", run_id="r1")
+    offline_run(tmp_path, {s: {"train/loss": 0.5} for s in range(2, 5)}, run_id="r1")
+    pad = {s: {"train/loss": 2.0, "pad": "x" * 200} for s in range(20)}
+    bad = damage(offline_run(tmp_path, pad, name="bad"), "corrupt")
+    junk = damage(offline_run(tmp_path, pad, name="junk"), "header")
+    out = json.loads(compare_runs.main([str(tmp_path), "--format", "json"]))
+    err = capsys.readouterr().err
+    assert [(r["label"], r["state"]) for r in out["rows"]] == [("res", "finished"),
+                                                               ("bad", "corrupt")]  # fmt: skip
+    assert len(out["rows"][0]["runs"]) == 1  # two segments, one run
+    assert out["rows"][0]["metrics"]["train/loss"]["final"]["value"] == 0.5
+    assert f"warning: {bad}" in err and f"warning: {junk}" in err and "skipped" in err
+
+
+def test_formats_parse(tmp_path, capsys):
+    for lr in (0.1, 0.4):
+        offline_run(tmp_path, {0: {"val/acc": 0.5}, 5: {"val/acc": 0.5 + lr}},
+                    name=f"lr{lr}", config={"inner_lr": lr})  # fmt: skip
+    rows = list(csv.DictReader(io.StringIO(compare_runs.run([str(tmp_path), "--format", "csv"]))))
+    assert [(r["label"], float(r["inner_lr"])) for r in rows] == [("lr0.1", 0.1), ("lr0.4", 0.4)]
+    assert float(rows[1]["val/acc final"]) == pytest.approx(0.9) and rows[1]["n"] == "1"
+    c = compare_runs.compare(read_offline_runs([tmp_path]), ["val/acc"], [])
+    out = json.loads(compare_runs.to_json(c))
+    assert out["metrics"][0] == {"name": "val/acc", "direction": "up", "best_row": "lr0.4"}
+    table = compare_runs.to_markdown(c).split("\n\n")[0].splitlines()
+    assert len(table) == 4 and len({line.count("|") for line in table}) == 1
+    assert "**0.9**" in table[3]  # the best final value, in bold
+
+
+def test_plot_labels_bands_and_points(tmp_path):
+    finals = [0.7, 0.8, 0.9]
+    for seed, acc in enumerate(finals):
+        offline_run(tmp_path, {0: {"val/acc": 0.5 + 0.01 * seed}, 1: {"val/acc": acc}},
+                    config={"seed": seed, "algorithm": "maml"},
+                    summary={"test/acc": acc})  # fmt: skip
+    png = tmp_path / "plots" / "cmp.png"
+    compare_runs.run([str(tmp_path), "--group-by", "algorithm", "--plot", str(png)])
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    runs = read_offline_runs([tmp_path])
+    c = compare_runs.compare(runs, ["val/acc", "test/acc"], ["algorithm"])
+    val, test = compare_runs.figure(c).axes
+    assert val.get_ylabel() == "val/acc (higher is better)" and val.get_xlabel() == "step"
+    (band,) = val.collections
+    ys = band.get_paths()[0].vertices[:, 1]
+    for values in ([0.5, 0.51, 0.52], finals):  # at each step: mean ± t CI of the 3 seeds
+        mean = sum(values) / 3
+        half = T975[2] * math.sqrt(sum((v - mean) ** 2 for v in values) / 2) / math.sqrt(3)
+        assert min(abs(ys - (mean - half))) < 1e-4 and min(abs(ys - (mean + half))) < 1e-4
+    assert test.get_ylabel() == "test/acc (higher is better)"
+    (bars,) = test.containers  # one group: a point with its interval as an error bar
+    segment = bars.lines[2][0].get_segments()[0][:, 1]
+    mean = sum(finals) / 3
+    half = T975[2] * math.sqrt(sum((v - mean) ** 2 for v in finals) / 2) / math.sqrt(3)
+    assert segment == pytest.approx([mean - half, mean + half], rel=1e-4)
+
+
+def test_missing_matplotlib_is_named_before_any_work(tmp_path):
+    script = (
+        "import runpy, sys; sys.modules['matplotlib'] = None; "
+        f"sys.argv = ['compare_runs.py', {str(tmp_path / 'nope')!r}, '--plot', 'x.png']; "
+        f"runpy.run_path({str(ROOT / 'scripts' / 'compare_runs.py')!r}, run_name='__main__')"
+    )
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    done = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, cwd=tmp_path, env=env
+    )
+    assert done.returncode == 2 and done.stdout == ""
+    assert done.stderr.strip() == (
+        "compare_runs.py: error: --plot needs matplotlib: pip install 'metalearn[plots]'"
+    )
+
+
+def test_user_errors_are_one_line(tmp_path, capsys, monkeypatch):
+    missing = tmp_path / "runs" / "wandb"
+    assert f"no such run folder: {missing}" in usage_error(capsys, str(missing))
+    # ENTITY/PROJECT is read online only when asked, even if it looks like a typo'd folder.
+    assert "add --online" in usage_error(capsys, "my-entity/my-project")
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    monkeypatch.setenv("NETRC", str(tmp_path / "no-netrc"))
+    err = usage_error(capsys, "my-entity/my-project", "--online")
+    assert "my-entity/my-project" in err and "wandb login" in err
+    assert "add --online" in usage_error(capsys, str(tmp_path), "--filter", "config.seed=0")
+    assert "no W&B runs under" in usage_error(capsys, str(tmp_path))
+    assert ".png" in usage_error(capsys, str(tmp_path), "--plot", str(tmp_path / "p.txt"))
+    offline_run(tmp_path, {0: {"mystery": 1.0}}, config={"seed": 0})
+    assert "--group-by algo: no run has" in usage_error(capsys, str(tmp_path), "--group-by", "algo")
+    assert "(logged: mystery)" in usage_error(capsys, str(tmp_path))
