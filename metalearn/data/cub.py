@@ -1,6 +1,6 @@
 """CUB-200-2011 (Wah et al., 2011) with the few-shot split of Hilliard et al. (2018).
 
-200 bird species, 11,788 photos of uneven sizes (41 to 60 per species). The few-shot split
+200 bird species, 11,788 photos, not the same number per species. The few-shot split
 used by Chen et al. (2019, "A Closer Look at Few-shot Classification") and later papers
 takes the species folders in sorted order (``001.Black_footed_Albatross`` ...
 ``200.Common_Yellowthroat``) and assigns folder ``i`` (0-based) to train when ``i`` is even
