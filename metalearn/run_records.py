@@ -12,6 +12,9 @@ full history, the group and whether the run wrote its exit record. Facts this re
   fails with "transactionlog: ..." on a file it cannot read at all; both are ``corrupt``.
 - A resumed run (``wandb.init(id=..., resume="allow")``) writes a new run folder per start,
   all with the same run id; `merge_segments` joins them into one record.
+- ``run.finish()`` can return before wandb's service has written the file (seen: its 7-byte
+  header just after, all of it 50 ms later); in the same process, read after
+  ``wandb.teardown()``, which waits for the service.
 
 Online runs (``ENTITY/PROJECT``) are read with ``wandb.Api()``; the server already merges
 resumed segments there.

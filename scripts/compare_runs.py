@@ -226,7 +226,17 @@ def _differs(runs: list[RunRecord], key: str) -> bool:
 
 
 def compare(runs: list[RunRecord], metrics: list[str], group_by: list[str]) -> Comparison:
-    """Rows (runs, or groups of runs by the ``group_by`` config keys) and their numbers."""
+    """Rows (runs, or groups of runs by the ``group_by`` config keys) and their numbers.
+
+    Args:
+        runs: the runs, in the order they were started (rows keep it).
+        metrics: the metric keys to show.
+        group_by: config keys; empty: one row per run.
+
+    Returns:
+        The comparison: per row the final (and, with a known direction and a history, the
+        best-over-steps) estimate of each metric, the config keys that tell rows apart.
+    """
     keys = sorted({k for r in runs for k in r.config})
     differing = [k for k in keys if _differs(runs, k)]
     groups: dict[str, list[RunRecord]] = {}
@@ -469,6 +479,7 @@ def _points(ax: Any, rows: list[Row], m: str) -> None:
             ax.errorbar([i], [e.value], yerr=[e.ci95 or 0.0], fmt="o", capsize=4,
                         label=f"{row.label} (n={e.n})")  # fmt: skip
     ax.set_xticks(range(len(rows)), [row.label for row in rows], rotation=20, fontsize=7)
+    ax.set_xlim(-0.5, len(rows) - 0.5)
 
 
 # --- command line ------------------------------------------------------------------------
