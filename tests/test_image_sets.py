@@ -476,3 +476,54 @@ def test_entry_point_omniglot_keeps_its_tasks():
         assert all(torch.equal(x.query[0], y.query[0]) for x, y in zip(a, b))
     test = load_image_set("omniglot", root, "test")
     assert test.num_classes == 423 and test.images.shape == (423 * 20, 1, 28, 28)
+
+
+def test_cifar_fs_from_r2d2_release_equals_cifar100(cifar, tmp_path):
+    folder = tmp_path / "cifarfs" / "cifar100"
+    (folder / "splits" / "bertinetto").mkdir(parents=True)
+    for split in ("train", "val", "test"):
+        reference = _quiet(load_cifar_fs, cifar, split)
+        names = list(reference.class_names)
+        lines = [names[i] for i in RNG.permutation(len(names))]  # any order in the list
+        (folder / "splits" / "bertinetto" / f"{split}.txt").write_text("\n".join(lines) + "\n")
+        for c, name in enumerate(names):
+            (folder / "data" / name).mkdir(parents=True)
+            for k, image in enumerate(reference.class_images(c)):
+                Image.fromarray(image.permute(1, 2, 0).numpy()).save(
+                    folder / "data" / name / f"{k:04d}.png"
+                )
+        loaded = _quiet(load_cifar_fs, tmp_path, split, cache_dir=tmp_path / "cache", workers=0)
+        assert loaded.class_names == reference.class_names
+        assert torch.equal(loaded.images, reference.images)
+    lines = (folder / "splits" / "bertinetto" / "test.txt").read_text().splitlines()
+    (folder / "splits" / "bertinetto" / "test.txt").write_text("\n".join(["beaver", *lines[1:]]))
+    with pytest.raises(
+        ValueError, match=r"test.txt differs from the published CIFAR-FS test split"
+    ):
+        load_cifar_fs(tmp_path, "test")
+    (folder / "splits" / "bertinetto" / "test.txt").write_text("\n".join(lines[1:]))
+    with pytest.raises(ValueError, match=r"test split: test.txt gives 19 classes, the published"):
+        load_cifar_fs(tmp_path, "test")
+
+
+def test_fc100_from_metaoptnet_pickles(cifar, tmp_path):
+    with pytest.raises(FileNotFoundError, match=r"or FC100_val.pickle \(MetaOptNet's release"):
+        load_fc100(tmp_path, "val")
+    reference = _quiet(load_fc100, cifar, "val")
+    ids = [FINE.index(name) for name in reference.class_names]
+    perm = torch.randperm(len(reference.images), generator=torch.Generator().manual_seed(0))
+    labels = [ids[c] for c in reference.labels()[perm].tolist()]
+    data = reference.images[perm].permute(0, 2, 3, 1).numpy()
+    with open(tmp_path / "FC100_val.pickle", "wb") as f:
+        pickle.dump({"data": data, "labels": labels}, f)
+    loaded = _quiet(load_fc100, tmp_path, "val")
+    assert loaded.class_names == tuple(f"label {i}" for i in sorted(ids))
+    assert loaded.images.shape == (60, 3, 32, 32) and torch.equal(loaded.counts, reference.counts)
+    for c in range(20):  # the same images per class, in the pickle's order
+        rows = sorted(torch.nonzero(reference.labels()[perm] == c).flatten().tolist())
+        assert torch.equal(loaded.class_images(c), reference.images[perm][rows])
+    with open(tmp_path / "FC100_val.pickle", "wb") as f:
+        keep = [i for i, label in enumerate(labels) if label != ids[0]]  # one class less
+        pickle.dump({"data": data[keep], "labels": [labels[i] for i in keep]}, f)
+    with pytest.raises(ValueError, match=r"fc100 val split: FC100_val.pickle gives 19 classes"):
+        _quiet(load_fc100, tmp_path, "val")
