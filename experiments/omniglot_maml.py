@@ -186,7 +186,9 @@ def check_args(args: Args) -> None:
     require(args.cg_damping is None or args.cg_damping >= 0,
             f"--cg-damping {args.cg_damping}: must be >= 0")  # fmt: skip
     require(args.eval_inner_steps >= 0, f"--eval-inner-steps {args.eval_inner_steps}: must be >= 0")
-    require(args.threads >= 0, f"--threads {args.threads}: must be >= 1 (0: torch's default)")
+    require(
+        args.threads >= 0, f"--threads {args.threads}: must be at least 1, or 0 for torch's default"
+    )
     require(0 <= args.seed < 2**32, f"--seed {args.seed}: must be in [0, 2**32)")
     if args.data_root is not None:
         require(Path(args.data_root).expanduser().is_dir(),
@@ -280,10 +282,11 @@ def make_learner(args: Args) -> MetaLearner:
     """The algorithm around a fresh conv4 (seeded by args.seed), built exactly as recorded.
 
     `metalearn.algorithms.build.build_learner` holds the construction, so a deployed
-    checkpoint is rebuilt exactly as it was trained.
+    checkpoint is rebuilt exactly as it was trained. ``args`` are resolved already in a run
+    (`resolve_args`); resolving again changes nothing and lets callers pass open ones.
     """
     seed_everything(args.seed)
-    return build_learner(dataclasses.asdict(args)).to(args.device)
+    return build_learner(resolve_learner_args(dataclasses.asdict(args))).to(args.device)
 
 
 def make_optimizer(args: Args, learner: MetaLearner) -> torch.optim.Optimizer:
@@ -522,6 +525,8 @@ def _main(args: Args, dist: distributed.DistInfo) -> dict[str, float]:
             "rank needs a task; raise --meta-batch or launch fewer processes")  # fmt: skip
     # Rank 0 reads (only its machine need hold the checkpoint) and every rank gets its answer.
     args, saved = distributed.from_main(start_from, args)
+    if dist.is_main:
+        print(f"checkpoint: {checkpoint_path(args)}", flush=True)
     samplers = make_samplers(args)
     learner = make_learner(args)
     state = RunState(run_name=str(args.run_name))
@@ -532,8 +537,7 @@ def _main(args: Args, dist: distributed.DistInfo) -> dict[str, float]:
     distributed.broadcast_params(learner)  # every rank starts from rank 0's weights
     run = make_run(args, state, learner)
     if dist.is_main:
-        print(f"checkpoint: {checkpoint_path(args)}")
-        print(f"W&B run: {Path(run.dir).parent if run is not None else 'not tracked'}")
+        print(f"W&B run: {Path(run.dir).parent if run is not None else 'not tracked'}", flush=True)
     return _train_and_test(args, learner, samplers, state, run, saved, dist)
 
 

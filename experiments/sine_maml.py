@@ -145,7 +145,9 @@ def main(args: Args) -> dict[str, float]:
             getattr(args, name) > 0,
             f"--{name.replace('_', '-')} {getattr(args, name)}: must be positive",
         )
-    require(args.threads >= 0, f"--threads {args.threads}: must be >= 1 (0: torch's default)")
+    require(
+        args.threads >= 0, f"--threads {args.threads}: must be at least 1, or 0 for torch's default"
+    )
     if args.threads > 0:
         torch.set_num_threads(args.threads)
     seed_everything(args.seed)
