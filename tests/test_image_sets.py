@@ -527,3 +527,34 @@ def test_fc100_from_metaoptnet_pickles(cifar, tmp_path):
         pickle.dump({"data": data[keep], "labels": [labels[i] for i in keep]}, f)
     with pytest.raises(ValueError, match=r"fc100 val split: FC100_val.pickle gives 19 classes"):
         _quiet(load_fc100, tmp_path, "val")
+
+
+# ---------------------------------------------------------------- ImageSet and its cache
+
+
+def test_image_set_groups_by_label_stably_and_checks_itself():
+    images = torch.arange(7, dtype=torch.uint8)[:, None, None, None].expand(7, 1, 2, 2)
+    labels = torch.tensor([2, 0, 2, 1, 0, 2, 1])
+    grouped = ImageSet.from_labels(images, labels, ["a", "b", "c"])
+    # Reference: for each class in turn, its images in their original order.
+    expected = [i for c in range(3) for i in range(7) if labels[i] == c]
+    assert grouped.images[:, 0, 0, 0].tolist() == expected
+    assert grouped.counts.tolist() == [2, 2, 3] and grouped.offsets.tolist() == [0, 2, 4]
+    assert grouped.labels().tolist() == [0, 0, 1, 1, 2, 2, 2]
+    assert grouped.class_images(2)[:, 0, 0, 0].tolist() == [0, 2, 5]
+    with pytest.raises(ValueError, match="class 'd' has no images"):
+        ImageSet.from_labels(images, labels, ["a", "b", "c", "d"])
+    with pytest.raises(ValueError, match=r"7 images has 2 counts summing to 5"):
+        ImageSet(images, torch.tensor([2, 3]), ("a", "b"))
+    with pytest.raises(ValueError, match=r"must be uint8 \[N, ch, H, W\], got torch.float32"):
+        ImageSet(images.float(), torch.tensor([7]), ("a",))
+
+
+@pytest.mark.skipif(not Path("/proc/self/maps").exists(), reason="reads Linux's memory maps")
+def test_decoded_cache_is_memory_mapped_and_not_copied_by_the_sampler(folder, tmp_path):
+    load_image_folder(folder, "train", image_size=12, cache_dir=tmp_path)  # decodes, caches
+    again = load_image_folder(folder, "train", image_size=12, cache_dir=tmp_path)
+    (cache,) = tmp_path.glob("folder-12px-*.pt")
+    assert str(cache) in Path("/proc/self/maps").read_text()
+    sampler = again.sampler(ways=2, shots=1, queries=1)
+    assert sampler._rows.data_ptr() == again.images.data_ptr()  # the mapped pages, no copy
