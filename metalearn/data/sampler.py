@@ -98,7 +98,7 @@ class EpisodicSampler:
             counts = torch.as_tensor(counts, dtype=torch.long).cpu()
             _check_counts(images, counts)
             if len(counts) and bool((counts == counts[0]).all()):  # equal: the [C, M] path
-                images, counts = images.view(len(counts), int(counts[0]), *images.shape[1:]), None
+                images, counts = images.reshape(len(counts), -1, *images.shape[1:]), None
         _check_arguments(images, ways, shots, queries, rotations, counts, class_names)
         self.ways, self.shots, self.queries, self.rotations = ways, shots, queries, rotations
         self.augment = augment
@@ -106,27 +106,12 @@ class EpisodicSampler:
             dtype = images.dtype if images.is_floating_point() else torch.float32
         self.dtype = dtype
         self._divisor = None if images.is_floating_point() else torch.iinfo(images.dtype).max
-        # No turn is the images themselves: rot90(x, 0) would copy them (and read a
-        # memory-mapped cache in full).
-        turned = [images if r == 0 else torch.rot90(images, r, dims=(-2, -1)) for r in rotations]
         if counts is None:
             self.examples: int | None = images.shape[1]
             self.image_shape = tuple(images.shape[2:])
-            # [C, R, M, ch, H, W] -> class c * R + r, example m is row (c * R + r) * M + m.
-            bank = torch.stack(turned, dim=1) if len(turned) > 1 else turned[0]
-            classes = images.shape[0] * len(rotations)
-            self.counts = torch.full((classes,), self.examples, dtype=torch.long)
-            self._starts = torch.arange(classes) * self.examples
         else:
-            self.examples = None
-            self.image_shape = tuple(images.shape[1:])
-            # [R, N, ch, H, W] -> class c * R + r starts at row r * N + (rows before c).
-            bank = torch.stack(turned) if len(turned) > 1 else turned[0]
-            before = torch.cumsum(counts, 0) - counts
-            shift = torch.arange(len(rotations)) * images.shape[0]
-            self._starts = (before[:, None] + shift[None, :]).flatten()
-            self.counts = counts.repeat_interleave(len(rotations))
-        self._rows = bank.reshape(-1, *self.image_shape)
+            self.examples, self.image_shape = None, tuple(images.shape[1:])
+        self._rows, self._starts, self.counts = _bank(images, rotations, counts)
 
     @property
     def num_classes(self) -> int:
@@ -223,6 +208,33 @@ class EpisodicSampler:
             f"{self.num_classes} classes of {sizes}, rotations={self.rotations}, "
             f"augment={self.augment})"
         )
+
+
+def _bank(
+    images: Tensor, rotations: tuple[int, ...], counts: Tensor | None
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Every example of every (rotated) class as rows, with each class's first row and count.
+
+    Returns:
+        ``rows [R * N, ch, H, W]``, ``starts`` long ``[C * R]`` and ``counts`` long
+        ``[C * R]``: class ``c * R + r`` (base class ``c`` turned ``rotations[r]``) is rows
+        ``starts[k] : starts[k] + counts[k]`` with ``k = c * R + r``.
+    """
+    # No turn is the images themselves: rot90(x, 0) would copy them (and read a
+    # memory-mapped cache in full).
+    turned = [images if r == 0 else torch.rot90(images, r, dims=(-2, -1)) for r in rotations]
+    if counts is None:  # [C, R, M, ...]: class c * R + r, example m is row (c * R + r) * M + m.
+        bank = torch.stack(turned, dim=1) if len(turned) > 1 else turned[0]
+        classes, examples = images.shape[0] * len(rotations), images.shape[1]
+        starts = torch.arange(classes) * examples
+        counts = torch.full((classes,), examples, dtype=torch.long)
+        return bank.reshape(-1, *images.shape[2:]), starts, counts
+    # [R, N, ...]: class c * R + r starts at row r * N + (rows of classes before c).
+    bank = torch.stack(turned) if len(turned) > 1 else turned[0]
+    before = torch.cumsum(counts, 0) - counts
+    shift = torch.arange(len(rotations)) * images.shape[0]
+    starts = (before[:, None] + shift[None, :]).flatten()
+    return bank.reshape(-1, *images.shape[1:]), starts, counts.repeat_interleave(len(rotations))
 
 
 def _distinct(generator: torch.Generator, batch: tuple[int, ...], n: int, high: int) -> Tensor:
