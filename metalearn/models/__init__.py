@@ -1,0 +1,19 @@
+"""Backbones for few-shot learning, written for the functional core (one module each).
+
+Every model here is meant to be run through `torch.func.functional_call` with a parameter
+dict, batched over tasks with `torch.func.vmap` and differentiated to second order. So:
+
+* no module holds buffers that change in ``forward`` (no running statistics, no in-place
+  updates);
+* batch norm is `batch_norm`, written from elementary ops, because the fused
+  ``F.batch_norm(training=True)`` gives wrong second-order gradients under ``vmap``
+  (measured on torch 2.13, see `batch_norm`);
+* the classifier is a submodule called ``head`` and everything before it ``features``, so
+  ANIL adapts ``head.*`` only by passing those keys.
+"""
+
+from metalearn.models.conv4 import Conv4, ConvBlock
+from metalearn.models.mlp import MLP
+from metalearn.models.norm import MetaBatchNorm, batch_norm
+
+__all__ = ["MLP", "Conv4", "ConvBlock", "MetaBatchNorm", "batch_norm"]
