@@ -36,9 +36,8 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import math
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -53,6 +52,7 @@ from metalearn.checkpoint import load_checkpoint, save_checkpoint
 from metalearn.cli import parse_dataclass
 from metalearn.data import EpisodicSampler, load_omniglot, omniglot_samplers
 from metalearn.data.omniglot import root_is_default
+from metalearn.evaluation import TEST_SEED, VAL_SEED, evaluate_tasks
 from metalearn.runs import (
     RunState,
     Stopped,
@@ -63,7 +63,7 @@ from metalearn.runs import (
     signals_held,
 )
 from metalearn.seeding import seed_everything
-from metalearn.tracking import graceful_shutdown, init_run, log_model
+from metalearn.tracking import graceful_shutdown, init_run, log_model, run_group
 
 
 @dataclass
@@ -308,7 +308,7 @@ def make_run(args: Args, state: RunState, learner: MetaLearner) -> Any:
          "dataset": "omniglot", "params": sum(p.numel() for p in learner.parameters()),
          "world_size": distributed.info().world_size},
         project=args.wandb_project, mode=args.wandb_mode, name=state.run_name,
-        group=args.wandb_group or f"{args.algorithm}-{args.ways}w{args.shots}s",
+        group=run_group(args.algorithm, args.ways, args.shots, args.wandb_group),
         tags=[args.algorithm, "omniglot", f"{args.ways}w{args.shots}s", args.split],
         dir=args.out_dir, run_id=state.wandb_id,
     )  # fmt: skip
@@ -333,39 +333,6 @@ def make_progress(args: Args, state: RunState, has_val: bool) -> tqdm:
 
 
 # --------------------------------------------------------------------------- train, evaluate
-
-
-def evaluate(
-    learner: MetaLearner,
-    sampler: EpisodicSampler,
-    n_tasks: int,
-    steps: int,
-    seed: int,
-    progress: Callable[[int], Any] | None = None,
-) -> tuple[float, float]:
-    """Mean query accuracy over ``n_tasks`` tasks and its 95% confidence half-width.
-
-    The tasks come from a generator seeded with ``seed``, so every evaluation of a run sees
-    the same tasks and validation curves compare like with like.
-    Under torchrun every rank draws the same tasks, evaluates its share of each chunk, and
-    the accuracies are gathered in task order, so every rank returns the same numbers.
-    ``progress(n)`` is called after each chunk of ``n`` tasks.
-    """
-    gen = torch.Generator().manual_seed(seed)  # the sampler draws indices on the CPU
-    accs = []
-    for start in range(0, n_tasks, 50):
-        classes, examples = sampler.sample_indices(gen, min(50, n_tasks - start))
-        part = distributed.shard_slice(len(classes))
-        local = torch.empty(0)
-        if part.stop > part.start:
-            tasks = sampler.tasks_from_indices(classes[part], examples[part])
-            local = learner.evaluate(tasks, steps=steps)[1]
-        accs.append(distributed.gather_tensor(local.float()))
-        if progress is not None:
-            progress(len(classes))
-    acc = torch.cat(accs).double()
-    half = 1.96 * acc.std().item() / math.sqrt(len(acc)) if len(acc) > 1 else float("nan")
-    return acc.mean().item(), half
 
 
 def train(
@@ -471,8 +438,9 @@ def validate(
         state.best_learner, state.best_iteration = _cpu_state(learner), iteration
         return {}
     bar.set_description("validate")
-    acc, half = evaluate(learner, sampler, args.val_tasks, args.eval_inner_steps, seed=1,
-                         progress=bar.update)  # fmt: skip
+    gen = torch.Generator().manual_seed(VAL_SEED)
+    acc, half = evaluate_tasks(learner, sampler, args.val_tasks, args.eval_inner_steps, gen,
+                               progress=bar.update)  # fmt: skip
     if state.best_val is None or acc > state.best_val:
         state.best_val, state.best_iteration = acc, iteration
         state.best_learner = _cpu_state(learner)
@@ -490,8 +458,9 @@ def test(
     if state.best_learner is not None:
         learner.load_state_dict(state.best_learner)
     bar.set_description("test")
-    acc, half = evaluate(learner, samplers["test"], args.test_tasks, args.eval_inner_steps, 2,
-                         progress=bar.update)  # fmt: skip
+    gen = torch.Generator().manual_seed(TEST_SEED)
+    acc, half = evaluate_tasks(learner, samplers["test"], args.test_tasks, args.eval_inner_steps,
+                               gen, progress=bar.update)  # fmt: skip
     return {"test/acc": acc, "test/acc_ci95": half, "test/best_iteration": state.best_iteration}
 
 

@@ -1,4 +1,6 @@
-"""Weights & Biases tracking: offline by default, clean shutdown, reading runs back.
+"""Weights & Biases tracking: offline by default, one config per run, clean shutdown.
+
+Reading runs back (for comparison) is `metalearn.run_records`.
 
 Facts this module is built on (wandb 0.31, measured): offline ``init`` takes
 about 0.5 s; with an API key set but no network, online ``init`` blocks ~100 s before
@@ -13,28 +15,24 @@ with N != 0 records the run as ``failed``.
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import signal
 import socket
 import subprocess
 import sys
 from collections.abc import Iterator, Mapping
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from metalearn.runs import Stopped
 
 __all__ = [
-    "RunRecord",
     "decide_mode",
     "git_commit",
     "graceful_shutdown",
     "init_run",
     "log_model",
-    "read_offline_run",
-    "read_online_runs",
+    "run_group",
 ]
 
 WANDB_HOST = "api.wandb.ai"
@@ -89,6 +87,15 @@ def git_commit(cwd: str | Path | None = None) -> str:
         return "unknown"
 
 
+def run_group(algorithm: str, ways: int, shots: int, group: str | None = None) -> str:
+    """A run's W&B group: ``group`` if given, else ``<algorithm>-<N>w<K>s``.
+
+    The experiments and ``scripts/evaluate.py`` (whose eval runs join the trained run's
+    group) both name groups here.
+    """
+    return group or f"{algorithm}-{ways}w{shots}s"
+
+
 def init_run(
     config: Mapping[str, Any],
     *,
@@ -99,6 +106,7 @@ def init_run(
     tags: list[str] | None = None,
     dir: str | Path = "runs",
     run_id: str | None = None,
+    job_type: str | None = None,
 ) -> Any:
     """Start a W&B run with the whole config; returns the run, or None when disabled.
 
@@ -109,6 +117,7 @@ def init_run(
         name, group, tags: run metadata (the git commit is added as a tag).
         dir: where the ``wandb/`` folder goes.
         run_id: resume this run (``resume="allow"``) so a resumed experiment continues it.
+        job_type: W&B's job type (e.g. ``"eval"`` for a checkpoint's evaluation).
     """
     mode = decide_mode(mode)
     if mode == "disabled":
@@ -120,7 +129,7 @@ def init_run(
     return wandb.init(
         project=project, config={**config, "git_commit": commit}, mode=mode, name=name,
         group=group, tags=[*(tags or []), f"git:{commit}"], dir=str(dir), id=run_id,
-        resume="allow" if run_id else None,
+        resume="allow" if run_id else None, job_type=job_type,
     )  # fmt: skip
 
 
@@ -168,93 +177,3 @@ def _in_main_thread() -> bool:
     import threading
 
     return threading.current_thread() is threading.main_thread()
-
-
-@dataclass
-class RunRecord:
-    """One run read back: its identity, config, final summary and full history."""
-
-    path: str
-    name: str
-    group: str | None
-    tags: list[str]
-    state: str
-    config: dict[str, Any]
-    summary: dict[str, Any]
-    history: list[dict[str, Any]] = field(default_factory=list)
-    start_time: str = ""
-    """ISO 8601 start time (sorts runs in the order they were started)."""
-
-    def series(self, key: str) -> tuple[list[float], list[float]]:
-        """(steps, values) of a logged metric, in logging order."""
-        rows = [r for r in self.history if key in r and r[key] is not None]
-        return [r.get("_step", i) for i, r in enumerate(rows)], [r[key] for r in rows]
-
-
-def _wandb_cli() -> list[str]:
-    exe = Path(sys.executable).with_name("wandb")
-    return [str(exe)] if exe.exists() else [sys.executable, "-m", "wandb"]
-
-
-def read_offline_run(run_dir: str | Path) -> RunRecord:
-    """Read an offline run directory with wandb's own ``wandb leet inspect --json``.
-
-    Args:
-        run_dir: a ``wandb/offline-run-*`` directory (or its ``.wandb`` file).
-    """
-    run_dir = Path(run_dir)
-    if not run_dir.exists():
-        raise FileNotFoundError(f"no W&B run at {run_dir}; pass a wandb/offline-run-* directory")
-    cli = _wandb_cli()
-    summary = json.loads(_run([*cli, "leet", "inspect", "--summary", "--json", str(run_dir)]))
-    history, group = [], None
-    for line in _run([*cli, "leet", "inspect", "--json", str(run_dir)]).splitlines():
-        record = json.loads(line)
-        if record.get("type") == "history":
-            history.append(record["history"]["item"])
-        elif record.get("type") == "run":
-            group = record["run"].get("run_group") or group
-    config = {k: v for k, v in summary.get("config", {}).items() if not k.startswith("_")}
-    return RunRecord(
-        path=str(run_dir), name=summary.get("name") or summary.get("run_id", run_dir.name),
-        group=group, tags=list(summary.get("tags") or []), state=summary.get("state", "?"),
-        config=config, summary=dict(summary.get("summary") or {}), history=history,
-        start_time=summary.get("start_time", ""),
-    )  # fmt: skip
-
-
-def _run(cmd: list[str]) -> str:
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
-    if done.returncode != 0:
-        raise RuntimeError(
-            f"{' '.join(cmd)} failed ({done.returncode}): {done.stderr.strip()[-500:]}; "
-            "reading offline runs needs wandb >= 0.31"
-        )
-    return done.stdout
-
-
-def read_online_runs(path: str, filters: Mapping[str, Any] | None = None) -> list[RunRecord]:
-    """Read runs of ``entity/project`` from the W&B server with ``wandb.Api()``.
-
-    Args:
-        path: ``"entity/project"``.
-        filters: a MongoDB-style filter as ``wandb.Api().runs`` takes, e.g.
-            ``{"config.algorithm": "maml"}``.
-    """
-    import wandb
-
-    records = []
-    for run in wandb.Api().runs(path, filters=dict(filters or {})):
-        records.append(
-            RunRecord(
-                path=f"{path}/{run.id}",
-                name=run.name,
-                group=run.group,
-                tags=list(run.tags),
-                state=run.state,
-                config={k: v for k, v in run.config.items() if not k.startswith("_")},
-                summary=dict(run.summary),
-                history=list(run.scan_history()),
-            )  # fmt: skip
-        )
-    return records

@@ -21,10 +21,8 @@ class of the data (20 for Omniglot). Bad input ends with a one-line error and ex
 
 from __future__ import annotations
 
-import contextlib
-import os
 import sys
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -35,7 +33,7 @@ from metalearn.cli import parse_dataclass
 from metalearn.data import load_omniglot, omniglot_samplers
 from metalearn.deploy import load_learner
 from metalearn.evaluation import TEST_SEED, TaskSource, evaluate_tasks
-from metalearn.tracking import init_run
+from metalearn.tracking import init_run, run_group
 
 
 @dataclass
@@ -148,31 +146,14 @@ def _start_run(args: Args, run_args: Mapping[str, Any], chosen: Mapping[str, Any
     project = args.wandb_project or run_args["wandb_project"]
     config = {**asdict(args), **chosen, "checkpoint": str(checkpoint), "wandb_project": project,
               "run": checkpoint.parent.name, "run_args": dict(run_args)}  # fmt: skip
-    # The run's group as experiments/omniglot_maml.py names it: --wandb-group, else algorithm-NwKs.
-    default_group = f"{run_args['algorithm']}-{run_args['ways']}w{run_args['shots']}s"
-    group = run_args.get("wandb_group") or default_group
-    with _job_type("eval"):
-        return init_run(
-            config, project=project, mode=args.wandb_mode, name=f"{checkpoint.parent.name}-eval",
-            group=group,
-            tags=["eval", run_args["algorithm"], f"{chosen['ways']}w{chosen['shots']}s"],
-            dir=checkpoint.parent.parent,
-        )  # fmt: skip
-
-
-@contextlib.contextmanager
-def _job_type(job_type: str) -> Iterator[None]:
-    """Set W&B's job type for the ``init`` inside: ``init_run`` has no such argument, and
-    wandb reads ``WANDB_JOB_TYPE`` when it starts a run. Restored afterwards."""
-    previous = os.environ.get("WANDB_JOB_TYPE")
-    os.environ["WANDB_JOB_TYPE"] = job_type
-    try:
-        yield
-    finally:
-        if previous is None:
-            os.environ.pop("WANDB_JOB_TYPE", None)
-        else:
-            os.environ["WANDB_JOB_TYPE"] = previous
+    group = run_group(
+        run_args["algorithm"], run_args["ways"], run_args["shots"], run_args.get("wandb_group")
+    )
+    return init_run(
+        config, project=project, mode=args.wandb_mode, name=f"{checkpoint.parent.name}-eval",
+        group=group, tags=["eval", run_args["algorithm"], f"{chosen['ways']}w{chosen['shots']}s"],
+        dir=checkpoint.parent.parent, job_type="eval",
+    )  # fmt: skip
 
 
 def cli(argv: Sequence[str] | None = None) -> int:

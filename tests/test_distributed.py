@@ -26,6 +26,7 @@ import dist_worker as worker  # noqa: E402
 from metalearn import distributed as dist  # noqa: E402
 from metalearn.checkpoint import load_checkpoint  # noqa: E402
 from metalearn.data import load_omniglot, omniglot_samplers  # noqa: E402
+from metalearn.evaluation import TEST_SEED, evaluate_tasks  # noqa: E402
 
 DATA = Path(os.environ.get("METALEARN_DATA", ROOT.parent / "shared" / "data" / "omniglot"))
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
@@ -228,5 +229,6 @@ def single_process_test_accuracy(checkpoint: dict) -> float:
                                  shots=args.shots, queries=args.eval_query)  # fmt: skip
     learner = om.make_learner(args)
     learner.load_state_dict(checkpoint["best_learner"])
-    acc, _ = om.evaluate(learner, samplers["test"], args.test_tasks, args.eval_inner_steps, 2)
+    gen = torch.Generator().manual_seed(TEST_SEED)
+    acc, _ = evaluate_tasks(learner, samplers["test"], args.test_tasks, args.eval_inner_steps, gen)
     return acc

@@ -16,12 +16,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+import wandb
 
 from metalearn.checkpoint import save_checkpoint
 from metalearn.data import load_omniglot, omniglot_samplers
 from metalearn.deploy import load_learner
 from metalearn.evaluation import accuracy_interval, evaluate_tasks
-from metalearn.tracking import read_offline_run
+from metalearn.run_records import read_offline_run
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "experiments"))
@@ -120,6 +121,7 @@ def test_the_eval_run_is_logged_in_the_runs_group(checkpoint, capsys) -> None:
     printed = RESULT.fullmatch(out.strip().splitlines()[-1])
     (run_dir,) = set(wandb_dir.glob("offline-run-*")) - before
     (train_dir,) = before
+    wandb.teardown()  # finish() may return before the .wandb file is complete
     record, trained = read_offline_run(run_dir), read_offline_run(train_dir)
     assert record.group == trained.group and record.group  # the training run's group
     assert record.config["checkpoint"] == str(checkpoint.resolve())

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import wandb
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "experiments"))
@@ -24,8 +25,8 @@ import omniglot_maml as om  # noqa: E402
 
 from metalearn.algorithms import IMAML, Reptile  # noqa: E402
 from metalearn.checkpoint import load_checkpoint  # noqa: E402
+from metalearn.run_records import read_offline_run  # noqa: E402
 from metalearn.runs import UserError, latest_segment  # noqa: E402
-from metalearn.tracking import read_offline_run  # noqa: E402
 
 DATA = Path(os.environ.get("METALEARN_DATA", ROOT.parent / "shared" / "data" / "omniglot"))
 pytestmark = pytest.mark.skipif(
@@ -76,6 +77,7 @@ def test_two_meta_steps_log_to_wandb_and_report_test_accuracy(tmp_path, capsys):
     assert "W&B run: " + str(tmp_path / "wandb" / "offline-run-") in out.out
     assert "-1" not in out.err  # no placeholder before the first validation
     (run_dir,) = (tmp_path / "wandb").glob("offline-run-*")
+    wandb.teardown()  # finish() may return before the .wandb file is complete
     record = read_offline_run(run_dir)
     assert record.config["algorithm"] == "maml" and record.config["split"] == "maml"
     assert record.config["dataset"] == "omniglot" and "git_commit" in record.config
@@ -105,6 +107,7 @@ def test_what_runs_is_what_is_recorded(tmp_path, monkeypatch, algorithm, cls, ex
     if cls is IMAML:
         assert learner.cg_damping == expected["cg_damping"]
     saved = _checkpoint(tmp_path, "r")["args"]
+    wandb.teardown()  # finish() may return before the .wandb file is complete
     config = read_offline_run(next((tmp_path / "wandb").glob("offline-run-*"))).config
     for key, value in expected.items():
         assert saved[key] == value and config[key] == value, key
@@ -280,6 +283,7 @@ def test_sigkill_then_resume_logs_every_step_once(tmp_path):
     saved = _checkpoint(tmp_path, "k")
     assert 5 <= saved["iteration"] < n
     om.main(tiny_args(tmp_path, **run, resume=True))
+    wandb.teardown()  # finish() may return before the .wandb file is complete
     record = read_offline_run(latest_segment(tmp_path / "wandb", saved["wandb_id"]))
     assert _steps(record) == list(range(1, n + 1))
     assert record.series("val/acc")[0] == [20, 40, 60]

@@ -7,12 +7,13 @@ from pathlib import Path
 
 import pytest
 import torch
+import wandb
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "experiments"))
 import sine_maml  # noqa: E402
 
+from metalearn.run_records import read_offline_run  # noqa: E402
 from metalearn.runs import UserError  # noqa: E402
-from metalearn.tracking import read_offline_run  # noqa: E402
 
 
 def test_short_run_beats_scratch_and_logs_the_plot(tmp_path):
@@ -26,6 +27,7 @@ def test_short_run_beats_scratch_and_logs_the_plot(tmp_path):
     assert results["test/mse_10step"] < results["test/mse_1step"] < results["test/mse_0step"]
     assert (tmp_path / "sine_maml.png").stat().st_size > 0
     (run_dir,) = (tmp_path / "wandb").glob("offline-run-*")
+    wandb.teardown()  # finish() may return before the .wandb file is complete
     record = read_offline_run(run_dir)
     assert record.summary["test/mse_1step"] == results["test/mse_1step"]
     assert "test/adapted_curves" in record.summary

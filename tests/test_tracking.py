@@ -10,8 +10,10 @@ import textwrap
 from pathlib import Path
 
 import pytest
+import wandb
 
-from metalearn.tracking import decide_mode, graceful_shutdown, init_run, read_offline_run
+from metalearn.run_records import read_offline_run
+from metalearn.tracking import decide_mode, graceful_shutdown, init_run
 
 
 def _make_runs(tmp_path: Path) -> list[Path]:
@@ -31,6 +33,7 @@ def _make_runs(tmp_path: Path) -> list[Path]:
 
 def test_offline_runs_round_trip(tmp_path):
     first, second = _make_runs(tmp_path)
+    wandb.teardown()  # finish() may return before the .wandb file is complete
     record = read_offline_run(second)
     assert record.name == "lr0.4" and record.group == "sweep" and "maml" in record.tags
     assert record.config["inner_lr"] == 0.4 and "git_commit" in record.config
