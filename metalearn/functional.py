@@ -138,26 +138,6 @@ def call(
     return functional_call(model, tensors, args, kwargs, strict=False)
 
 
-def transforms_active() -> bool:
-    """Whether any ``torch.func`` transform (vmap, grad, jvp, ...) is running right now.
-
-    The meta-learning engine does not use it (its inner step is the same torch.func step
-    everywhere); `metalearn.second_order.hvp`'s double-backward fast path does. It reads
-    functorch's interpreter stack through a private API; if that API moves, the answer is
-    True, which sends every caller to its transform-safe path. Under ``torch.compile``
-    the answer is True too: dynamo cannot trace the interpreter stack, and the
-    transform-safe paths are the traceable ones.
-    """
-    if torch.compiler.is_compiling():
-        return True
-    try:
-        from torch._functorch.pyfunctorch import retrieve_all_functorch_interpreters
-
-        return len(retrieve_all_functorch_interpreters()) > 0
-    except (ImportError, AttributeError):
-        return True
-
-
 def accumulate_grad(params: Mapping[str, Tensor], grads: Mapping[str, Tensor]) -> None:
     """Add ``grads[name]`` into ``params[name].grad``, as ``loss.backward()`` would.
 

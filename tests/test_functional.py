@@ -153,26 +153,3 @@ def test_params_and_buffers_and_call():
     out = call(model, {**params, "2.weight": w}, buffers, x).sum()
     (g,) = torch.autograd.grad(out, w)
     assert g.shape == w.shape and model[2].weight.grad is None
-
-
-def test_transforms_active_sees_torch_func_and_traces_under_compile() -> None:
-    from torch.func import grad, vmap
-
-    from metalearn.functional import transforms_active
-
-    seen: list[bool] = []
-
-    def f(x: torch.Tensor) -> torch.Tensor:
-        seen.append(transforms_active())
-        return (x * x).sum()
-
-    f(torch.ones(3))
-    vmap(f)(torch.ones(2, 3))
-    grad(f)(torch.ones(3))
-    assert seen == [False, True, True]
-    # Under torch.compile it must not break the graph (dynamo cannot read functorch's
-    # interpreter stack); fullgraph=True raises on any graph break. It answers True there.
-    compiled = torch.compile(
-        lambda x: x + float(transforms_active()), backend="eager", fullgraph=True
-    )
-    assert compiled(torch.zeros(2)).tolist() == [1.0, 1.0]

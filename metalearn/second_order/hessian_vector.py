@@ -35,8 +35,9 @@ The GPU measurements in ``docs/benchmarks.md`` (H200) rank the three methods the
 on all three models.
 
 Inside a ``torch.func`` transform (``vmap``, ``grad``, ...) autograd cannot mark the
-transform's tensors for differentiation, so there ``"double-backward"`` runs as
-``"reverse-over-reverse"``: the same reverse-of-reverse product, through ``torch.func``.
+transform's tensors for differentiation, so ``"double-backward"`` raises there, naming the
+fix: ``method="reverse-over-reverse"``, the same reverse-of-reverse product through
+``torch.func``. The method is the caller's choice, never switched behind their back.
 """
 
 from __future__ import annotations
@@ -49,7 +50,7 @@ import torch
 from torch import Tensor
 from torch.func import grad, jvp, vjp
 
-from metalearn.functional import Tree, transforms_active, tree_leaves, tree_map, tree_unflatten
+from metalearn.functional import Tree, tree_leaves, tree_map, tree_unflatten
 from metalearn.second_order._checks import check_same_structure, check_scalar
 
 __all__ = [
@@ -81,8 +82,8 @@ def hvp(
         params: the point at which the Hessian is taken: a tensor, a dict of tensors or a
             tuple/list of tensors (shapes ``[*p_i]``).
         v: the direction, a tree with the same structure and shapes as ``params``.
-        method: ``"double-backward"`` (default: autograd.grad of ``<grad f, v>``; inside a
-            ``torch.func`` transform it runs as reverse-over-reverse),
+        method: ``"double-backward"`` (default: autograd.grad of ``<grad f, v>``; not
+            inside ``torch.func`` transforms, where it raises naming the fix),
             ``"reverse-over-reverse"`` (vjp of grad) or ``"forward-over-reverse"`` (jvp of
             grad; where torch lacks a forward-mode formula it warns and uses
             reverse-over-reverse, once per calling line).
@@ -103,8 +104,17 @@ def hvp(
     def scalar_f(p: Tree) -> Tensor:
         return check_scalar(f(p), "f(params)")
 
-    if method == "double-backward" and not transforms_active():
-        return _hvp_autograd(scalar_f, params, v, create_graph)
+    if method == "double-backward":
+        try:
+            return _hvp_autograd(scalar_f, params, v, create_graph)
+        except RuntimeError as error:
+            if "functorch transform" not in str(error):
+                raise
+            raise RuntimeError(
+                "hvp(method='double-backward') cannot run inside a torch.func transform (vmap, "
+                "grad, ...): autograd cannot mark the transform's tensors for differentiation; "
+                "pass method='reverse-over-reverse', the same exact product through torch.func"
+            ) from None
     # torch.func transforms ignore an outer no_grad for their own differentiation, so this
     # only stops the *outer* graph from being recorded when nobody asked for it.
     with torch.enable_grad() if create_graph else torch.no_grad():
