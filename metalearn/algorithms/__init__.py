@@ -1,7 +1,12 @@
 """The MAML family on `metalearn.outer`: each algorithm a small `MetaLearner` subclass."""
 
-from metalearn.algorithms.base import MetaLearner, StepMetrics
-from metalearn.algorithms.build import build_learner
+from metalearn.algorithms.base import MetaLearner, MetaLossLearner, StepMetrics
+from metalearn.algorithms.build import (
+    ALGORITHM_DEFAULTS,
+    build_learner,
+    learner_config,
+    resolve_learner_args,
+)
 from metalearn.algorithms.imaml import IMAML, IMAMLMetrics, implicit_meta_gradient
 from metalearn.algorithms.maml import ANIL, FOMAML, MAML
 from metalearn.algorithms.mamlpp import MAMLpp, msl_weights, multi_step_task_loss
@@ -9,6 +14,7 @@ from metalearn.algorithms.metasgd import MetaSGD
 from metalearn.algorithms.reptile import Reptile
 
 __all__ = [
+    "ALGORITHM_DEFAULTS",
     "ANIL",
     "FOMAML",
     "IMAML",
@@ -16,11 +22,14 @@ __all__ = [
     "MAML",
     "MAMLpp",
     "MetaLearner",
+    "MetaLossLearner",
     "MetaSGD",
     "Reptile",
     "StepMetrics",
     "build_learner",
     "implicit_meta_gradient",
+    "learner_config",
     "msl_weights",
     "multi_step_task_loss",
+    "resolve_learner_args",
 ]

@@ -154,9 +154,9 @@ def implicit_meta_gradient(
             curvature in 5 to 10 of the 12 tasks with cg_damping = 0, 2 with 3, none with 10.
         first_order: skip CG and return ``grad L_query(phi_i)`` (the ``lam -> inf`` limit of
             Eq. 6, where ``d phi / d theta -> I``).
-        hvp_method: how `metalearn.second_order.hvp` computes ``H u``. Reverse-over-reverse
-            by default: torch 2.13's forward mode fails through ``F.mse_loss`` and
-            ``F.huber_loss``, and on Conv4 (5 images, CPU) neither was measurably faster.
+        hvp_method: how `metalearn.second_order.hvp` computes ``H u``; by default
+            `metalearn.second_order.DEFAULT_HVP_METHOD` (double backward, the fastest exact
+            method on Conv4 and the MLP in ``scripts/bench_hvp.py``).
         buffers: non-adapted tensors for ``functional_call``.
         model_kwargs: forward keyword arguments.
         stop: early-stopping rule for the inner loop.
