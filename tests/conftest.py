@@ -36,3 +36,23 @@ def _isolated_wandb(tmp_path, monkeypatch):
 
     if "wandb" in sys.modules:  # only tear down what a test actually started
         sys.modules["wandb"].teardown()
+
+
+# Modules whose tests train, run scripts end to end or spawn processes (seconds each): the
+# quick subset, ``pytest -m "not slow"``, leaves them out. One list, so a new end-to-end
+# module is marked in one place.
+SLOW_MODULES = {
+    "test_compare_runs",
+    "test_distributed",
+    "test_evaluate",
+    "test_grid",
+    "test_omniglot_experiment",
+    "test_run_records",
+    "test_sine_experiment",
+}
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if item.module.__name__.rsplit(".", 1)[-1] in SLOW_MODULES:
+            item.add_marker(pytest.mark.slow)

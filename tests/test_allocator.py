@@ -64,6 +64,7 @@ def _probe(mode: str) -> dict:
 
 
 @pytest.mark.skipif(not GLIBC, reason="tune_malloc tunes glibc's malloc only")
+@pytest.mark.slow
 def test_tuned_malloc_removes_the_page_faults_of_repeated_meta_steps() -> None:
     default, tuned = _probe("default"), _probe("tuned")
     assert tuned["applied"] is True

@@ -253,17 +253,20 @@ def test_help_shows_the_chosen_preset(capsys):
 
 
 def _spawn(tmp_path: Path, **overrides) -> subprocess.Popen:
+    """The experiment in a child process; its output goes to ``tmp_path/child.log`` (a pipe
+    nobody reads would fill with the progress bar and stall the child)."""
     env = {**os.environ, "WANDB_MODE": "offline", "WANDB_SILENT": "true"}
     cmd = [sys.executable, str(ROOT / "experiments" / "omniglot_maml.py"),
            *_flags(tmp_path, **overrides)]  # fmt: skip
-    return subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    with open(tmp_path / "child.log", "w") as log:
+        return subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
 
 
 def _wait_for_step(proc: subprocess.Popen, path: Path, step: int) -> None:
     """Poll the checkpoint until it holds ``step`` meta-steps (the run is mid-training)."""
     deadline = time.monotonic() + 300
     while time.monotonic() < deadline:
-        assert proc.poll() is None, proc.communicate()
+        assert proc.poll() is None, (path.parent.parent / "child.log").read_text()
         try:
             if load_checkpoint(path)["iteration"] >= step:
                 return
@@ -294,8 +297,8 @@ def test_sigterm_marks_the_run_failed_and_leaves_a_checkpoint(tmp_path):
     proc = _spawn(tmp_path, iterations=400, run_name="t", track=True, wandb_mode="offline")
     _wait_for_step(proc, tmp_path / "t" / "checkpoint.pt", 3)
     proc.send_signal(signal.SIGTERM)
-    _, err = proc.communicate(timeout=120)
-    assert proc.returncode == 128 + signal.SIGTERM, err
+    proc.wait(timeout=120)
+    assert proc.returncode == 128 + signal.SIGTERM, (tmp_path / "child.log").read_text()
     saved = _checkpoint(tmp_path, "t")
     assert saved["iteration"] >= 3 and saved["results"] is None
     summary = subprocess.run(
