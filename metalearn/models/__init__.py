@@ -1,4 +1,5 @@
-"""Backbones for few-shot learning, written for the functional core (one module each).
+"""Backbones for few-shot learning, written for the functional core (one module each):
+`Conv4` (MAML's, Omniglot and mini-ImageNet), `ResNet12` and `MLP`.
 
 Every model here is meant to be run through `torch.func.functional_call` with a parameter
 dict, batched over tasks with `torch.func.vmap` and differentiated to second order. So:
@@ -15,5 +16,14 @@ dict, batched over tasks with `torch.func.vmap` and differentiated to second ord
 from metalearn.models.conv4 import Conv4, ConvBlock
 from metalearn.models.mlp import MLP
 from metalearn.models.norm import MetaBatchNorm, batch_norm
+from metalearn.models.resnet12 import ResidualBlock, ResNet12
 
-__all__ = ["MLP", "Conv4", "ConvBlock", "MetaBatchNorm", "batch_norm"]
+__all__ = [
+    "MLP",
+    "Conv4",
+    "ConvBlock",
+    "MetaBatchNorm",
+    "ResNet12",
+    "ResidualBlock",
+    "batch_norm",
+]

@@ -1,4 +1,4 @@
-"""The Conv4 backbone of MAML on Omniglot and its `ConvBlock`."""
+"""The Conv4 backbone of MAML (Omniglot and mini-ImageNet) and its `ConvBlock`."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from torch import Tensor, nn
 
 from metalearn.models.norm import MetaBatchNorm
 
-__all__ = ["Conv4", "ConvBlock"]
+__all__ = ["Conv4", "ConvBlock", "conv4_output_size"]
 
 
 class ConvBlock(nn.Module):
@@ -50,13 +50,18 @@ class ConvBlock(nn.Module):
 
 
 class Conv4(nn.Module):
-    """The four-block convolutional backbone of MAML on Omniglot (Finn et al., 2017).
+    """The four-block convolutional backbone of MAML (Finn et al., 2017).
 
-    Four `ConvBlock`s of ``hidden`` 3x3 filters, then the mean over the remaining spatial
-    positions and a linear classifier. With ``pool="stride"`` (MAML's Omniglot net) a
-    28x28 input shrinks 14 -> 7 -> 4 -> 2; with ``pool="max"`` (the variant of Vinyals et
-    al. and most later papers) 14 -> 7 -> 3 -> 1 at about 3x the compute. The default
-    (hidden 64, 5 ways, one input channel) has 112,261 parameters.
+    Four `ConvBlock`s of ``hidden`` 3x3 filters, then a linear classifier on either the
+    mean over the remaining spatial positions (``head="mean"``, the default) or all of them
+    flattened (``head="flatten"``). With ``pool="stride"`` (MAML's Omniglot net) a 28x28
+    input shrinks 14 -> 7 -> 4 -> 2; with ``pool="max"`` (the variant of Vinyals et al. and
+    most later papers) 14 -> 7 -> 3 -> 1 at about 3x the compute. The default (hidden 64,
+    5 ways, one input channel) has 112,261 parameters.
+
+    MAML's mini-ImageNet network is ``Conv4(in_channels=3, ways=5, hidden=32, pool="max",
+    head="flatten", image_size=84)``: 84 -> 42 -> 21 -> 10 -> 5, and the 5x5x32 = 800
+    features go flattened (channel-major) into the linear head; 32,901 parameters.
 
     Conv and linear weights start Xavier-uniform with zero biases, as in MAML's code; batch
     norm starts at weight 1, bias 0.
@@ -67,6 +72,11 @@ class Conv4(nn.Module):
         hidden: filters per convolution.
         pool: ``"stride"`` or ``"max"``, see `ConvBlock`.
         norm_layer: normalisation per block, `MetaBatchNorm` by default (see `ConvBlock`).
+        head: ``"mean"`` (average the final positions: any image size) or ``"flatten"``
+            (flatten them: the head is sized for ``image_size`` and accepts only it).
+        image_size: input height and width (an int for square images); required by
+            ``head="flatten"``, and checked to leave at least one position after the four
+            blocks whichever the head.
 
     Shape:
         ``[B, in_channels, H, W] -> [B, ways]`` (logits).
@@ -79,18 +89,33 @@ class Conv4(nn.Module):
         hidden: int = 64,
         pool: Literal["stride", "max"] = "stride",
         norm_layer: Callable[[int], nn.Module] = MetaBatchNorm,
+        head: Literal["mean", "flatten"] = "mean",
+        image_size: int | tuple[int, int] | None = None,
     ) -> None:
         super().__init__()
         for name, value in (("in_channels", in_channels), ("ways", ways), ("hidden", hidden)):
             if value < 1:
                 raise ValueError(f"{name} must be >= 1, got {value}")
+        if head not in ("mean", "flatten"):
+            raise ValueError(f"head must be 'mean' or 'flatten', got {head!r}")
+        if head == "flatten" and image_size is None:
+            raise ValueError(
+                "head='flatten' sizes its linear layer from the input: pass image_size "
+                "(e.g. image_size=84 for mini-ImageNet)"
+            )
+        self.head_kind = head
+        self.image_size = None if image_size is None else _pair(image_size)
+        positions = 1
+        if self.image_size is not None:
+            out_h, out_w = conv4_output_size(self.image_size, pool)
+            positions = out_h * out_w if head == "flatten" else 1
         self.features = nn.Sequential(
             ConvBlock(in_channels, hidden, pool, norm_layer),
             ConvBlock(hidden, hidden, pool, norm_layer),
             ConvBlock(hidden, hidden, pool, norm_layer),
             ConvBlock(hidden, hidden, pool, norm_layer),
         )
-        self.head = nn.Linear(hidden, ways)
+        self.head = nn.Linear(hidden * positions, ways)
         _maml_init(self)
 
     def forward(self, x: Tensor) -> Tensor:
@@ -99,7 +124,47 @@ class Conv4(nn.Module):
                 f"Conv4 expects images [B, C, H, W], got shape {tuple(x.shape)}; "
                 "add the channel dimension with x.unsqueeze(1) for grayscale"
             )
-        return self.head(self.features(x).mean((-2, -1)))
+        if self.head_kind == "flatten" and tuple(x.shape[-2:]) != self.image_size:
+            raise ValueError(
+                f"Conv4 with head='flatten' was built for {self.image_size[0]}x"
+                f"{self.image_size[1]} images, got {x.shape[-2]}x{x.shape[-1]}; resize the "
+                "images or build the model with image_size set to their size"
+            )
+        features = self.features(x)
+        if self.head_kind == "flatten":
+            return self.head(features.flatten(1))
+        return self.head(features.mean((-2, -1)))
+
+
+def conv4_output_size(image_size: int | tuple[int, int], pool: str = "stride") -> tuple[int, int]:
+    """Height and width of `Conv4`'s features for an input of ``image_size``.
+
+    Each block halves: ``"stride"`` rounds up (stride-2 conv, padding 1), ``"max"`` rounds
+    down (2x2 max-pool), so 84 gives 5 with ``"max"`` and 6 with ``"stride"``.
+
+    Raises:
+        ValueError: if the four blocks leave no position (e.g. under 16 pixels with
+            ``"max"``), naming the smallest size that fits.
+    """
+    size = _pair(image_size)
+    out = list(size)
+    for _ in range(4):
+        out = [(s + 1) // 2 if pool == "stride" else s // 2 for s in out]
+    if min(out) < 1:
+        smallest = 1 if pool == "stride" else 16
+        raise ValueError(
+            f"image_size {size[0]}x{size[1]} is too small for Conv4 with pool={pool!r}: four "
+            f"blocks leave {out[0]}x{out[1]} positions; use images of at least "
+            f"{smallest}x{smallest}"
+        )
+    return out[0], out[1]
+
+
+def _pair(size: int | tuple[int, int]) -> tuple[int, int]:
+    pair = (size, size) if isinstance(size, int) else tuple(size)
+    if len(pair) != 2 or any(not isinstance(s, int) or s < 1 for s in pair):
+        raise ValueError(f"image_size must be a positive int or (height, width), got {size!r}")
+    return pair  # type: ignore[return-value]
 
 
 def _maml_init(model: nn.Module) -> None:
