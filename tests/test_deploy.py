@@ -164,7 +164,7 @@ def test_load_support_folder_errors(tmp_path) -> None:
     with pytest.raises(FileNotFoundError, match="does not exist or is not a folder"):
         load_support_folder(tmp_path / "nowhere")
     (tmp_path / "none").mkdir()
-    with pytest.raises(ValueError, match="holds no class sub-folders"):
+    with pytest.raises(ValueError, match="holds no class folders"):
         load_support_folder(tmp_path / "none")
     folder = make_support_folder(tmp_path, shots=1)
     with pytest.raises(ValueError, match="holds 5 class folders .* but the model predicts 20"):

@@ -17,7 +17,7 @@ from torch import Tensor
 
 from metalearn.data.omniglot import RESAMPLE_FILTERS, decode_image
 
-__all__ = ["IMAGE_SUFFIXES", "SupportSet", "load_support_folder"]
+__all__ = ["IMAGE_SUFFIXES", "SupportSet", "class_folders", "load_support_folder"]
 
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".bmp", ".gif", ".tif", ".tiff", ".webp")
 
@@ -71,26 +71,38 @@ def load_support_folder(
             f"support folder {root} does not exist or is not a folder; make one sub-folder per "
             "class holding that class's images"
         )
-    entries = sorted(p for p in root.iterdir() if not p.name.startswith("."))
-    if loose := [p.name for p in entries if not p.is_dir()]:
-        raise ValueError(
-            f"{root} holds files beside the class folders ({', '.join(loose[:5])}); put every "
-            "image inside its class's sub-folder"
-        )
-    if not entries:
-        raise ValueError(f"{root} holds no class sub-folders; make one per class with its images")
+    entries = class_folders(root)
     if ways is not None and len(entries) != ways:
         raise ValueError(
-            f"{root} holds {len(entries)} class folders ({', '.join(p.name for p in entries)}) "
+            f"{root} holds {len(entries)} class folders ({', '.join(n for n, _ in entries)}) "
             f"but the model predicts {ways} classes; give exactly {ways} class folders"
         )
     images, labels = [], []
-    for label, class_dir in enumerate(entries):
-        paths = _class_images(class_dir)
+    for label, (_, paths) in enumerate(entries):
         images += [torch.from_numpy(decode_image(str(p), image_size, resample)) for p in paths]
         labels += [label] * len(paths)
     x = torch.stack(images).unsqueeze(1).float().div_(255)
-    return SupportSet(x, torch.tensor(labels), tuple(p.name for p in entries))
+    return SupportSet(x, torch.tensor(labels), tuple(name for name, _ in entries))
+
+
+def class_folders(folder: Path) -> list[tuple[str, list[Path]]]:
+    """``folder``'s class sub-folders in sorted order, each with its images (sorted).
+
+    Hidden entries are ignored. Shared by support folders and `load_image_folder`'s splits.
+
+    Raises:
+        ValueError: files beside the class folders, no class folder, an empty class or a
+            file that is not an image (each named).
+    """
+    entries = sorted(p for p in folder.iterdir() if not p.name.startswith("."))
+    if loose := [p.name for p in entries if not p.is_dir()]:
+        raise ValueError(
+            f"{folder} holds files beside the class folders ({', '.join(loose[:5])}); put "
+            "every image inside its class's sub-folder"
+        )
+    if not entries:
+        raise ValueError(f"{folder} holds no class folders; make one per class with its images")
+    return [(entry.name, _class_images(entry)) for entry in entries]
 
 
 def _class_images(class_dir: Path) -> list[Path]:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from metalearn.data.folders import IMAGE_SUFFIXES
+from metalearn.data.folders import class_folders
 from metalearn.data.image_set import ImageSet, check_split, image_set_from_files
 
 __all__ = ["load_image_folder"]
@@ -44,15 +44,7 @@ def load_image_folder(
             f"{folder} is missing: an image folder holds train/, val/ and test/, each with "
             "one sub-folder of images per class; see docs/datasets.md"
         )
-    entries = sorted(p for p in folder.iterdir() if not p.name.startswith("."))
-    if loose := [p.name for p in entries if not p.is_dir()]:
-        raise ValueError(
-            f"{folder} holds files beside the class folders ({', '.join(loose[:5])}); put "
-            "every image inside its class's sub-folder"
-        )
-    if not entries:
-        raise ValueError(f"{folder} holds no class folders; make one per class with its images")
-    classes = [(entry.name, _class_images(entry)) for entry in entries]
+    classes = class_folders(folder)
     return image_set_from_files(
         _NAME,
         split,
@@ -63,15 +55,3 @@ def load_image_folder(
         cache_dir=cache_dir,
         workers=workers,
     )
-
-
-def _class_images(class_dir: Path) -> list[Path]:
-    files = sorted(p for p in class_dir.iterdir() if not p.name.startswith("."))
-    if others := [p.name for p in files if p.suffix.lower() not in IMAGE_SUFFIXES]:
-        raise ValueError(
-            f"{class_dir} holds files that are not images ({', '.join(others[:5])}); images "
-            f"end in one of {', '.join(IMAGE_SUFFIXES)}: move the others out"
-        )
-    if not files:
-        raise ValueError(f"class folder {class_dir} is empty; put at least one image in it")
-    return files
