@@ -23,6 +23,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "experiments"))
 import omniglot_maml as om  # noqa: E402
 
+from metalearn import experiment  # noqa: E402
 from metalearn.algorithms import IMAML, Reptile  # noqa: E402
 from metalearn.checkpoint import load_checkpoint  # noqa: E402
 from metalearn.run_records import read_offline_run  # noqa: E402
@@ -138,7 +139,7 @@ def test_resume_reaches_the_uninterrupted_result(tmp_path):
 
 def test_an_interrupted_run_keeps_its_last_step_and_resumes(tmp_path, monkeypatch):
     om.main(tiny_args(tmp_path, iterations=4, run_name="straight"))
-    original = om._meta_step
+    original = experiment.meta_step
     calls = {"n": 0}
 
     def interrupted_step(*args):  # Ctrl-C inside the third meta-step
@@ -147,11 +148,11 @@ def test_an_interrupted_run_keeps_its_last_step_and_resumes(tmp_path, monkeypatc
             raise KeyboardInterrupt("simulated Ctrl-C")
         return original(*args)
 
-    monkeypatch.setattr(om, "_meta_step", interrupted_step)
+    monkeypatch.setattr(experiment, "meta_step", interrupted_step)
     with pytest.raises(KeyboardInterrupt):
         om.main(tiny_args(tmp_path, iterations=4, run_name="killed"))
     assert _checkpoint(tmp_path, "killed")["iteration"] == 2
-    monkeypatch.setattr(om, "_meta_step", original)
+    monkeypatch.setattr(experiment, "meta_step", original)
     om.main(tiny_args(tmp_path, iterations=4, run_name="killed", resume=True))
     straight, resumed = _checkpoint(tmp_path, "straight"), _checkpoint(tmp_path, "killed")
     assert all(
