@@ -4,6 +4,11 @@ Two steps, so that what runs is what is recorded: `resolve_learner_args` fills t
 arguments a run left open (``None``) from one per-algorithm table, once, before the run is
 logged or checkpointed; `build_learner` then builds exactly what the resolved arguments
 say, and refuses arguments that are missing or still open.
+
+The network is part of the record too: ``backbone``, ``channels``, ``image_size``,
+``hidden``, ``pool`` and ``head`` (written by ``experiments/fewshot_maml.py``). Checkpoints
+without those keys are Omniglot runs (``experiments/omniglot_maml.py`` records none of
+them), whose network is always MAML's Omniglot Conv4, so a missing key means that network.
 """
 
 from __future__ import annotations
@@ -11,15 +16,24 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from torch import nn
+
 from metalearn.algorithms.base import MetaLearner
 from metalearn.algorithms.imaml import IMAML
 from metalearn.algorithms.maml import ANIL, FOMAML, MAML
 from metalearn.algorithms.mamlpp import MAMLpp
 from metalearn.algorithms.metasgd import MetaSGD
 from metalearn.algorithms.reptile import Reptile
-from metalearn.models import Conv4
+from metalearn.models import Conv4, ResNet12
 
-__all__ = ["ALGORITHM_DEFAULTS", "build_learner", "learner_config", "resolve_learner_args"]
+__all__ = [
+    "ALGORITHM_DEFAULTS",
+    "OMNIGLOT_NETWORK",
+    "build_learner",
+    "build_model",
+    "learner_config",
+    "resolve_learner_args",
+]
 
 _LEARNERS: dict[str, type[MetaLearner]] = {
     "maml": MAML, "fomaml": FOMAML, "anil": ANIL, "metasgd": MetaSGD, "mamlpp": MAMLpp,
@@ -40,6 +54,13 @@ ALGORITHM_DEFAULTS: dict[str, dict[str, Any]] = {
     "reptile": {"inner_lr": 0.4, "inner_steps": 5},
 }
 _ARG_KEYS = ("algorithm", "ways", "hidden", "inner_lr", "inner_steps", "vectorize")
+# The network of a run that records none of the network keys: MAML's Omniglot Conv4 (one
+# input channel, strided blocks, mean head; any image size, 28 in practice).
+OMNIGLOT_NETWORK: dict[str, Any] = {
+    "backbone": "conv4", "channels": 1, "image_size": None, "pool": "stride", "head": "mean",
+}  # fmt: skip
+# Algorithms whose learner takes first_order (FOMAML is first order by definition).
+_FIRST_ORDER = ("maml", "anil", "metasgd", "mamlpp")
 
 
 def _check_algorithm(algorithm: Any) -> None:
@@ -70,6 +91,11 @@ def resolve_learner_args(args: Mapping[str, Any]) -> dict[str, Any]:
             f"cg_damping={resolved['cg_damping']} is an iMAML setting; drop --cg-damping for "
             f"{args['algorithm']}"
         )
+    if resolved.get("first_order") and args["algorithm"] not in (*_FIRST_ORDER, "fomaml"):
+        raise ValueError(
+            f"first_order applies to {', '.join(_FIRST_ORDER)} (fomaml is first order); "
+            f"drop --first-order for {args['algorithm']}"
+        )
     return resolved
 
 
@@ -94,8 +120,16 @@ def learner_config(args: Mapping[str, Any]) -> dict[str, Any]:
     kwargs = {k: args[k] for k in ("inner_lr", "inner_steps", "vectorize")}
     if args["algorithm"] == "imaml":
         kwargs["cg_damping"] = float(args["cg_damping"])
+    # The switches that trade time for memory; absent from Omniglot records (their defaults).
+    if args.get("checkpoint"):
+        kwargs["checkpoint"] = True
+    if args.get("chunk_size") is not None:
+        kwargs["chunk_size"] = int(args["chunk_size"])
+    if args.get("first_order") and args["algorithm"] in _FIRST_ORDER:
+        kwargs["first_order"] = True
+    network = {k: args.get(k, default) for k, default in OMNIGLOT_NETWORK.items()}
     return {"class": _LEARNERS[args["algorithm"]].__name__, "ways": args["ways"],
-            "hidden": args["hidden"], **kwargs}  # fmt: skip
+            "hidden": args["hidden"], "network": network, **kwargs}  # fmt: skip
 
 
 def build_learner(args: Mapping[str, Any]) -> MetaLearner:
@@ -111,6 +145,32 @@ def build_learner(args: Mapping[str, Any]) -> MetaLearner:
         ValueError: a needed key is missing or None, or the algorithm is unknown.
     """
     config = learner_config(args)
-    kwargs = {k: v for k, v in config.items() if k not in ("class", "ways", "hidden")}
-    model = Conv4(ways=config["ways"], hidden=config["hidden"])
+    kwargs = {k: v for k, v in config.items() if k not in ("class", "ways", "hidden", "network")}
+    model = build_model(config["network"], ways=config["ways"], hidden=config["hidden"])
     return _LEARNERS[args["algorithm"]](model, **kwargs)
+
+
+def build_model(network: Mapping[str, Any], *, ways: int, hidden: int) -> nn.Module:
+    """The backbone a run's ``network`` keys name (see `OMNIGLOT_NETWORK` for the keys).
+
+    Args:
+        network: ``backbone`` (``"conv4"`` or ``"resnet12"``), ``channels``,
+            ``image_size``, ``pool`` and ``head`` (the last three: Conv4 only).
+        ways: classes of the linear head.
+        hidden: Conv4's filters per block; ResNet-12's first stage width, the stages being
+            ``(h, 2.5h, 5h, 10h)`` (64 gives the usual 64-160-320-640).
+
+    Returns:
+        A model mapping ``[B, channels, S, S]`` to logits ``[B, ways]``.
+
+    Raises:
+        ValueError: an unknown backbone.
+    """
+    if network["backbone"] == "conv4":
+        return Conv4(in_channels=network["channels"], ways=ways, hidden=hidden,
+                     pool=network["pool"], head=network["head"],
+                     image_size=network["image_size"])  # fmt: skip
+    if network["backbone"] == "resnet12":
+        widths = (hidden, hidden * 5 // 2, hidden * 5, hidden * 10)
+        return ResNet12(in_channels=network["channels"], ways=ways, widths=widths)
+    raise ValueError(f"backbone {network['backbone']!r}; choose conv4 or resnet12")
