@@ -8,8 +8,6 @@ the files they name. The real data sets are not on this machine.
 
 from __future__ import annotations
 
-import csv
-import io
 import pickle
 import warnings
 from pathlib import Path
@@ -17,6 +15,18 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from image_set_fixtures import (
+    FINE,
+    MINI,
+    RNG,
+    TIERED,
+    write_cub,
+    write_folder,
+    write_mini_csv,
+    write_tiered,
+)
+from image_set_fixtures import tiered_labels as _tiered_labels
+from image_set_fixtures import write_cifar as _write_cifar
 from PIL import Image
 
 from metalearn.data import (
@@ -33,12 +43,6 @@ from metalearn.data import (
 )
 from metalearn.data import image_set as image_set_module
 from metalearn.data.cifar import CIFAR100_SUPERCLASSES
-
-RNG = np.random.default_rng(0)
-
-
-def _pixels(height: int, width: int, channels: int = 3) -> np.ndarray:
-    return RNG.integers(0, 256, size=(height, width, channels), dtype=np.uint8)
 
 
 def _pil_rgb(path: Path, size: int) -> np.ndarray:
@@ -59,26 +63,10 @@ def _quiet(load, *args, **kwargs):
 
 # ---------------------------------------------------------------- mini-ImageNet
 
-MINI = {"train": 64, "val": 16, "test": 20}
-
 
 @pytest.fixture(scope="module")
 def mini_csv(tmp_path_factory) -> Path:
-    """Ravi and Larochelle's layout: images/ + {split}.csv, 2 JPEGs (84x84) per class."""
-    root = tmp_path_factory.mktemp("mini-imagenet")
-    (root / "images").mkdir()
-    wnid = 1000
-    for split, classes in MINI.items():
-        with open(root / f"{split}.csv", "w", newline="") as f:
-            writer = csv.writer(f)
-            writer.writerow(["filename", "label"])
-            for _ in range(classes):
-                wnid += 1
-                for k in (2, 1):  # file order within a class is kept, not sorted
-                    name = f"n{wnid:08d}{k:08d}.jpg"
-                    Image.fromarray(_pixels(84, 84)).save(root / "images" / name)
-                    writer.writerow([name, f"n{wnid:08d}"])
-    return root
+    return write_mini_csv(tmp_path_factory.mktemp("mini-imagenet"))
 
 
 def test_mini_imagenet_csv_layout(mini_csv, tmp_path):
@@ -161,44 +149,11 @@ def test_mini_imagenet_refusals(mini_csv, tmp_path):
 
 # ---------------------------------------------------------------- tiered-ImageNet
 
-TIERED = {"train": (351, 20), "val": (97, 6), "test": (160, 8)}
-
-
-def _tiered_labels(split: str, per_class: int = 2) -> dict:
-    classes, supers = TIERED[split]
-    specific = [c for c in range(classes) for _ in range(per_class)]
-    specific = [specific[i] for i in RNG.permutation(len(specific))]  # images not class-major
-    return {
-        "label_specific": specific,
-        "label_general": [c % supers for c in specific],
-        "label_specific_str": [f"n{split}{c:04d}" for c in range(classes)],
-        "label_general_str": [f"super{s}" for s in range(supers)],
-    }
-
 
 @pytest.fixture(scope="module")
 def tiered(tmp_path_factory) -> tuple[Path, dict]:
-    """Ren et al.'s layout in tiered-imagenet/: val as PNG pickles, test as npz, 84x84."""
-    root = tmp_path_factory.mktemp("tiered")
-    folder = root / "tiered-imagenet"
-    folder.mkdir()
-    arrays = {}
-    for split, form in (("val", "png"), ("test", "npz")):
-        labels = _tiered_labels(split)
-        with open(folder / f"{split}_labels.pkl", "wb") as f:
-            pickle.dump(labels, f)
-        arrays[split] = np.stack([_pixels(84, 84) for _ in labels["label_specific"]])
-        if form == "npz":
-            np.savez(folder / f"{split}_images.npz", images=arrays[split])
-            continue
-        encoded = []
-        for image in arrays[split]:
-            buffer = io.BytesIO()
-            Image.fromarray(image).save(buffer, format="PNG")
-            encoded.append(np.frombuffer(buffer.getvalue(), dtype=np.uint8))  # as cv2 writes
-        with open(folder / f"{split}_images_png.pkl", "wb") as f:
-            pickle.dump(encoded, f)
-    return root, arrays
+    """val as PNG pickles, test as npz."""
+    return write_tiered(tmp_path_factory.mktemp("tiered"), {"val": "png", "test": "npz"})
 
 
 @pytest.mark.parametrize("split", ["val", "test"])
@@ -247,32 +202,6 @@ def test_tiered_imagenet_refusals(tiered, tmp_path):
 
 
 # ---------------------------------------------------------------- CIFAR-FS and FC100
-
-FINE = sorted(c for classes in CIFAR100_SUPERCLASSES.values() for c in classes)
-COARSE = sorted(CIFAR100_SUPERCLASSES)
-
-
-def _write_cifar(root: Path, drop: str | None = None, rename: str | None = None) -> Path:
-    """cifar-100-python/{train,test,meta}: 2 train and 1 test image per class."""
-    folder = root / "cifar-100-python"
-    folder.mkdir(parents=True)
-    coarse_of = {f: COARSE.index(c) for c, fs in CIFAR100_SUPERCLASSES.items() for f in fs}
-    for part, per_class in (("train", 2), ("test", 1)):
-        fine = [i for i in range(100) for _ in range(per_class) if FINE[i] != drop]
-        fine = [fine[i] for i in RNG.permutation(len(fine))]
-        batch = {
-            b"data": RNG.integers(0, 256, size=(len(fine), 3072), dtype=np.uint8),
-            b"fine_labels": fine,
-            b"coarse_labels": [coarse_of[FINE[i]] for i in fine],
-        }
-        with open(folder / part, "wb") as f:
-            pickle.dump(batch, f)
-    names = [("renamed" if n == rename else n).encode() for n in FINE]
-    with open(folder / "meta", "wb") as f:
-        pickle.dump(
-            {b"fine_label_names": names, b"coarse_label_names": [c.encode() for c in COARSE]}, f
-        )
-    return root
 
 
 @pytest.fixture(scope="module")
@@ -343,14 +272,7 @@ def test_cifar_refusals(tmp_path):
 
 @pytest.fixture(scope="module")
 def cub(tmp_path_factory) -> Path:
-    """CUB_200_2011/images/<NNN.Name>/*.jpg: 200 species, 2 or 3 photos of 20x14 each."""
-    root = tmp_path_factory.mktemp("cub")
-    for i in range(1, 201):
-        folder = root / "CUB_200_2011" / "images" / f"{i:03d}.Bird_{i}"
-        folder.mkdir(parents=True)
-        for k in range(2 + i % 2):
-            Image.fromarray(_pixels(14, 20)).save(folder / f"Bird_{i}_{k}.jpg")
-    return root
+    return write_cub(tmp_path_factory.mktemp("cub"))
 
 
 def test_cub_split_of_chen_et_al(cub, tmp_path):
@@ -386,14 +308,7 @@ def test_cub_refusals(cub, tmp_path):
 
 @pytest.fixture
 def folder(tmp_path) -> Path:
-    """ROOT/{train,val,test}/<class>/: classes of 3, 5 and 4 grayscale PNGs of 12x12."""
-    root = tmp_path / "mine"
-    for split in ("train", "val", "test"):
-        for name, count in (("cat", 3), ("dog", 5), ("emu", 4)):
-            (root / split / name).mkdir(parents=True)
-            for k in range(count):
-                Image.fromarray(_pixels(12, 12, 1)[..., 0]).save(root / split / name / f"{k}.png")
-    return root
+    return write_folder(tmp_path / "mine")
 
 
 def test_image_folder_uneven_classes(folder, tmp_path):
