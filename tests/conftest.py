@@ -45,6 +45,7 @@ SLOW_MODULES = {
     "test_compare_runs",
     "test_distributed",
     "test_evaluate",
+    "test_fewshot_experiment",
     "test_grid",
     "test_omniglot_experiment",
     "test_run_records",

@@ -1,0 +1,147 @@
+"""experiments/fewshot_maml.py end to end on every data set, written in its published layout.
+
+Each run is the real experiment (a tiny backbone, two meta-steps, offline W&B read back with
+wandb's own reader); its test accuracy is checked against the checkpoint's best weights
+rebuilt from the recorded arguments alone (`metalearn.deploy.load_learner`) and evaluated
+again on the same test tasks.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import torch
+import wandb
+from image_set_fixtures import write_cifar, write_cub, write_folder, write_mini_csv, write_tiered
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "experiments"))
+import fewshot_maml as fs  # noqa: E402
+
+from metalearn.algorithms import FOMAML, MAML  # noqa: E402
+from metalearn.checkpoint import load_checkpoint  # noqa: E402
+from metalearn.deploy import load_learner  # noqa: E402
+from metalearn.evaluation import TEST_SEED, evaluate_tasks  # noqa: E402
+from metalearn.models import Conv4, ResNet12  # noqa: E402
+from metalearn.run_records import read_offline_run  # noqa: E402
+from metalearn.runs import UserError  # noqa: E402
+
+OMNIGLOT = Path(os.environ.get("METALEARN_DATA", ROOT.parent / "shared" / "data" / "omniglot"))
+# The fixtures hold 2 images per class (CIFAR 3, CUB 2 or 3): 1 shot + 1 query.
+TINY = dict(
+    iterations=2, meta_batch=2, query=1, eval_query=1, hidden=4, inner_steps=1, val_every=1,
+    val_tasks=2, test_tasks=3, eval_inner_steps=1, checkpoint_every=1, track=True,
+    wandb_mode="offline", device="cpu",
+)  # fmt: skip
+# The fixtures hold fewer images per class than published: their loaders warn.
+pytestmark = pytest.mark.filterwarnings("ignore:.*published:UserWarning")
+
+
+@pytest.fixture(scope="module")
+def roots(tmp_path_factory) -> dict[str, Path]:
+    """Every data set's fixture (CIFAR-FS and FC100 read the same CIFAR-100 release)."""
+    tmp = tmp_path_factory.mktemp("data")
+    cifar = write_cifar(tmp / "cifar")
+    tiered, _ = write_tiered(tmp / "tiered", {s: "npz" for s in ("train", "val", "test")})
+    return {
+        "mini-imagenet": write_mini_csv(tmp / "mini"), "tiered-imagenet": tiered,
+        "cifar-fs": cifar, "fc100": cifar, "cub": write_cub(tmp / "cub"),
+        "folder": write_folder(tmp / "folder"), "omniglot": OMNIGLOT,
+    }  # fmt: skip
+
+
+# Per data set: what the tiny run changes (small images where the loader decodes any size;
+# the folder has 3 classes of grayscale images) and the image shape it trains on.
+CASES = {
+    "mini-imagenet": ({"image_size": 16}, (3, 16)),
+    "tiered-imagenet": ({}, (3, 84)),
+    "cifar-fs": ({}, (3, 32)),
+    "fc100": ({"backbone": "resnet12", "hidden": 2, "head": "mean"}, (3, 32)),
+    "cub": ({"image_size": 16, "augment": True}, (3, 16)),
+    "folder": ({"image_size": 16, "channels": 1, "ways": 3}, (1, 16)),
+    "omniglot": ({"checkpoint": True, "chunk_size": 1, "first_order": True}, (1, 28)),
+}
+
+
+@pytest.mark.parametrize("dataset", list(CASES))
+def test_two_meta_steps_and_a_test_on_every_data_set(dataset, roots, tmp_path):
+    if dataset == "omniglot" and not (OMNIGLOT / "images_background").is_dir():
+        pytest.skip("full Omniglot not found: set METALEARN_DATA")
+    overrides, (channels, side) = CASES[dataset]
+    args = fs.Args(**{**TINY, **overrides}, dataset=dataset, data_root=str(roots[dataset]),
+                   out_dir=str(tmp_path), run_name="r")  # fmt: skip
+    results = fs.main(args)
+    (run_dir,) = (tmp_path / "wandb").glob("offline-run-*")
+    wandb.teardown()  # finish() may return before the .wandb file is complete
+    record = read_offline_run(run_dir)
+    assert record.config["dataset"] == dataset and record.state == "finished"
+    assert [r["_step"] for r in record.history if "train/loss" in r] == [1, 2]
+    assert record.summary["test/acc"] == pytest.approx(results["test/acc"])
+    saved = load_checkpoint(tmp_path / "r" / "checkpoint.pt")["args"]
+    assert (saved["channels"], saved["image_size"]) == (channels, side)
+    # The recorded arguments alone rebuild the network; its best weights, evaluated again on
+    # the same test tasks, give the accuracy the run reported.
+    learner, run_args = load_learner(tmp_path / "r" / "checkpoint.pt")
+    backbone = {"conv4": Conv4, "resnet12": ResNet12}[overrides.get("backbone", "conv4")]
+    assert type(learner.model) is backbone
+    assert learner.first_order == overrides.get("first_order", False)
+    samplers = fs.make_samplers(fs.Args(**run_args))
+    assert (samplers["train"].augment is not None) == overrides.get("augment", False)
+    assert samplers["val"].augment is None and samplers["test"].augment is None
+    test = samplers["test"]
+    task = test.sample(torch.Generator().manual_seed(0))
+    assert task.query[0].shape[1:] == (channels, side, side)
+    acc, _ = evaluate_tasks(learner, test, args.test_tasks, args.eval_inner_steps,
+                            torch.Generator().manual_seed(TEST_SEED), progress=False)  # fmt: skip
+    assert acc == pytest.approx(results["test/acc"])
+
+
+def test_paper_presets_build_the_papers_network():
+    one = fs.resolve_args(fs.parse_args(["--preset", "paper-miniimagenet-5w1s",
+                                         "--data-root", str(ROOT)]))  # fmt: skip
+    assert (one.meta_batch, one.inner_lr, one.inner_steps, one.eval_inner_steps) == (4, 0.01, 5, 10)
+    assert (one.query, one.iterations, one.outer_lr, one.hidden) == (15, 60_000, 1e-3, 32)
+    assert (one.channels, one.image_size, one.head, one.pool) == (3, 84, "flatten", "max")
+    five = fs.parse_args(["--preset", "paper-miniimagenet-5w5s"])
+    assert (five.shots, five.meta_batch) == (5, 2)
+    assert fs.parse_args(["--preset", "paper-miniimagenet-5w1s-fo"]).algorithm == "fomaml"
+    learner = fs.make_learner(replace(one, device="cpu"))
+    assert type(learner) is MAML and not learner.first_order
+    # 3->32, then 3 x 32->32 3x3 convs with biases, 4 norms of 32 weights and 32 biases, and
+    # a head on the 5x5x32 = 800 flattened features: 896 + 3 * 9248 + 256 + 4005.
+    assert sum(p.numel() for p in learner.parameters()) == 32_901
+    first = fs.make_learner(replace(one, device="cpu", algorithm="fomaml"))
+    assert type(first) is FOMAML
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [({"dataset": "cub"}, "--dataset cub needs --data-root: .* docs/datasets.md"),
+     ({"dataset": "cifar-fs", "data_root": "/no/such/dir"}, "--data-root /no/such/dir does not"),
+     ({"dataset": "tiered-imagenet", "data_root": ".", "image_size": 32},
+      "--image-size 32: tiered-imagenet holds 84x84 images"),
+     ({"dataset": "cub", "data_root": ".", "channels": 1}, "--channels 1: cub gives 3"),
+     ({"dataset": "cub", "data_root": ".", "chunk_size": 0}, "--chunk-size 0: must be at least"),
+     ({"dataset": "cub", "data_root": ".", "algorithm": "imaml", "first_order": True},
+      "drop --first-order for imaml")],
+)  # fmt: skip
+def test_bad_values_are_refused_before_anything_runs(tmp_path, overrides, message):
+    with pytest.raises(UserError, match=message):
+        fs.main(fs.Args(**{**TINY, **overrides}, out_dir=str(tmp_path)))
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_missing_data_is_one_line_naming_the_layout(tmp_path):
+    (tmp_path / "empty").mkdir()
+    cmd = [sys.executable, str(ROOT / "experiments" / "fewshot_maml.py"), "--dataset",
+           "mini-imagenet", "--data-root", str(tmp_path / "empty"), "--out-dir",
+           str(tmp_path / "runs"), "--no-track"]  # fmt: skip
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 2
+    (line,) = done.stderr.strip().splitlines()
+    assert line.startswith("error: ") and "docs/datasets.md" in line and "train.csv" in line
