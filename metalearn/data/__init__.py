@@ -30,6 +30,7 @@ from metalearn.data.cub import load_cub
 from metalearn.data.folders import IMAGE_SUFFIXES, SupportSet, load_support_folder
 from metalearn.data.image_folder import load_image_folder
 from metalearn.data.image_set import IMAGE_SPLITS, ImageSet
+from metalearn.data.interop import from_learn2learn, task_from_l2l_batch
 from metalearn.data.mini_imagenet import load_mini_imagenet
 from metalearn.data.omniglot import (
     OMNIGLOT_ZIPS,
@@ -72,6 +73,8 @@ __all__ = [
     "load_image_folder",
     "IMAGE_SPLITS",
     "ImageSet",
+    "from_learn2learn",
+    "task_from_l2l_batch",
     "load_mini_imagenet",
     "Augmentation",
     "load_tiered_imagenet",
