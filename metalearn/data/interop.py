@@ -7,18 +7,25 @@ and evaluation halves by hand. `from_learn2learn` does that split and yields met
 any metalearn learner trains on::
 
     import learn2learn as l2l
+    import torch
+    from torchvision import datasets, transforms as T
+
     from metalearn.algorithms import MAML
-    from metalearn.data.interop import from_learn2learn
+    from metalearn.data import from_learn2learn
     from metalearn.models import Conv4
 
-    dataset = l2l.data.MetaDataset(l2l.vision.datasets.FullOmniglot(root="data"))
-    transforms = [l2l.data.transforms.NWays(dataset, 5),
-                  l2l.data.transforms.KShots(dataset, 1 + 15),
-                  l2l.data.transforms.LoadData(dataset)]
-    taskset = l2l.data.Taskset(dataset, transforms, num_tasks=-1)
-    learner = MAML(Conv4(ways=5), inner_lr=0.4)
-    opt = torch.optim.Adam(learner.parameters(), 1e-3)
-    for step, tasks in zip(range(1000), from_learn2learn(taskset, 5, 1, 15, meta_batch=32)):
+    images = datasets.ImageFolder("my_images", transform=T.Compose([T.Resize((84, 84)),
+                                                                    T.ToTensor()]))
+    dataset = l2l.data.MetaDataset(images)  # any dataset of (image tensor, label)
+    taskset = l2l.data.Taskset(dataset, num_tasks=-1, task_transforms=[
+        l2l.data.transforms.NWays(dataset, 5),
+        l2l.data.transforms.KShots(dataset, 1 + 15),  # shots + queries per class
+        l2l.data.transforms.LoadData(dataset),
+    ])
+    model = Conv4(in_channels=3, ways=5, hidden=32, pool="max", head="flatten", image_size=84)
+    learner = MAML(model, inner_lr=0.01, inner_steps=5)
+    opt = torch.optim.Adam(learner.parameters(), lr=1e-3)
+    for step, tasks in zip(range(1000), from_learn2learn(taskset, 5, 1, 15, meta_batch=4)):
         opt.zero_grad()
         learner.backward(tasks)
         opt.step()
