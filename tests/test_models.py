@@ -331,3 +331,155 @@ def test_batch_norm_compiles_without_graph_breaks() -> None:
     w, b = torch.ones(3), torch.zeros(3)
     compiled = torch.compile(batch_norm, backend="eager", fullgraph=True)
     torch.testing.assert_close(compiled(x, w, b), batch_norm(x, w, b))
+
+
+# --------------------------------------------------------------------------- meta-gradients
+# Shared with tests/test_resnet12.py: the vmapped meta-gradient against the loop's, and the
+# second-order meta-gradient against central finite differences, both in float64.
+
+
+def image_tasks(channels: int, size: int, ways: int, n_tasks: int = 3) -> list:
+    """``n_tasks`` float64 tasks of ``channels x size x size`` images, 1 shot, 2 query."""
+    from metalearn.outer import Task
+
+    tasks = []
+    for i in range(n_tasks):
+        g = torch.Generator().manual_seed(10 + i)
+        x = torch.randn(3 * ways, channels, size, size, generator=g, dtype=F64)
+        y = torch.arange(3 * ways) % ways
+        tasks.append(Task((x[:ways], y[:ways]), (x[ways:], y[ways:])))
+    return tasks
+
+
+# MAML's inner learning rate on mini-ImageNet. It also keeps the finite differences honest:
+# with ReLU and max-pool the inner gradient jumps where a unit crosses its kink, so the
+# meta-loss is only piecewise smooth, with jumps proportional to the inner learning rate; a
+# difference step that straddles one reads as an O(1) error (seen at 0.1 with step 1e-5).
+INNER_LR = 0.01
+FD_STEP = 1e-7
+
+
+def meta_gradients_agree_across_modes(model: nn.Module, tasks: list) -> None:
+    """The vmapped second-order MAML meta-gradient equals the per-task loop's."""
+    from metalearn.outer import InnerLoop, run_meta_batch
+
+    theta = {k: v.detach().clone().requires_grad_() for k, v in model.named_parameters()}
+    inner = InnerLoop(steps=2, lr=INNER_LR)
+    grads = {}
+    for mode in ("loop", "vmap"):
+        loss = run_meta_batch(model, theta, tasks, inner, mode).loss
+        grads[mode] = torch.autograd.grad(loss, list(theta.values()))
+    scale = max(float(g.abs().max()) for g in grads["loop"])
+    assert scale > 1e-4  # a real gradient, not an all-zero pass
+    for name, a, b in zip(theta, grads["loop"], grads["vmap"]):
+        torch.testing.assert_close(b, a, rtol=0, atol=1e-10 * scale, msg=name)
+
+
+def meta_gradient_errors_against_fd(model: nn.Module, tasks: list, directions: int = 2):
+    """Relative error of the vmapped second-order meta-gradient along random directions,
+    against central differences of the meta-loss (step `FD_STEP`, float64)."""
+    from metalearn.outer import InnerLoop, run_meta_batch
+
+    theta = {k: v.detach().clone().requires_grad_() for k, v in model.named_parameters()}
+    inner = InnerLoop(steps=2, lr=INNER_LR)
+
+    def objective(p: dict[str, torch.Tensor]) -> torch.Tensor:
+        return run_meta_batch(model, p, tasks, inner, "vmap").loss
+
+    grads = torch.autograd.grad(objective(theta), list(theta.values()))
+    g = torch.Generator().manual_seed(0)
+    errors = []
+    for _ in range(directions):
+        v = {k: torch.randn(t.shape, generator=g, dtype=F64) for k, t in theta.items()}
+        with torch.no_grad():
+            plus = objective({k: theta[k] + FD_STEP * v[k] for k in theta})
+            minus = objective({k: theta[k] - FD_STEP * v[k] for k in theta})
+        fd = float((plus - minus) / (2 * FD_STEP))
+        analytic = float(sum((gk * v[k]).sum() for gk, k in zip(grads, theta)))
+        errors.append(abs(analytic - fd) / abs(fd))
+    return errors
+
+
+# --------------------------------------------------------------------------- flattened head
+
+
+def test_conv4_flatten_is_mamls_mini_imagenet_net() -> None:
+    model = Conv4(in_channels=3, ways=5, hidden=32, pool="max", head="flatten", image_size=84)
+    x = torch.randn(2, 3, 84, 84)
+    assert model.features(x).shape == (2, 32, 5, 5)  # 84 -> 42 -> 21 -> 10 -> 5
+    assert model(x).shape == (2, 5)
+    assert model.head.in_features == 800
+    n_conv = _conv4_count(3, 32, 5) - (32 * 5 + 5)  # everything but the head
+    expected = n_conv + 800 * 5 + 5
+    assert sum(p.numel() for p in model.parameters()) == expected == 32_901
+    assert list(model.named_buffers()) == []
+
+
+@pytest.mark.parametrize(
+    ("size", "pool"), [(84, "max"), (84, "stride"), (28, "stride"), (28, "max"), ((20, 33), "max")]
+)
+def test_conv4_output_size_matches_the_features(size, pool: str) -> None:
+    from metalearn.models.conv4 import conv4_output_size
+
+    h, w = (size, size) if isinstance(size, int) else size
+    features = Conv4(hidden=2, pool=pool).features(torch.randn(1, 1, h, w))
+    assert conv4_output_size(size, pool) == tuple(features.shape[-2:])
+    model = Conv4(hidden=2, pool=pool, head="flatten", image_size=size)
+    assert model.head.in_features == 2 * features.shape[-2] * features.shape[-1]
+    assert model(torch.randn(3, 1, h, w)).shape == (3, 5)
+
+
+def test_conv4_flatten_head_is_flattened_features() -> None:
+    torch.manual_seed(0)
+    model = Conv4(hidden=3, pool="max", head="flatten", image_size=32).double()
+    x = torch.randn(4, 1, 32, 32, dtype=F64)
+    features = model.features(x)  # [4, 3, 2, 2]
+    expected = features.reshape(4, -1) @ model.head.weight.T + model.head.bias
+    torch.testing.assert_close(model(x), expected, rtol=0, atol=1e-12)
+
+
+def test_conv4_mean_head_keeps_omniglot_names_and_loads_their_checkpoints() -> None:
+    old = Conv4()  # today's Omniglot defaults
+    new = Conv4(head="mean", image_size=28)
+    assert [k for k, _ in new.named_parameters()] == [k for k, _ in old.named_parameters()]
+    new.load_state_dict(old.state_dict())
+    x = torch.randn(2, 1, 28, 28)
+    torch.testing.assert_close(new(x), old(x))
+
+
+def test_conv4_head_and_image_size_errors_name_the_fix() -> None:
+    with pytest.raises(ValueError, match="pass image_size"):
+        Conv4(head="flatten")
+    with pytest.raises(ValueError, match="head must be 'mean' or 'flatten'"):
+        Conv4(head="avg")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="at least 16x16"):
+        Conv4(pool="max", head="flatten", image_size=15)
+    with pytest.raises(ValueError, match="at least 16x16"):
+        Conv4(pool="max", image_size=(84, 12))  # checked for the mean head too
+    with pytest.raises(ValueError, match="positive int or"):
+        Conv4(head="flatten", image_size=(84, 84, 3))  # type: ignore[arg-type]
+    model = Conv4(in_channels=3, hidden=4, pool="max", head="flatten", image_size=84)
+    with pytest.raises(ValueError, match="built for 84x84 images, got 80x80"):
+        model(torch.randn(2, 3, 80, 80))
+
+
+# 20x20 with stride 2 and 32x32 with max-pool both leave 2x2 positions (4 x 4 features).
+FLATTEN_CASES = [("stride", 20), ("max", 32)]
+
+
+@pytest.mark.parametrize(("pool", "size"), FLATTEN_CASES)
+def test_conv4_flatten_vmapped_meta_gradient_equals_loop(pool: str, size: int) -> None:
+    torch.manual_seed(0)
+    model = Conv4(in_channels=3, ways=3, hidden=4, pool=pool, head="flatten", image_size=size)
+    assert model.head.in_features == 4 * 2 * 2
+    meta_gradients_agree_across_modes(model.to(F64), image_tasks(3, size, ways=3))
+
+
+@pytest.mark.parametrize(("pool", "size"), FLATTEN_CASES)
+def test_conv4_flatten_second_order_meta_gradient_equals_finite_differences(
+    pool: str, size: int
+) -> None:
+    torch.manual_seed(0)
+    model = Conv4(in_channels=3, ways=3, hidden=4, pool=pool, head="flatten", image_size=size)
+    errors = meta_gradient_errors_against_fd(model.to(F64), image_tasks(3, size, ways=3))
+    assert max(errors) < 1e-6, errors
