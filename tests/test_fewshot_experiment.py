@@ -90,6 +90,8 @@ def test_two_meta_steps_and_a_test_on_every_data_set(dataset, roots, tmp_path):
     backbone = {"conv4": Conv4, "resnet12": ResNet12}[overrides.get("backbone", "conv4")]
     assert type(learner.model) is backbone
     assert learner.first_order == overrides.get("first_order", False)
+    assert learner.checkpoint == overrides.get("checkpoint", False)
+    assert learner.chunk_size == overrides.get("chunk_size", "auto")
     samplers = fs.make_samplers(fs.Args(**run_args))
     assert (samplers["train"].augment is not None) == overrides.get("augment", False)
     assert samplers["val"].augment is None and samplers["test"].augment is None
