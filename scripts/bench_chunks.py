@@ -11,7 +11,7 @@ Command::
     .venv-baselines/bin/python scripts/bench_chunks.py                 # ~5 min on 2 cores
     .venv/bin/python scripts/bench_chunks.py --settings q1-second --malloc default
 
-Expected (2 CPU cores, 2 threads, tuned malloc, 29 Nov 2026): the fastest chunk holds about
+Expected (2 CPU cores, 2 threads, tuned malloc; docs/benchmarks.md): the fastest chunk holds about
 320-640 examples (32 tasks of 10, 16 of 30, 8 of 80); ``auto`` lands on or next to it.
 
 With ``--malloc default`` the columns are not independent: glibc raises its mmap threshold

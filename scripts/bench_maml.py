@@ -42,11 +42,8 @@ Command (learn2learn and higher live in their own venv, see scripts/install_base
 
 Expected (2 CPU cores): markdown tables of median ms, peak MB and float64 agreement
 (relative differences ~1e-14); the last line is ``speedup_vs_learn2learn: X``, metalearn
-``auto`` against learn2learn at 1 query per class, second order. Measured (29 Nov 2026,
-torch 2.14.1, 2 threads, tuned malloc, fused baseline batch norm): auto 156 ms (one vmap of
-32 tasks), learn2learn 345 ms, X = 2.22 (2.2-2.75 over runs that day); at 15 query auto
-(vmap, 6 chunks of 6) was 1.10x faster than learn2learn in both orders. With
-``--malloc default`` it was 0.91x / 0.77x there: glibc's page faults (126k per step).
+``auto`` against learn2learn at 1 query per class, second order. The measured tables, with
+their machine and commit, are in ``docs/benchmarks.md``.
 """
 
 from __future__ import annotations

@@ -12,7 +12,7 @@
   backward the autograd node and the forward line that made it) and the user code that ran
   it. Unlike ``torch.autograd.detect_anomaly`` it also checks the forward pass, and works
   under ``torch.func`` transforms (inside ``vmap``/``grad`` it sees the unbatched ops).
-  Overhead on a Conv4 MAML meta-step (``scripts/bench_anomaly_guard.py``, CPU time):
+  Overhead on a Conv4 MAML meta-step (CPU time; command and commit in ``docs/deploy.md``):
   1.33x (vmapped tasks) to 2.0x (looped tasks) plain, 1.8x-3.9x with ``backward_origin``.
 """
 

@@ -3,7 +3,7 @@
 A ``TorchDispatchMode`` checks the floating outputs of every aten op, forward and backward,
 also under ``torch.func`` transforms (inside ``vmap``/``grad`` it sees the unbatched ops), and
 names the op, the autograd node and forward line (in backward) and the user code that ran it.
-Overhead on a Conv4 MAML meta-step (``scripts/bench_anomaly_guard.py``, CPU time): 1.33x
+Overhead on a Conv4 MAML meta-step (CPU time; command and commit in ``docs/deploy.md``): 1.33x
 (vmapped tasks) to 2.0x (looped tasks) plain, 1.8x-3.9x with ``backward_origin``.
 """
 
@@ -85,7 +85,7 @@ class _FiniteMode(TorchDispatchMode):
     def _clean(self, t: Tensor) -> bool:
         # A sum is finite only if every term is (NaN and +-inf propagate; inf - inf is NaN),
         # and one read-only pass is cheap: a guarded Conv4 meta-step cost 3.7x a plain one
-        # with isfinite(t).all() here, 1.33x with the sum (scripts/bench_anomaly_guard.py).
+        # with isfinite(t).all() here, 1.33x with the sum (docs/deploy.md).
         # A sum that overflows from finite terms alone goes on to the exact check.
         if bool(t.sum().isfinite()):
             return True
