@@ -456,6 +456,8 @@ def test_conv4_head_and_image_size_errors_name_the_fix() -> None:
         Conv4(pool="max", head="flatten", image_size=15)
     with pytest.raises(ValueError, match="at least 16x16"):
         Conv4(pool="max", image_size=(84, 12))  # checked for the mean head too
+    with pytest.raises(ValueError, match="pool must be"):
+        Conv4(pool="avg", head="flatten", image_size=8)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="positive int or"):
         Conv4(head="flatten", image_size=(84, 84, 3))  # type: ignore[arg-type]
     model = Conv4(in_channels=3, hidden=4, pool="max", head="flatten", image_size=84)

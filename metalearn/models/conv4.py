@@ -105,16 +105,16 @@ class Conv4(nn.Module):
             )
         self.head_kind = head
         self.image_size = None if image_size is None else _pair(image_size)
-        positions = 1
-        if self.image_size is not None:
-            out_h, out_w = conv4_output_size(self.image_size, pool)
-            positions = out_h * out_w if head == "flatten" else 1
-        self.features = nn.Sequential(
+        self.features = nn.Sequential(  # first: ConvBlock refuses an unknown pool
             ConvBlock(in_channels, hidden, pool, norm_layer),
             ConvBlock(hidden, hidden, pool, norm_layer),
             ConvBlock(hidden, hidden, pool, norm_layer),
             ConvBlock(hidden, hidden, pool, norm_layer),
         )
+        positions = 1
+        if self.image_size is not None:
+            out_h, out_w = conv4_output_size(self.image_size, pool)
+            positions = out_h * out_w if head == "flatten" else 1
         self.head = nn.Linear(hidden * positions, ways)
         _maml_init(self)
 
