@@ -452,6 +452,7 @@ def _train_and_test(args, learner, samplers, state, run, saved, dist) -> dict[st
         if run is not None:
             run.finish(exit_code=exit_code)
     if dist.is_main:
-        print(" ".join(f"{k}: {v:.4f}" for k, v in results.items() if k != "test/acc_ci95"))
+        others = {k: v for k, v in results.items() if k not in ("test/acc", "test/acc_ci95")}
+        print("  ".join(f"{k}: {v:.4g}" for k, v in others.items()))
         print(f"test/acc: {results['test/acc']:.4f} ± {results['test/acc_ci95']:.4f}")
     return results
