@@ -42,13 +42,8 @@ import torch
 from metalearn import distributed, experiment
 from metalearn.algorithms import MetaLearner
 from metalearn.algorithms.build import build_learner, resolve_learner_args
-from metalearn.data import (
-    IMAGE_SETS,
-    EpisodicSampler,
-    image_set_samplers,
-    load_image_set,
-    standard_augmentation,
-)
+from metalearn.data import EpisodicSampler, image_set_samplers
+from metalearn.data.benchmarks import image_options, image_shape
 from metalearn.experiment import Experiment, default_run_name
 from metalearn.runs import UserError, require, run_cli
 from metalearn.seeding import seed_everything
@@ -181,13 +176,6 @@ RESUMABLE = (
     "tune_malloc", "track", "wandb_mode", "wandb_group", "log_model", "dist_timeout",
     "data_root", "out_dir", "resume",
 )  # fmt: skip
-# Each data set's images as its loader gives them: (channels, side), and whether the loader
-# decodes at another side (image files) or holds fixed arrays (pickles, npz, CIFAR batches).
-IMAGE_SHAPES: dict[str, tuple[int, int]] = {
-    "mini-imagenet": (3, 84), "tiered-imagenet": (3, 84), "cifar-fs": (3, 32),
-    "fc100": (3, 32), "cub": (3, 84), "folder": (3, 84), "omniglot": (1, 28),
-}  # fmt: skip
-RESIZABLE = ("mini-imagenet", "cub", "folder", "omniglot")
 
 
 def check_data(args: Args) -> None:
@@ -200,63 +188,32 @@ def check_data(args: Args) -> None:
         require(Path(args.data_root).expanduser().is_dir(),
                 f"--data-root {args.data_root} does not exist; give the {args.dataset} folder "
                 "(see docs/datasets.md)")  # fmt: skip
-    for name in ("image_size", "chunk_size"):
-        value = getattr(args, name)
-        require(value is None or value >= 1, f"--{name.replace('_', '-')} {value}: must be "
-                "at least 1, or none")  # fmt: skip
-    channels, side = IMAGE_SHAPES[args.dataset]
-    require(args.image_size in (None, side) or args.dataset in RESIZABLE,
-            f"--image-size {args.image_size}: {args.dataset} holds {side}x{side} images; "
-            "drop --image-size")  # fmt: skip
-    gray = args.dataset == "folder" and args.channels == 1  # a folder may be read as grayscale
-    require(args.channels in (None, channels) or gray,
-            f"--channels {args.channels}: {args.dataset} gives {channels}"
-            f"{' or 1' if args.dataset == 'folder' else ''}; drop --channels")  # fmt: skip
+    require(args.chunk_size is None or args.chunk_size >= 1,
+            f"--chunk-size {args.chunk_size}: must be at least 1, or none")  # fmt: skip
+    try:
+        image_options(args.dataset, args.image_size, args.channels)
+    except ValueError as err:
+        raise UserError(str(err)) from None
 
 
 def with_image_shape(args: Args) -> Args:
     """``args`` with open ``channels`` and ``image_size`` set to the data set's."""
-    channels, side = IMAGE_SHAPES[args.dataset]
-    return dataclasses.replace(args, channels=args.channels or channels,
-                               image_size=args.image_size or side)  # fmt: skip
+    channels, side = image_shape(args.dataset, args.image_size, args.channels)
+    return dataclasses.replace(args, channels=channels, image_size=side)
 
 
 def make_samplers(args: Args) -> dict[str, EpisodicSampler]:
-    """Train (augmented with --augment), validation and test samplers (eval_query)."""
-    args = with_image_shape(args)
-    options: dict[str, Any] = {"image_size": args.image_size} if args.dataset in RESIZABLE else {}
-    if args.dataset == "folder":
-        options["channels"] = args.channels
+    """Train (``query``, augmented with --augment), validation and test (``eval_query``)
+    samplers, as `metalearn.data.image_set_samplers` builds them from the arguments."""
     try:
         with distributed.main_first():  # one process per machine fills the decoded cache
-            if args.dataset == "omniglot":
-                return _omniglot_samplers(args, options)
-            return _image_set_samplers(args, options)
+            return image_set_samplers(
+                args.dataset, args.data_root, ways=args.ways, shots=args.shots,
+                queries=args.query, eval_queries=args.eval_query, augment=args.augment,
+                image_size=args.image_size, channels=args.channels, device=args.device,
+            )  # fmt: skip
     except (FileNotFoundError, ValueError) as err:
         raise UserError(" ".join(str(err).split())) from None
-
-
-def _image_set_samplers(args: Args, options: dict[str, Any]) -> dict[str, EpisodicSampler]:
-    """Each split loaded once; training queries (and augmentation) for train only."""
-    common = dict(ways=args.ways, shots=args.shots, device=args.device)
-    sets = {s: load_image_set(args.dataset, args.data_root, s, **options)
-            for s in ("train", "val", "test")}  # fmt: skip
-    entry = IMAGE_SETS[args.dataset]
-    augment = (standard_augmentation(entry.augmentation, padding=entry.padding)
-               if args.augment else None)  # fmt: skip
-    return {
-        "train": sets["train"].sampler(queries=args.query, augment=augment, **common),
-        **{s: sets[s].sampler(queries=args.eval_query, **common) for s in ("val", "test")},
-    }
-
-
-def _omniglot_samplers(args: Args, options: dict[str, Any]) -> dict[str, EpisodicSampler]:
-    """MAML's Omniglot split with rotations (the second load reads the decoded cache)."""
-    common = dict(ways=args.ways, shots=args.shots, device=args.device, **options)
-    train = image_set_samplers("omniglot", args.data_root, queries=args.query,
-                               augment=args.augment, **common)["train"]  # fmt: skip
-    evaluation = image_set_samplers("omniglot", args.data_root, queries=args.eval_query, **common)
-    return {"train": train, "val": evaluation["val"], "test": evaluation["test"]}
 
 
 def make_learner(args: Args) -> MetaLearner:

@@ -25,6 +25,7 @@ import fewshot_maml as fs  # noqa: E402
 
 from metalearn.algorithms import FOMAML, MAML  # noqa: E402
 from metalearn.checkpoint import load_checkpoint  # noqa: E402
+from metalearn.data import load_image_set, load_omniglot, omniglot_samplers  # noqa: E402
 from metalearn.deploy import load_learner  # noqa: E402
 from metalearn.evaluation import TEST_SEED, evaluate_tasks  # noqa: E402
 from metalearn.models import Conv4, ResNet12  # noqa: E402
@@ -103,6 +104,36 @@ def test_two_meta_steps_and_a_test_on_every_data_set(dataset, roots, tmp_path):
     assert acc == pytest.approx(results["test/acc"])
 
 
+def _same_tasks(one, two, seed: int = 0) -> bool:
+    a, b = (s.batch(3, torch.Generator().manual_seed(seed)) for s in (one, two))
+    return all(torch.equal(x.support[0], y.support[0]) and torch.equal(x.query[0], y.query[0])
+               and torch.equal(x.query[1], y.query[1]) for x, y in zip(a, b))  # fmt: skip
+
+
+def test_train_draws_training_queries_and_val_test_the_evaluation_ones(roots):
+    args = fs.Args(**{**TINY, "query": 2, "eval_query": 1, "ways": 3, "image_size": 16,
+                      "channels": 1}, dataset="folder", data_root=str(roots["folder"]))  # fmt: skip
+    samplers = fs.make_samplers(args)
+    for split, queries in (("train", 2), ("val", 1), ("test", 1)):
+        # The reference: the split loaded alone, at the run's shape, sampled directly.
+        alone = load_image_set("folder", roots["folder"], split, image_size=16, channels=1)
+        reference = alone.sampler(ways=3, shots=1, queries=queries)
+        assert samplers[split].sample(torch.Generator()).query[0].shape == (3 * queries, 1, 16, 16)
+        assert _same_tasks(samplers[split], reference)
+
+
+def test_omniglot_keeps_its_tasks(roots):
+    if not (OMNIGLOT / "images_background").is_dir():
+        pytest.skip("full Omniglot not found: set METALEARN_DATA")
+    args = fs.Args(**{**TINY, "query": 1, "eval_query": 3}, dataset="omniglot",
+                   data_root=str(OMNIGLOT))  # fmt: skip
+    samplers = fs.make_samplers(fs.resolve_args(args))
+    data = load_omniglot(OMNIGLOT, download=False, progress=False)
+    for split, queries in (("train", 1), ("val", 3), ("test", 3)):
+        reference = omniglot_samplers(data, "maml", ways=5, shots=1, queries=queries)[split]
+        assert _same_tasks(samplers[split], reference, seed=7)
+
+
 def test_paper_presets_build_the_papers_network():
     one = fs.resolve_args(fs.parse_args(["--preset", "paper-miniimagenet-5w1s",
                                          "--data-root", str(ROOT)]))  # fmt: skip
@@ -126,8 +157,8 @@ def test_paper_presets_build_the_papers_network():
     [({"dataset": "cub"}, "--dataset cub needs --data-root: .* docs/datasets.md"),
      ({"dataset": "cifar-fs", "data_root": "/no/such/dir"}, "--data-root /no/such/dir does not"),
      ({"dataset": "tiered-imagenet", "data_root": ".", "image_size": 32},
-      "--image-size 32: tiered-imagenet holds 84x84 images"),
-     ({"dataset": "cub", "data_root": ".", "channels": 1}, "--channels 1: cub gives 3"),
+      "image_size 32: tiered-imagenet holds 84x84 images"),
+     ({"dataset": "cub", "data_root": ".", "channels": 1}, "channels 1: cub gives 3"),
      ({"dataset": "cub", "data_root": ".", "chunk_size": 0}, "--chunk-size 0: must be at least"),
      ({"dataset": "cub", "data_root": ".", "algorithm": "imaml", "first_order": True},
       "drop --first-order for imaml")],

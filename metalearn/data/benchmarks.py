@@ -8,15 +8,19 @@ Typical use (an experiment's ``--dataset`` is one of `IMAGE_SET_NAMES`)::
     samplers = image_set_samplers("cifar-fs", "/data", ways=5, shots=1, queries=15, augment=True)
     tasks = samplers["train"].batch(4, torch.Generator().manual_seed(0))
 
-The training sampler augments when asked (each set's standard augmentation,
-`metalearn.data.augment.standard_augmentation`); the validation and test samplers never do.
-Omniglot keeps its own split and rotations (`omniglot_samplers`, MAML's split).
+`image_set_samplers` is how an experiment's arguments become its samplers (training queries
+for train, ``eval_queries`` for val and test), so a run and a later evaluation of its
+checkpoint draw from the same samplers. The training sampler augments when asked (each
+set's standard augmentation, `metalearn.data.augment.standard_augmentation`); the
+validation and test samplers never do. Which image shapes a set can give is
+`image_options`' decision alone. Omniglot keeps its own split and rotations
+(`omniglot_samplers`; MAML's split unless told otherwise).
 """
 
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -31,15 +35,36 @@ from metalearn.data.omniglot import load_omniglot, omniglot_samplers, omniglot_s
 from metalearn.data.sampler import EpisodicSampler
 from metalearn.data.tiered_imagenet import load_tiered_imagenet
 
-__all__ = ["IMAGE_SETS", "IMAGE_SET_NAMES", "ImageSetEntry", "image_set_samplers", "load_image_set"]
+__all__ = [
+    "IMAGE_SETS",
+    "IMAGE_SET_NAMES",
+    "ImageSetEntry",
+    "image_options",
+    "image_set_samplers",
+    "image_shape",
+    "load_image_set",
+]
 
 
 @dataclass(frozen=True)
 class ImageSetEntry:
-    """How to load one data set's split and how its training images are augmented."""
+    """How to load one data set's split, the images it gives and how training ones are augmented.
+
+    Attributes:
+        load: ``load(root, split, **options) -> ImageSet``.
+        augmentation: the set's standard augmentation (`standard_augmentation`'s kind).
+        shape: ``(channels, side)`` of the images the loader gives by default.
+        resizable: the loader decodes image files at any side (its ``image_size`` option);
+            the others hold fixed arrays (pickles, npz, CIFAR batches).
+        grayscale: the loader also reads the images as one channel (its ``channels`` option).
+        padding: of the pad-crop augmentation.
+    """
 
     load: Callable[..., ImageSet]
     augmentation: str
+    shape: tuple[int, int]
+    resizable: bool = False
+    grayscale: bool = False
     padding: int = 8
 
 
@@ -54,14 +79,15 @@ def _load_omniglot(root: str | os.PathLike | None, split: str, **options) -> Ima
 
 
 IMAGE_SETS: Mapping[str, ImageSetEntry] = {
-    "mini-imagenet": ImageSetEntry(load_mini_imagenet, "pad-crop"),
-    "tiered-imagenet": ImageSetEntry(load_tiered_imagenet, "pad-crop"),
-    "cifar-fs": ImageSetEntry(load_cifar_fs, "pad-crop", padding=4),
-    "fc100": ImageSetEntry(load_fc100, "pad-crop", padding=4),
-    "cub": ImageSetEntry(load_cub, "resized-crop"),
-    "folder": ImageSetEntry(load_image_folder, "resized-crop"),
-    "omniglot": ImageSetEntry(_load_omniglot, "character"),
-}
+    "mini-imagenet": ImageSetEntry(load_mini_imagenet, "pad-crop", (3, 84), resizable=True),
+    "tiered-imagenet": ImageSetEntry(load_tiered_imagenet, "pad-crop", (3, 84)),
+    "cifar-fs": ImageSetEntry(load_cifar_fs, "pad-crop", (3, 32), padding=4),
+    "fc100": ImageSetEntry(load_fc100, "pad-crop", (3, 32), padding=4),
+    "cub": ImageSetEntry(load_cub, "resized-crop", (3, 84), resizable=True),
+    "folder": ImageSetEntry(load_image_folder, "resized-crop", (3, 84), resizable=True,
+                            grayscale=True),
+    "omniglot": ImageSetEntry(_load_omniglot, "character", (1, 28), resizable=True),
+}  # fmt: skip
 IMAGE_SET_NAMES = tuple(IMAGE_SETS)
 
 
@@ -81,48 +107,99 @@ def load_image_set(name: str, root: str | os.PathLike, split: str, **options) ->
     return _entry(name).load(root, check_split(split), **options)
 
 
+def image_shape(name: str, image_size: int | None = None, channels: int | None = None
+                ) -> tuple[int, int]:  # fmt: skip
+    """``(channels, side)`` of the images: each one given, else the data set's default."""
+    default_channels, side = _entry(name).shape
+    return channels or default_channels, image_size or side
+
+
+def image_options(name: str, image_size: int | None = None, channels: int | None = None
+                  ) -> dict[str, int]:  # fmt: skip
+    """The loader options that give images of ``image_size`` and ``channels`` (None: the
+    data set's own); the one place that says which data set can give which shape.
+
+    Raises:
+        ValueError: a shape the data set cannot give (fixed arrays of another side, or
+            channels other than its own and, for a folder, 1).
+    """
+    entry = _entry(name)
+    default_channels, side = entry.shape
+    if image_size is not None and image_size < 1:
+        raise ValueError(f"image_size {image_size}: must be at least 1, or unset")
+    if image_size not in (None, side) and not entry.resizable:
+        raise ValueError(f"image_size {image_size}: {name} holds {side}x{side} images; "
+                         "leave image_size unset")  # fmt: skip
+    if channels not in (None, default_channels) and not (entry.grayscale and channels == 1):
+        raise ValueError(f"channels {channels}: {name} gives {default_channels}"
+                         f"{' or 1' if entry.grayscale else ''}; leave channels unset")  # fmt: skip
+    options = {"image_size": image_size} if entry.resizable and image_size else {}
+    return {**options, **({"channels": channels} if entry.grayscale and channels else {})}
+
+
 def image_set_samplers(
     name: str,
-    root: str | os.PathLike,
+    root: str | os.PathLike | None,
     *,
     ways: int,
     shots: int,
     queries: int,
+    eval_queries: int | None = None,
     augment: bool = False,
+    image_size: int | None = None,
+    channels: int | None = None,
+    splits: Sequence[str] = IMAGE_SPLITS,
+    omniglot_split: str = "maml",
     dtype: torch.dtype = torch.float32,
     device: torch.device | str | None = None,
     **options,
 ) -> dict[str, EpisodicSampler]:
-    """An `EpisodicSampler` per split, like `omniglot_samplers`.
+    """An `EpisodicSampler` per split, as an experiment trains, validates and tests on them.
 
     Args:
         name: one of `IMAGE_SET_NAMES`.
-        root: the data set's folder (see docs/datasets.md for each layout).
-        ways, shots, queries: N, K, Q of every task.
+        root: the data set's folder (see docs/datasets.md for each layout); None for
+            Omniglot only (`resolve_data_root`: ``$METALEARN_DATA``, else the cache).
+        ways, shots: N, K of every task.
+        queries: Q of the training tasks.
+        eval_queries: Q of the validation and test tasks (None: ``queries``).
         augment: give the training sampler the set's standard augmentation.
+        image_size, channels: of the images (None: the set's; see `image_options`).
+        splits: the splits wanted (a test alone skips loading the others where it can).
+        omniglot_split: Omniglot's class split, ``"maml"`` or ``"alphabet"``
+            (`omniglot_splits`); Omniglot keeps its rotations (`omniglot_samplers`).
         dtype, device: of the task images (resident on ``device``).
-        options: for the loader (``cache_dir``, ``image_size``, ...).
+        options: for the loader (``cache_dir``, ``workers``, ...).
 
     Returns:
-        ``{"train": ..., "val": ..., "test": ...}``.
+        ``{split: sampler}`` for each of ``splits`` (Omniglot's alphabet split has no val).
+
+    Raises:
+        ValueError: an unknown name or split, a shape the set cannot give, or what the
+            loader refuses.
+        FileNotFoundError: the data is not at ``root`` (the message says what goes where).
     """
     entry = _entry(name)
+    options = {**options, **image_options(name, image_size, channels)}
+    eval_queries = queries if eval_queries is None else eval_queries
     augmentation = standard_augmentation(entry.augmentation, padding=entry.padding)
+    common = dict(ways=ways, shots=shots, dtype=dtype, device=device)
     if name == "omniglot":
         data = load_omniglot(root, download=False, progress=False, **options)
-        samplers = omniglot_samplers(
-            data, "maml", ways=ways, shots=shots, queries=queries, dtype=dtype, device=device
-        )
+        samplers = omniglot_samplers(data, omniglot_split, queries=queries, **common)
+        if eval_queries != queries:
+            evaluation = omniglot_samplers(data, omniglot_split, queries=eval_queries, **common)
+            samplers.update({s: v for s, v in evaluation.items() if s != "train"})
         samplers["train"].augment = augmentation if augment else None
-        return samplers
+        return {s: samplers[s] for s in map(check_split, splits) if s in samplers}
+    if omniglot_split != "maml":
+        raise ValueError(f"omniglot_split {omniglot_split!r}: {name} has one published split; "
+                         "leave omniglot_split unset")  # fmt: skip
     return {
         split: entry.load(root, split, **options).sampler(
-            ways=ways,
-            shots=shots,
-            queries=queries,
+            queries=queries if split == "train" else eval_queries,
             augment=augmentation if augment and split == "train" else None,
-            dtype=dtype,
-            device=device,
+            **common,
         )
-        for split in IMAGE_SPLITS
+        for split in map(check_split, splits)
     }
