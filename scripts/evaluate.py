@@ -1,22 +1,28 @@
 """Test a trained checkpoint on freshly drawn tasks: mean accuracy and its 95% interval.
 
-What: loads an Omniglot experiment checkpoint (``runs/<run>/checkpoint.pt``), its
-best-validation weights by default, and tests them as the experiment's test does (the
-same sampler and evaluation function, `metalearn.evaluation.evaluate_tasks`) with any
-number of tasks and inner steps, on the run's split and data unless told otherwise. The
-last line printed is ``test/acc: 0.xxxx ± 0.xxxx`` (mean and 95% half-width over tasks);
-the result is logged to W&B as an ``eval`` job in the run's group (``--no-track`` skips).
+What: loads a checkpoint of ``experiments/omniglot_maml.py`` or ``experiments/fewshot_maml.py``
+(``runs/<run>/checkpoint.pt``), its best-validation weights by default, and tests them as
+the experiment's test does (its test sampler, rebuilt by `metalearn.data.image_set_samplers`,
+and its evaluation function, `metalearn.evaluation.evaluate_tasks`) with any number of tasks and
+inner steps. The data set, its folder and the image shape are the run's recorded ones (a
+record without ``dataset`` is an Omniglot run); ``--data-root`` points at the data
+elsewhere. The last line printed is ``test/acc: 0.xxxx ± 0.xxxx`` (mean and 95%
+half-width over tasks); the result is logged to W&B as an ``eval`` job in the run's group
+(``--no-track`` skips).
 
 Command:
     python scripts/evaluate.py --checkpoint runs/maml-5w1s-seed0/checkpoint.pt
     python scripts/evaluate.py --checkpoint runs/maml-5w1s-seed0/checkpoint.pt \\
         --tasks 2000 --steps 20 --shots 5 --which last
+    python scripts/evaluate.py --data-root /data/cifar \\
+        --checkpoint runs/cifar-fs-conv4-maml-5w1s-lr0.01-steps5-seed0/checkpoint.pt
 
-Ways: a conv4 head has one output per class it was trained on, so an N-way model is
+Ways: the network's head has one output per class it was trained on, so an N-way model is
 tested N-way only. Fewer ways would leave outputs that no class of the task owns, and
 their argmax would still count as answers: that measures a different problem, not the
 smaller-way accuracy. Shots and queries may differ from training, up to the examples per
-class of the data (20 for Omniglot). Bad input ends with a one-line error and exit code 2.
+class of the data (20 for Omniglot). ``--split`` chooses Omniglot's class split only; the
+other data sets have one published split. Bad input ends with a one-line error and exit code 2.
 """
 
 from __future__ import annotations
@@ -30,7 +36,7 @@ from typing import Any, Literal
 import torch
 
 from metalearn.cli import parse_dataclass
-from metalearn.data import load_omniglot, omniglot_samplers
+from metalearn.data import image_set_samplers
 from metalearn.deploy import load_learner
 from metalearn.evaluation import TEST_SEED, TaskSource, evaluate_tasks
 from metalearn.tracking import init_run, run_group
@@ -58,9 +64,10 @@ class Args:
     """How tasks are drawn; episodic: N-way K-shot from the split's test classes, as the
     experiment tests."""
     split: Literal["maml", "alphabet"] | None = None
-    """Omniglot split whose test classes are drawn (default: the run's)."""
+    """Omniglot runs only: the class split whose test classes are drawn (default: the run's)."""
     data_root: str | None = None
-    """Omniglot folder (default: the run's, else $METALEARN_DATA, else the cache dir)."""
+    """The run's data set's folder (default: the run's; Omniglot: else $METALEARN_DATA, else
+    the cache dir)."""
     seed: int = TEST_SEED
     """Seeds the task sampling; the default draws the run's own test tasks."""
     device: str = "cpu"
@@ -78,15 +85,23 @@ class Args:
 def settings(args: Args, run: Mapping[str, Any]) -> dict[str, Any]:
     """The evaluation's settings: each flag given, else the run's value; checked.
 
+    A record without ``dataset`` is an Omniglot experiment's; a few-shot run on Omniglot
+    used MAML's split.
+
     Raises:
-        ValueError: ways other than the head's, ``tasks < 1``, or ``steps < 0``.
+        ValueError: ways other than the head's, ``tasks < 1``, ``steps < 0``, or ``--split``
+            for a data set other than Omniglot.
     """
+    dataset = run.get("dataset", "omniglot")
+    if args.split is not None and dataset != "omniglot":
+        raise ValueError(f"--split {args.split}: {dataset} has one published split (--split "
+                         "chooses Omniglot's class split); drop --split")  # fmt: skip
     given = {"ways": args.ways, "shots": args.shots, "query": args.query, "split": args.split,
              "steps": args.steps, "data_root": args.data_root}  # fmt: skip
     runs = {"ways": run["ways"], "shots": run["shots"], "query": run["eval_query"],
-            "split": run["split"], "steps": run["eval_inner_steps"],
-            "data_root": run.get("data_root")}  # fmt: skip
-    chosen = {k: runs[k] if v is None else v for k, v in given.items()}
+            "split": run.get("split", "maml") if dataset == "omniglot" else None,
+            "steps": run["eval_inner_steps"], "data_root": run.get("data_root")}  # fmt: skip
+    chosen = {"dataset": dataset, **{k: runs[k] if v is None else v for k, v in given.items()}}
     if chosen["ways"] != run["ways"]:
         raise ValueError(
             f"--ways {chosen['ways']}: this model's head has {run['ways']} outputs (trained "
@@ -100,15 +115,25 @@ def settings(args: Args, run: Mapping[str, Any]) -> dict[str, Any]:
     return chosen
 
 
-def task_source(protocol: str, chosen: Mapping[str, Any], device: str) -> TaskSource:
-    """Where the test tasks come from: the one place a protocol is chosen."""
+def task_source(
+    protocol: str, chosen: Mapping[str, Any], run: Mapping[str, Any], device: str
+) -> TaskSource:
+    """Where the test tasks come from: the one place a protocol is chosen. The run's own
+    sampler factory draws them, at the image shape the run recorded."""
     if protocol != "episodic":
         raise ValueError(f"--protocol {protocol!r} is unknown; choose episodic")
-    data = load_omniglot(chosen["data_root"])
-    samplers = omniglot_samplers(data, chosen["split"], ways=chosen["ways"],
-                                 shots=chosen["shots"], queries=chosen["query"],
-                                 device=device)  # fmt: skip
+    samplers = image_set_samplers(
+        chosen["dataset"], chosen["data_root"], ways=chosen["ways"], shots=chosen["shots"],
+        queries=chosen["query"], image_size=run.get("image_size"), channels=run.get("channels"),
+        splits=("test",), omniglot_split=chosen["split"] or "maml", device=device,
+    )  # fmt: skip
     return samplers["test"]
+
+
+def drawn_from(chosen: Mapping[str, Any]) -> str:
+    """Whose test classes are drawn, in words: the data set, its split, its folder."""
+    split = f" ({chosen['split']} split)" if chosen["split"] else ""
+    return f"{chosen['dataset']}{split} at {chosen['data_root'] or 'its default folder'}"
 
 
 def evaluate(args: Args) -> dict[str, float]:
@@ -119,11 +144,11 @@ def evaluate(args: Args) -> dict[str, float]:
         torch.set_num_threads(args.threads)
     learner, run_args = load_learner(args.checkpoint, which=args.which, device=args.device)
     chosen = settings(args, run_args)
-    source = task_source(args.protocol, chosen, args.device)
+    source = task_source(args.protocol, chosen, run_args, args.device)
     print(
         f"{args.checkpoint} ({args.which} weights): {chosen['ways']}-way {chosen['shots']}-shot, "
         f"{chosen['query']} queries, {chosen['steps']} inner steps, {args.tasks} tasks of the "
-        f"{chosen['split']} split's test classes, seed {args.seed}"
+        f"test classes of {drawn_from(chosen)}, seed {args.seed}"
     )
     wandb_run = _start_run(args, run_args, chosen) if args.track else None
     try:
@@ -151,7 +176,8 @@ def _start_run(args: Args, run_args: Mapping[str, Any], chosen: Mapping[str, Any
     )
     return init_run(
         config, project=project, mode=args.wandb_mode, name=f"{checkpoint.parent.name}-eval",
-        group=group, tags=["eval", run_args["algorithm"], f"{chosen['ways']}w{chosen['shots']}s"],
+        group=group, tags=["eval", run_args["algorithm"], chosen["dataset"],
+                           f"{chosen['ways']}w{chosen['shots']}s"],
         dir=checkpoint.parent.parent, job_type="eval",
     )  # fmt: skip
 

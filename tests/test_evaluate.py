@@ -1,7 +1,8 @@
-"""scripts/evaluate.py and metalearn.evaluation on a real tiny run's checkpoint: the
-printed accuracy is the evaluation done by hand (load_learner, the experiment's sampler,
-learner.evaluate, the same seed), at two step counts; the eval run lands in W&B in the
-run's group; every user error is one line and exit status 2."""
+"""scripts/evaluate.py and metalearn.evaluation on real tiny runs' checkpoints, an Omniglot
+run and a few-shot run on an image folder: the printed accuracy is the evaluation done by
+hand (load_learner, the test split's sampler, learner.evaluate, the same seed), at two step
+counts; the eval run lands in W&B in the run's group; every user error is one line and exit
+status 2."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import json
 import math
 import os
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -17,9 +19,10 @@ import numpy as np
 import pytest
 import torch
 import wandb
+from image_set_fixtures import write_folder
 
 from metalearn.checkpoint import save_checkpoint
-from metalearn.data import load_omniglot, omniglot_samplers
+from metalearn.data import load_image_set, load_omniglot, omniglot_samplers
 from metalearn.deploy import load_learner
 from metalearn.evaluation import accuracy_interval, evaluate_tasks
 from metalearn.run_records import read_offline_run
@@ -28,19 +31,18 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "experiments"))
 sys.path.insert(0, str(ROOT / "scripts"))
 import evaluate as script  # noqa: E402
+import fewshot_maml as fs  # noqa: E402
 import omniglot_maml as om  # noqa: E402
 
 DATA = Path(os.environ.get("METALEARN_DATA", ROOT.parent / "shared" / "data" / "omniglot"))
-pytestmark = pytest.mark.skipif(
-    not (DATA / "images_background").is_dir(),
-    reason="full Omniglot not found: set METALEARN_DATA or put it at ../shared/data/omniglot",
-)
 RESULT = re.compile(r"test/acc: (\d\.\d{4}) ± (\d\.\d{4}|nan)")
 
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory) -> Path:
     """Two meta-steps of the experiment itself (validated, so best weights exist), offline W&B."""
+    if not (DATA / "images_background").is_dir():
+        pytest.skip("full Omniglot not found: set METALEARN_DATA or put it at ../shared/data/")
     tmp = tmp_path_factory.mktemp("runs")
     args = om.Args(
         iterations=2, meta_batch=2, query=1, eval_query=2, hidden=8, val_every=1, val_tasks=3,
@@ -199,3 +201,70 @@ def test_which_last_evaluates_the_latest_weights(checkpoint, tmp_path, capsys) -
     script.cli(common)
     assert _last_line(capsys)[1] == f"{mean:.4f}"
     assert last[1] == "0.2000"  # all-zero weights: equal logits, argmax class 0, 1 in 5 right
+
+
+# ---------------------------------------------------------------- a few-shot run's checkpoint
+
+
+@pytest.fixture(scope="module")
+def fewshot_checkpoint(tmp_path_factory) -> Path:
+    """Two meta-steps of the few-shot experiment on a folder of 3 classes of grayscale images,
+    read at 16x16 on one channel: a data set, root and image shape other than Omniglot's."""
+    tmp = tmp_path_factory.mktemp("fewshot")
+    args = fs.Args(
+        dataset="folder", data_root=str(write_folder(tmp / "folder")), image_size=16,
+        channels=1, ways=3, iterations=2, meta_batch=2, query=1, eval_query=1, hidden=4,
+        inner_steps=1, val_every=1, val_tasks=2, test_tasks=3, eval_inner_steps=1,
+        checkpoint_every=1, out_dir=str(tmp / "runs"), run_name="r", track=False, device="cpu",
+    )  # fmt: skip
+    fs.main(args)
+    return tmp / "runs" / "r" / "checkpoint.pt"
+
+
+def _folder_by_hand(path: Path, root: Path, *, steps: int, tasks: int, seed: int, query: int):
+    """The reference: the folder's test split loaded alone at 16x16 gray, sampled directly."""
+    learner, run = load_learner(path, which="best")
+    assert (run["dataset"], run["image_size"], run["channels"]) == ("folder", 16, 1)
+    test = load_image_set("folder", root, "test", image_size=16, channels=1)
+    drawn = test.sampler(ways=3, shots=1, queries=query).batch(
+        tasks, torch.Generator().manual_seed(seed)
+    )
+    assert drawn[0].query[0].shape == (3 * query, 1, 16, 16)
+    acc = learner.evaluate(drawn, steps=steps)[1].double().numpy()
+    return acc.mean(), 1.96 * acc.std(ddof=1) / math.sqrt(tasks)
+
+
+@pytest.mark.parametrize(("steps", "query"), [(0, 1), (2, 2)])
+def test_a_fewshot_checkpoint_is_evaluated_on_its_own_data(fewshot_checkpoint, capsys, steps,
+                                                           query):  # fmt: skip
+    root = Path(load_learner(fewshot_checkpoint)[1]["data_root"])
+    argv = ["--checkpoint", str(fewshot_checkpoint), "--tasks", "7", "--steps", str(steps),
+            "--seed", "5", "--query", str(query), "--no-track"]  # fmt: skip
+    assert script.cli(argv) == 0
+    out = capsys.readouterr().out.strip().splitlines()
+    assert f"3-way 1-shot, {query} queries" in out[-2]
+    assert f"7 tasks of the test classes of folder at {root}, seed 5" in out[-2]
+    printed = RESULT.fullmatch(out[-1])
+    mean, half = _folder_by_hand(fewshot_checkpoint, root, steps=steps, tasks=7, seed=5,
+                                 query=query)  # fmt: skip
+    assert printed[1] == f"{mean:.4f}" and printed[2] == f"{half:.4f}"
+
+
+def test_data_root_overrides_the_recorded_folder(fewshot_checkpoint, tmp_path, capsys) -> None:
+    recorded = Path(load_learner(fewshot_checkpoint)[1]["data_root"])
+    moved = Path(shutil.copytree(recorded, tmp_path / "moved"))
+    shutil.rmtree(moved / "test" / "emu")  # 2 test classes left: a 3-way task cannot be drawn
+    argv = ["--checkpoint", str(fewshot_checkpoint), "--tasks", "3", "--no-track"]
+    _refused(capsys, [*argv, "--data-root", str(moved)], "only 2 classes are available")
+    _refused(capsys, [*argv, "--data-root", str(tmp_path / "gone")], str(tmp_path / "gone"))
+    shutil.copytree(recorded / "test" / "emu", moved / "test" / "emu")
+    assert script.cli([*argv, "--data-root", str(moved), "--seed", "4"]) == 0
+    out = capsys.readouterr().out.strip().splitlines()
+    assert f"test classes of folder at {moved}, seed 4" in out[-2]
+    mean, _ = _folder_by_hand(fewshot_checkpoint, moved, steps=1, tasks=3, seed=4, query=1)
+    assert RESULT.fullmatch(out[-1])[1] == f"{mean:.4f}"
+
+
+def test_split_is_refused_for_a_data_set_other_than_omniglot(fewshot_checkpoint, capsys):
+    argv = ["--checkpoint", str(fewshot_checkpoint), "--no-track", "--split", "alphabet"]
+    _refused(capsys, argv, "--split alphabet: folder has one published split")
