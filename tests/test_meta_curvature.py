@@ -1,0 +1,162 @@
+"""`metalearn.meta_curvature` against dense float64 Hessians of a tiny network's losses.
+
+The references are independent of the library's inner loop: the support loss's Hessian
+from ``torch.func.hessian``, the meta-loss's from ``torch.autograd.functional.hessian`` of a
+one-step MAML meta-loss written out here with ``torch.autograd.grad``.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.func import functional_call
+
+from metalearn.algorithms import ANIL, FOMAML, IMAML, MAML, Reptile
+from metalearn.functional import flatten_tree, unflatten_like
+from metalearn.meta_curvature import meta_curvature, support_curvature
+from metalearn.outer import Task
+
+F64 = torch.float64
+ALPHA = 0.3
+
+
+def gen(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+def tiny_net() -> nn.Module:
+    """4 -> 5 -> 3 with tanh: 43 parameters, smooth to every order."""
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(4, 5), nn.Tanh(), nn.Linear(5, 3)).to(F64)
+
+
+def tiny_tasks(count: int = 2) -> list[Task]:
+    g = gen(10)
+
+    def data():
+        return torch.randn(6, 4, generator=g, dtype=F64), torch.randint(0, 3, (6,), generator=g)
+
+    return [Task(support=data(), query=data()) for _ in range(count)]
+
+
+def theta_of(net: nn.Module) -> dict[str, torch.Tensor]:
+    return {k: v.detach() for k, v in net.named_parameters()}
+
+
+def dense_meta_hessian(net: nn.Module, tasks: list[Task]) -> torch.Tensor:
+    """Hessian of 1/T sum_t L_q(theta - alpha grad L_s(theta)) over the flat theta, [n, n]."""
+    theta = theta_of(net)
+
+    def meta_loss(flat: torch.Tensor) -> torch.Tensor:
+        p = unflatten_like(flat, theta)
+        total = flat.new_zeros(())
+        for t in tasks:
+            support = F.cross_entropy(functional_call(net, p, (t.support[0],)), t.support[1])
+            grads = torch.autograd.grad(support, list(p.values()), create_graph=True)
+            phi = {k: v - ALPHA * g for (k, v), g in zip(p.items(), grads)}
+            total = total + F.cross_entropy(functional_call(net, phi, (t.query[0],)), t.query[1])
+        return total / len(tasks)
+
+    return torch.autograd.functional.hessian(meta_loss, flatten_tree(theta))
+
+
+def rademacher_quads(theta: dict, H: torch.Tensor, samples: int, seed: int) -> torch.Tensor:
+    """v'Hv for the probes `hessian_trace` draws from ``gen(seed)`` (leaf by leaf, in order)."""
+    g = gen(seed)
+    quads = []
+    for _ in range(samples):
+        leaves = [torch.randint(0, 2, t.shape, generator=g).to(t) * 2 - 1 for t in theta.values()]
+        v = torch.cat([leaf.flatten() for leaf in leaves])
+        quads.append(v @ H @ v)
+    return torch.stack(quads)
+
+
+@pytest.mark.parametrize(
+    "vectorize, checkpoint", [("loop", False), ("vmap", False), ("loop", True)]
+)
+def test_meta_curvature_matches_the_dense_meta_hessian(vectorize, checkpoint):
+    net, tasks = tiny_net(), tiny_tasks()
+    H = dense_meta_hessian(net, tasks)
+    n = H.shape[0]
+    learner = MAML(net, inner_lr=ALPHA, inner_steps=1, vectorize=vectorize, checkpoint=checkpoint)
+    result = meta_curvature(learner, tasks, iterations=n, samples=5, tol=1e-12, generator=gen(7))
+    # Lanczos with a Krylov space as large as the problem: exact up to rounding.
+    assert result.top_eigenvalue == pytest.approx(float(torch.linalg.eigvalsh(H)[-1]), rel=1e-8)
+    # Hutchinson on the same Rademacher probes, each v'Hv computed densely: exact, not
+    # statistical (the probes are drawn first from the generator).
+    quads = rademacher_quads(theta_of(net), H, 5, seed=7)
+    assert result.trace == pytest.approx(float(quads.mean()), rel=1e-9)
+    assert result.trace_std_error == pytest.approx(float(quads.std() / 5**0.5), rel=1e-8)
+
+
+def test_meta_curvature_is_second_order_for_a_first_order_learner():
+    net, tasks = tiny_net(), tiny_tasks()
+    top = float(torch.linalg.eigvalsh(dense_meta_hessian(net, tasks))[-1])
+    fomaml = FOMAML(net, inner_lr=ALPHA, inner_steps=1)
+    result = meta_curvature(fomaml, tasks, iterations=43, tol=1e-12, generator=gen(8))
+    assert result.top_eigenvalue == pytest.approx(top, rel=1e-8)
+
+
+def test_support_curvature_matches_each_tasks_dense_support_hessian():
+    net, tasks = tiny_net(), tiny_tasks(3)
+    theta = theta_of(net)
+    expected = []
+    for t in tasks:
+
+        def support(flat, t=t):
+            out = functional_call(net, unflatten_like(flat, theta), (t.support[0],))
+            return F.cross_entropy(out, t.support[1])
+
+        H = torch.func.hessian(support)(flatten_tree(theta))
+        expected.append(float(torch.linalg.eigvalsh(H)[-1]))
+    learner = MAML(net, inner_lr=ALPHA)
+    values = support_curvature(learner, tasks, iterations=43, tol=1e-12, generator=gen(9))
+    assert values.shape == (3,)
+    torch.testing.assert_close(values, torch.tensor(expected, dtype=F64), rtol=1e-8, atol=0)
+
+
+def test_support_curvature_is_over_the_adapted_parameters_only():
+    net, tasks = tiny_net(), tiny_tasks(1)
+    theta = theta_of(net)
+    body = {k: v for k, v in theta.items() if not k.startswith("2.")}
+    (t,) = tasks
+
+    def support(head):
+        out = functional_call(net, {**body, **head}, (t.support[0],))
+        return F.cross_entropy(out, t.support[1])
+
+    head = {k: v for k, v in theta.items() if k.startswith("2.")}
+    H = torch.func.hessian(lambda flat: support(unflatten_like(flat, head)))(flatten_tree(head))
+    learner = ANIL(net, head="2", inner_lr=ALPHA)
+    (value,) = support_curvature(learner, tasks, iterations=18, tol=1e-12, generator=gen(11))
+    assert float(value) == pytest.approx(float(torch.linalg.eigvalsh(H)[-1]), rel=1e-8)
+
+
+def test_measurements_are_seeded_and_leave_theta_alone():
+    net, tasks = tiny_net(), tiny_tasks()
+    learner = MAML(net, inner_lr=ALPHA)
+    before = {k: v.clone() for k, v in theta_of(net).items()}
+    first = meta_curvature(learner, tasks, iterations=4, samples=3, generator=gen(5))
+    second = meta_curvature(learner, tasks, iterations=4, samples=3, generator=gen(5))
+    assert first == second
+    assert all(torch.equal(before[k], v) for k, v in theta_of(net).items())
+    assert all(p.grad is None for p in net.parameters())
+
+
+@pytest.mark.parametrize("cls", [Reptile, IMAML])
+def test_learners_without_a_meta_loss_are_named(cls):
+    learner = cls(tiny_net(), inner_lr=ALPHA, inner_steps=2)
+    with pytest.raises(TypeError, match=f"^{cls.__name__} has no meta-loss .*support_curvature"):
+        meta_curvature(learner, tiny_tasks())
+    # The support loss exists for every learner.
+    assert support_curvature(learner, tiny_tasks(1), iterations=5).shape == (1,)
+
+
+def test_empty_task_lists_are_refused():
+    learner = MAML(tiny_net(), inner_lr=ALPHA)
+    with pytest.raises(ValueError, match="probe_tasks is empty"):
+        meta_curvature(learner, [])
+    with pytest.raises(ValueError, match="tasks is empty"):
+        support_curvature(learner, [])
