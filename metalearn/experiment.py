@@ -11,10 +11,13 @@ refuses bad input the same way::
 The argument dataclass holds the common fields the functions below read (``algorithm``,
 ``ways``, ``shots``, ``query``, ``eval_query``, ``meta_batch``, ``iterations``, the learner
 values, ``val_every``, ``val_tasks``, ``test_tasks``, ``checkpoint_every``, ``seed``,
-``out_dir``, ``run_name``, ``resume``, the W&B and device fields) and its own. A run is
-its arguments: they are checked before any data loads, the open ones are resolved once
-(`resolve_args`), and the result is what W&B and the checkpoint record. `metalearn.runs`
-says how no logged metric is lost across a kill and resume.
+``out_dir``, ``run_name``, ``resume``, ``curvature_every``, ``curvature_tasks``, the W&B
+and device fields) and its own. A run is its arguments: they are checked before any data
+loads, the open ones are resolved once (`resolve_args`), and the result is what W&B and the
+checkpoint record. `metalearn.runs` says how no logged metric is lost across a kill and
+resume. With ``curvature_every`` N > 0, every N meta-steps the train loop measures the
+curvature of the support and meta losses on fixed probe tasks (`measure_curvature`) and
+logs it under ``curv/`` with the step's other metrics.
 
 Under ``torchrun`` each rank computes the meta-gradient of its share of every meta-batch
 (`metalearn.distributed`); every rank draws the same global meta-batch, so N processes
@@ -36,12 +39,13 @@ import torch
 from tqdm import tqdm
 
 from metalearn import distributed, tune_malloc
-from metalearn.algorithms import MetaLearner
+from metalearn.algorithms import MetaLearner, MetaLossLearner
 from metalearn.algorithms.build import learner_config, resolve_learner_args
 from metalearn.checkpoint import load_checkpoint, save_checkpoint
 from metalearn.cli import parse_dataclass
 from metalearn.data import EpisodicSampler
 from metalearn.evaluation import TEST_SEED, VAL_SEED, evaluate_tasks
+from metalearn.meta_curvature import PROBE_SEED, meta_curvature, support_curvature
 from metalearn.runs import RunState, Stopped, UserError, merge_resumed_args, require, signals_held
 from metalearn.tracking import graceful_shutdown, init_run, log_model, run_group
 
@@ -52,6 +56,7 @@ __all__ = [
     "default_run_name",
     "main",
     "make_optimizer",
+    "measure_curvature",
     "meta_step",
     "parse_args",
     "resolve_args",
@@ -132,6 +137,9 @@ def check_args(exp: Experiment, args: Any) -> None:
     require(args.cg_damping is None or args.cg_damping >= 0,
             f"--cg-damping {args.cg_damping}: must be >= 0")  # fmt: skip
     require(args.eval_inner_steps >= 0, f"--eval-inner-steps {args.eval_inner_steps}: must be >= 0")
+    every, tasks = _curvature_settings(args)
+    require(every >= 0, f"--curvature-every {every}: must be >= 0 (0: off)")
+    require(tasks >= 1, f"--curvature-tasks {tasks}: must be at least 1")
     require(
         args.threads >= 0, f"--threads {args.threads}: must be at least 1, or 0 for torch's default"
     )
@@ -266,11 +274,15 @@ def train(
         gen.set_state(saved["generator"])
     path = checkpoint_path(args)
     snapshot = _snapshot(args, learner, opt, gen, state)
+    every, probe = _curvature_settings(args)[0], _curvature_probe(args, samplers["train"])
     try:
         for it in range(state.iteration, args.iterations):
             bar.set_description("train")
             row = meta_step(args, learner, opt, samplers["train"], gen)
             bar.update(args.meta_batch)
+            if probe is not None and (it + 1) % every == 0:
+                bar.set_description("curvature")
+                row.update(measure_curvature(learner, probe))
             if (it + 1) % args.val_every == 0 or it + 1 == args.iterations:
                 row.update(validate(args, learner, samplers, state, it + 1, bar))
             state.iteration = it + 1
@@ -307,6 +319,50 @@ def meta_step(args: Any, learner: MetaLearner, opt, sampler, gen) -> dict[str, f
         "train/loss": metrics.loss, "train/acc": metrics.accuracy, "perf/step_s": seconds,
         "perf/tasks_per_s": args.meta_batch / seconds,
         "perf/vectorized_tasks": metrics.vectorized, "train/skipped": metrics.skipped,
+    }  # fmt: skip
+
+
+def _curvature_settings(args: Any) -> tuple[int, int]:
+    """``(curvature_every, curvature_tasks)`` of a run (0, 4: off, for an argument type
+    without the fields)."""
+    return getattr(args, "curvature_every", 0), getattr(args, "curvature_tasks", 4)
+
+
+def _curvature_probe(args: Any, sampler: EpisodicSampler) -> list | None:
+    """The fixed probe tasks curvature is measured on (rank 0 only), or None when off.
+
+    Drawn from the training split with their own generator (`PROBE_SEED`), so they are the
+    same in every run and across a resume, and the training tasks are drawn as without them.
+    """
+    every, tasks = _curvature_settings(args)
+    if every == 0 or not distributed.is_main():
+        return None
+    return sampler.batch(tasks, torch.Generator().manual_seed(PROBE_SEED))
+
+
+def measure_curvature(learner: MetaLearner, probe: Sequence) -> dict[str, float]:
+    """The ``curv/`` metrics of the learner's current theta on the probe tasks.
+
+    ``curv/support_top_eig`` (mean over the probe tasks) and ``curv/support_top_eig_max``:
+    the top eigenvalue of each task's support-loss Hessian at theta, beside
+    ``curv/two_over_inner_lr``, the eigenvalue above which the inner step of rate
+    ``inner_lr`` (the configured one; learned rates differ) diverges on a quadratic
+    (`metalearn.meta_curvature.support_curvature`). ``curv/meta_top_eig``,
+    ``curv/meta_trace`` and its ``curv/meta_trace_std_error``: the second-order meta-loss
+    Hessian w.r.t. theta (`metalearn.meta_curvature.meta_curvature`). ``perf/curvature_s``:
+    the seconds it all took. Each measurement seeds its own generator from `PROBE_SEED`,
+    so it depends on theta alone.
+    """
+    start = time.perf_counter()
+    support = support_curvature(learner, probe, generator=torch.Generator().manual_seed(PROBE_SEED))
+    meta = meta_curvature(learner, probe, generator=torch.Generator().manual_seed(PROBE_SEED))
+    return {
+        "curv/support_top_eig": float(support.mean()),
+        "curv/support_top_eig_max": float(support.max()),
+        "curv/two_over_inner_lr": 2 / float(learner.inner_lr),
+        "curv/meta_top_eig": meta.top_eigenvalue, "curv/meta_trace": meta.trace,
+        "curv/meta_trace_std_error": meta.trace_std_error,
+        "perf/curvature_s": time.perf_counter() - start,
     }  # fmt: skip
 
 
@@ -412,6 +468,11 @@ def _main(exp: Experiment, args: Any, dist: distributed.DistInfo) -> dict[str, f
         print(f"checkpoint: {checkpoint_path(args)}", flush=True)
     samplers = exp.make_samplers(args)
     learner = exp.make_learner(args)
+    every = _curvature_settings(args)[0]
+    require(every == 0 or isinstance(learner, MetaLossLearner),
+            f"--curvature-every {every} with --algorithm {args.algorithm}: "
+            f"{type(learner).__name__} has no meta-loss to measure; use maml, fomaml, anil, "
+            "metasgd or mamlpp, or drop --curvature-every")  # fmt: skip
     state = RunState(run_name=str(args.run_name))
     if saved is not None:
         learner.load_state_dict(saved["learner"])

@@ -1,4 +1,5 @@
-"""`metalearn.meta_curvature` against dense float64 Hessians of a tiny network's losses.
+"""`metalearn.meta_curvature` against dense float64 Hessians of a tiny network's losses,
+and ``--curvature-every`` in a real Omniglot run.
 
 The references are independent of the library's inner loop: the support loss's Hessian
 from ``torch.func.hessian``, the meta-loss's from ``torch.autograd.functional.hessian`` of a
@@ -7,16 +8,30 @@ one-step MAML meta-loss written out here with ``torch.autograd.grad``.
 
 from __future__ import annotations
 
+import math
+import os
+import sys
+from dataclasses import replace
+from pathlib import Path
+
 import pytest
 import torch
 import torch.nn.functional as F
+import wandb
 from torch import nn
 from torch.func import functional_call
 
 from metalearn.algorithms import ANIL, FOMAML, IMAML, MAML, Reptile
+from metalearn.checkpoint import load_checkpoint
 from metalearn.functional import flatten_tree, unflatten_like
 from metalearn.meta_curvature import meta_curvature, support_curvature
 from metalearn.outer import Task
+from metalearn.run_records import read_offline_run
+from metalearn.runs import UserError
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "experiments"))
+import omniglot_maml as om  # noqa: E402
 
 F64 = torch.float64
 ALPHA = 0.3
@@ -160,3 +175,59 @@ def test_empty_task_lists_are_refused():
         meta_curvature(learner, [])
     with pytest.raises(ValueError, match="tasks is empty"):
         support_curvature(learner, [])
+
+
+# --------------------------------------------------------------------------- in a run
+
+DATA = Path(os.environ.get("METALEARN_DATA", ROOT.parent / "shared" / "data" / "omniglot"))
+needs_omniglot = pytest.mark.skipif(
+    not (DATA / "images_background").is_dir(),
+    reason="full Omniglot not found: set METALEARN_DATA or put it at ../shared/data/omniglot",
+)
+CURV_KEYS = {
+    "curv/support_top_eig", "curv/support_top_eig_max", "curv/two_over_inner_lr",
+    "curv/meta_top_eig", "curv/meta_trace", "curv/meta_trace_std_error", "perf/curvature_s",
+}  # fmt: skip
+
+
+def tiny_run(tmp_path: Path, **overrides) -> om.Args:
+    """Two meta-steps of a small conv4 on Omniglot."""
+    return replace(om.Args(
+        iterations=2, meta_batch=2, query=1, eval_query=2, hidden=8, val_every=2, val_tasks=2,
+        test_tasks=2, eval_inner_steps=1, data_root=str(DATA), track=False, device="cpu",
+        out_dir=str(tmp_path), curvature_tasks=2,
+    ), **overrides)  # fmt: skip
+
+
+@needs_omniglot
+def test_curvature_every_step_enters_the_history_and_wandb(tmp_path):
+    om.main(tiny_run(tmp_path, curvature_every=1, track=True, wandb_mode="offline", run_name="c"))
+    om.main(tiny_run(tmp_path, run_name="plain"))
+    (run_dir,) = (tmp_path / "wandb").glob("offline-run-*")
+    wandb.teardown()  # finish() may return before the .wandb file is complete
+    record = read_offline_run(run_dir)
+    rows = [row for row in record.history if "curv/meta_top_eig" in row]
+    assert [row["_step"] for row in rows] == [1, 2]
+    for row in rows:
+        assert CURV_KEYS <= set(row) and all(math.isfinite(row[k]) for k in CURV_KEYS)
+        assert row["curv/two_over_inner_lr"] == pytest.approx(2 / 0.4)
+        assert row["curv/support_top_eig_max"] >= row["curv/support_top_eig"]
+    history = load_checkpoint(tmp_path / "c" / "checkpoint.pt")["history"]
+    assert [CURV_KEYS <= set(row) for row in history] == [True, True]
+    for row, logged in zip(history, rows):
+        assert row["curv/meta_top_eig"] == logged["curv/meta_top_eig"]
+    # Measuring draws nothing from the training generator: the same training.
+    plain = load_checkpoint(tmp_path / "plain" / "checkpoint.pt")["history"]
+    assert [r["train/loss"] for r in history] == [r["train/loss"] for r in plain]
+    assert not any(k.startswith("curv/") for r in plain for k in r)
+
+
+@needs_omniglot
+def test_curvature_refused_for_a_learner_without_a_meta_loss(tmp_path):
+    with pytest.raises(UserError, match="--curvature-every 1 with --algorithm reptile: Reptile"):
+        om.main(tiny_run(tmp_path, algorithm="reptile", curvature_every=1))
+    with pytest.raises(UserError, match="--curvature-every -1: must be >= 0"):
+        om.main(tiny_run(tmp_path, curvature_every=-1))
+    with pytest.raises(UserError, match="--curvature-tasks 0: must be at least 1"):
+        om.main(tiny_run(tmp_path, curvature_every=1, curvature_tasks=0))
+    assert list(tmp_path.iterdir()) == []
