@@ -5,10 +5,14 @@ Usage:
     python scripts/compare_runs.py runs/wandb --group-by algorithm   # seeds: mean ± 95% CI
     python scripts/compare_runs.py runs/wandb --metrics val/acc perf/tasks_per_s --format csv
     python scripts/compare_runs.py runs/wandb --group-by inner_lr --plot runs/compare.png
+    python scripts/compare_runs.py runs/wandb --metrics curv/meta_top_eig curv/meta_trace
     python scripts/compare_runs.py ENTITY/PROJECT --online --filter config.algorithm=maml
 
 Each metric is read in the direction `DIRECTIONS` gives it (accuracies up; losses, interval
 widths and times down; throughput up); a metric it does not know shows its final value only.
+The curvature metrics (``curv/``: Hessian eigenvalues and traces) have no direction on
+purpose: a sharper or flatter landscape is something to watch, not better in itself, so
+they show their final value and their curves, never a "best".
 One row per run, or with ``--group-by`` one row per group of runs (e.g. seeds), each number
 the mean over the group's runs ± the 95% confidence half-width of that mean (Student t,
 n - 1 degrees of freedom). Offline runs are read with `metalearn.run_records`; a resumed run
@@ -43,7 +47,8 @@ DEFAULT_METRICS = ("val/acc", "test/acc", "train/loss")
 
 DIRECTIONS: tuple[tuple[str, str, str], ...] = (
     # (pattern on the metric's last path part, "up" or "down", what it measures);
-    # the first match wins, so the suffixes come before the words they end.
+    # the first match wins, so the suffixes come before the words they end. No pattern
+    # matches the curvature metrics (curv/*): neither direction is better (module docstring).
     ("*_ci95", "down", "95% interval half-width"),
     ("*_per_s", "up", "throughput"),
     ("*_s", "down", "seconds"),

@@ -162,6 +162,26 @@ def test_plot_labels_bands_and_points(tmp_path):
     assert segment == pytest.approx([mean - half, mean + half], rel=1e-4)
 
 
+def test_curvature_is_drawn_and_has_no_best(tmp_path, capsys):
+    # Measured every 2 steps, beside a training loss logged every step (--curvature-every 2).
+    rows = {s: {"train/loss": 1.0 - 0.1 * s} for s in range(5)}
+    for s, (eig, seconds) in zip((2, 4), ((3.0, 0.5), (5.0, 0.7))):
+        rows[s] |= {"curv/meta_top_eig": eig, "curv/two_over_inner_lr": 5.0,
+                    "perf/curvature_s": seconds}  # fmt: skip
+    offline_run(tmp_path, rows, name="curv", config={"seed": 0})
+    metrics = ["curv/meta_top_eig", "curv/two_over_inner_lr", "perf/curvature_s"]
+    out = run_json(capsys, str(tmp_path), "--metrics", *metrics)
+    assert [m["direction"] for m in out["metrics"]] == [None, None, "down"]
+    eig = out["rows"][0]["metrics"]["curv/meta_top_eig"]
+    assert eig == {"final": {"value": 5.0, "ci95": None, "n": 1}, "best": None}
+    assert "curv/meta_top_eig: direction unknown, final value only" in out["notes"]
+    c = compare_runs.compare(read_offline_runs([tmp_path]), metrics[:1], [])
+    (ax,) = compare_runs.figure(c).axes
+    (line,) = ax.get_lines()  # a curve through the measured steps only
+    assert list(line.get_xdata()) == [2, 4] and list(line.get_ydata()) == [3.0, 5.0]
+    assert ax.get_ylabel() == "curv/meta_top_eig"
+
+
 def test_missing_matplotlib_is_named_before_any_work(tmp_path):
     script = (
         "import runpy, sys; sys.modules['matplotlib'] = None; "
