@@ -5,15 +5,19 @@ The pipeline, one function per step (``scripts/export_adapted.py`` is the comman
     learner, args = load_learner("runs/maml-5w1s-seed0/checkpoint.pt", which="best")
     support = load_support_folder("my_support/", ways=args["ways"])   # one folder per class
     params = adapt_to_support(learner, support.x, support.y, steps=args["eval_inner_steps"])
-    model = adapted_model(learner, params)                        # an ordinary nn.Module
+    model = adapted_model(learner, params, support_x=support.x)   # an ordinary nn.Module
     export_adapted(model, support.x, "adapted.pt2", metadata={"classes": support.class_names})
     program, meta = load_exported("adapted.pt2")
     prediction = predict(program, images)                         # classes, probabilities
+    compile_aot(program, "adapted.aoti.pt2", metadata=meta)      # AOTInductor, ~30 s
+    package, meta = load_aot("adapted.aoti.pt2")                  # predict takes it too
 
 One concept per module: `run_checkpoint` (a run's checkpoint and the learner in it),
 `adapt` (the inner loop on a support set), `model` (the adapted network, batch norm
-frozen or not), `export` (the ``.pt2``, never written over data unasked), `predict`, and
-`pipeline` (all of it, self-checked). Image folders are read by `metalearn.data.folders`;
+frozen or not), `export` (the ``.pt2``, never written over data unasked), `aot` (the
+program compiled ahead of time by AOTInductor), `tensorrt` (a TensorRT engine, CUDA only),
+`latency` (per-image latency of each form, as a table), `predict`, and `pipeline` (all of
+it, self-checked). Image folders are read by `metalearn.data.folders`;
 `load_support_folder`, `SupportSet` and `IMAGE_SUFFIXES` are re-exported here.
 
 **Batch norm at inference.** Conv4's `MetaBatchNorm` is transductive: it normalises with
@@ -31,27 +35,39 @@ image per call 18.3% (chance is 20%).
 
 from metalearn.data.folders import IMAGE_SUFFIXES, SupportSet, load_support_folder
 from metalearn.deploy.adapt import adapt_to_support
+from metalearn.deploy.aot import aot_package_path, compile_aot, is_aot_package, load_aot
 from metalearn.deploy.export import check_export_target, export_adapted, load_exported
+from metalearn.deploy.latency import latency_table, latency_table_path, measure_latency
 from metalearn.deploy.model import FrozenBatchNorm, adapted_model
 from metalearn.deploy.pipeline import ExportReport, export_from_checkpoint
 from metalearn.deploy.predict import Prediction, predict
 from metalearn.deploy.run_checkpoint import is_run_checkpoint, load_learner, read_run_checkpoint
+from metalearn.deploy.tensorrt import check_tensorrt, compile_tensorrt
 
 __all__ = [
     "FrozenBatchNorm",
     "IMAGE_SUFFIXES",
     "Prediction",
     "SupportSet",
+    "ExportReport",
     "adapt_to_support",
     "adapted_model",
-    "ExportReport",
+    "aot_package_path",
     "check_export_target",
+    "check_tensorrt",
+    "compile_aot",
+    "compile_tensorrt",
     "export_adapted",
     "export_from_checkpoint",
+    "is_aot_package",
     "is_run_checkpoint",
+    "latency_table",
+    "latency_table_path",
+    "load_aot",
     "load_exported",
     "load_learner",
     "load_support_folder",
+    "measure_latency",
     "predict",
     "read_run_checkpoint",
 ]

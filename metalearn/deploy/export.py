@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import os
 import tempfile
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -21,43 +21,69 @@ from torch.export import Dim, ExportedProgram
 
 from metalearn.deploy.run_checkpoint import is_run_checkpoint
 
-__all__ = ["check_export_target", "export_adapted", "load_exported"]
+__all__ = [
+    "check_export_target",
+    "export_adapted",
+    "load_exported",
+    "sibling_path",
+    "write_atomically",
+]
 
 _METADATA = "metalearn.json"  # the name of the metadata file inside a .pt2
 
 
 def check_export_target(
-    path: str | os.PathLike, *, overwrite: bool = False, source: str | os.PathLike | None = None
+    path: str | os.PathLike,
+    *,
+    overwrite: bool = False,
+    source: str | os.PathLike | None = None,
+    label: str = "--out",
 ) -> Path:
-    """Refuse a ``.pt2`` target that would destroy data; returns it as a ``Path``.
+    """Refuse a target that would destroy data; returns it as a ``Path``.
 
     Args:
-        path: where the program would be written.
+        path: where the file would be written.
         overwrite: allow replacing an existing file that is not a training checkpoint.
         source: the checkpoint being exported, refused as a target whatever its contents.
+        label: how messages name the file: ``"--out"`` for the ``.pt2`` itself, or what a
+            file written beside it is (e.g. ``"the --aot package"``), named after ``--out``.
 
     Raises:
         FileExistsError: ``path`` is a folder, the source checkpoint, a training
             checkpoint, or (without ``overwrite``) any existing file.
     """
     path = Path(path)
-    fix = f"choose another --out (e.g. {path.parent / 'adapted.pt2'})"
+    if label == "--out":
+        fix = f"choose another --out (e.g. {path.parent / 'adapted.pt2'})"
+    else:  # a file named after --out: another --out renames it
+        fix = "choose another --out (the files beside it are named after it)"
     if path.is_dir():
-        raise FileExistsError(f"--out {path} is a folder; give the .pt2 file to write")
+        raise FileExistsError(f"{label} {path} is a folder; give the .pt2 file to write")
     if not path.exists():
         return path
     if source is not None and Path(source).exists() and path.samefile(source):
-        raise FileExistsError(f"--out {path} is the checkpoint being exported; {fix}")
+        raise FileExistsError(f"{label} {path} is the checkpoint being exported; {fix}")
     if is_run_checkpoint(path):
         raise FileExistsError(
-            f"--out {path} is a metalearn training checkpoint, never overwritten (not even "
+            f"{label} {path} is a metalearn training checkpoint, never overwritten (not even "
             f"with --overwrite); {fix}"
         )
     if not overwrite:
         raise FileExistsError(
-            f"--out {path} exists; pass --overwrite (overwrite=True) to replace it, or {fix}"
+            f"{label} {path} exists; pass --overwrite (overwrite=True) to replace it, or {fix}"
         )
     return path
+
+
+def sibling_path(out: str | os.PathLike, suffix: str) -> Path:
+    """A file beside ``out`` named after it: ``adapted.pt2`` -> ``adapted<suffix>``.
+
+    One naming rule for everything written next to the exported program (the AOTInductor
+    package ``adapted.aoti.pt2``, the latency table ``adapted.latency.md``).
+    """
+    out = Path(out)
+    stem = out.name[: -len(".pt2")] if out.name.endswith(".pt2") else out.name
+    return out.with_name(stem + suffix)
 
 
 def export_adapted(
@@ -91,17 +117,36 @@ def export_adapted(
     dynamic = ({0: Dim.DYNAMIC},) if dynamic_batch else None
     program = torch.export.export(model, (example_x,), dynamic_shapes=dynamic)
     extra = {_METADATA: json.dumps(dict(metadata or {}))}
-    path.parent.mkdir(parents=True, exist_ok=True)
     # torch.export.save warns unless the name ends in .pt2, so the temporary file does too.
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.stem}.", suffix=".tmp.pt2")
+    write_atomically(
+        path, lambda tmp: torch.export.save(program, tmp, extra_files=extra), overwrite=overwrite
+    )
+    return path
+
+
+def write_atomically(
+    path: Path, write: Callable[[str], object], *, overwrite: bool, suffix: str = ".tmp.pt2"
+) -> None:
+    """Let ``write`` fill a temporary file beside ``path``, then move it into place.
+
+    A crash mid-write leaves any previous file intact, as ``save_checkpoint`` does; without
+    ``overwrite``, a file that appeared at ``path`` meanwhile is not replaced.
+
+    Args:
+        path: the final file (its folder is created).
+        write: called with the temporary file's name; writes the whole file there.
+        overwrite: replace an existing ``path``.
+        suffix: the temporary name's ending (torch's writers want ``.pt2``).
+    """
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.stem}.", suffix=suffix)
     os.close(fd)
-    try:  # a crash mid-write leaves any previous file intact, as save_checkpoint does
-        torch.export.save(program, tmp, extra_files=extra)
+    try:
+        write(tmp)
         os.chmod(tmp, 0o644)
         _move_into_place(Path(tmp), path, overwrite)
     finally:
         Path(tmp).unlink(missing_ok=True)
-    return path
 
 
 def _move_into_place(tmp: Path, path: Path, overwrite: bool) -> None:

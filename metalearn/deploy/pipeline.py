@@ -1,24 +1,49 @@
-"""The whole deployment: checkpoint -> adapt on a support folder -> ``.pt2``, self-checked."""
+"""The whole deployment: checkpoint -> adapt on a support folder -> ``.pt2``, self-checked.
+
+Optionally also an AOTInductor package (``aot=True``) and a TensorRT engine
+(``tensorrt=True``), each checked against eager on the support set, and a per-image
+latency table of every form written beside the ``.pt2``. Every target is checked before
+any work, so a refusal leaves the disk as it was.
+"""
 
 from __future__ import annotations
 
 import os
+import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Literal, NamedTuple
+from typing import Any, Literal, NamedTuple
 
 import torch
+from torch import Tensor, nn
+from torch.export import ExportedProgram
 
 from metalearn.data.folders import load_support_folder
 from metalearn.deploy.adapt import adapt_to_support
-from metalearn.deploy.export import check_export_target, export_adapted, load_exported
+from metalearn.deploy.aot import aot_package_path, check_compiler, compile_aot, load_aot
+from metalearn.deploy.export import (
+    check_export_target,
+    export_adapted,
+    load_exported,
+    write_atomically,
+)
+from metalearn.deploy.latency import (
+    check_repeats,
+    latency_table,
+    latency_table_path,
+    measure_latency,
+)
 from metalearn.deploy.model import adapted_model
 from metalearn.deploy.run_checkpoint import load_learner
+from metalearn.deploy.tensorrt import check_tensorrt, compile_tensorrt
 
 __all__ = ["ExportReport", "export_from_checkpoint"]
 
+WARMUP = 5  # untimed calls before the timed ones (first-call allocation, lazy set-up)
+
 
 class ExportReport(NamedTuple):
-    """What `export_from_checkpoint` did, with its self-check."""
+    """What `export_from_checkpoint` did, with its self-checks."""
 
     path: Path
     """The ``.pt2`` written."""
@@ -30,6 +55,18 @@ class ExportReport(NamedTuple):
     """Max |exported - eager| logit on the support set (the exported program reloaded)."""
     support_accuracy: float
     """Accuracy of the adapted model on its own support set."""
+    aot_path: Path | None = None
+    """The AOTInductor package written (``aot=True``)."""
+    aot_seconds: float | None = None
+    """Wall-clock seconds the AOTInductor compile took."""
+    aot_max_abs_diff: float | None = None
+    """Max |package - eager| logit on the support set (the package reloaded)."""
+    tensorrt_max_abs_diff: float | None = None
+    """Max |TensorRT - eager| logit on the support set (``tensorrt=True``)."""
+    latency_path: Path | None = None
+    """The latency table written (with ``aot`` or ``tensorrt``)."""
+    latency: str | None = None
+    """That table's markdown."""
 
 
 def export_from_checkpoint(
@@ -44,6 +81,9 @@ def export_from_checkpoint(
     resample: str = "lanczos",
     device: torch.device | str = "cpu",
     overwrite: bool = False,
+    aot: bool = False,
+    tensorrt: bool = False,
+    latency_repeats: int = 50,
 ) -> ExportReport:
     """Load, adapt on a support folder, export, reload and compare: the whole pipeline.
 
@@ -57,15 +97,22 @@ def export_from_checkpoint(
         dynamic_batch: the program takes any batch size.
         resample: image resizing filter (the experiment trains with ``"lanczos"``).
         device: where to adapt (the program is exported for it).
-        overwrite: replace an existing ``out`` (never a training checkpoint).
+        overwrite: replace existing outputs (never a training checkpoint).
+        aot: also compile the program with AOTInductor (`aot_package_path` of ``out``).
+        tensorrt: also build a TensorRT engine (CUDA and ``torch_tensorrt``; not saved).
+        latency_repeats: timed calls per form for the latency table (with ``aot`` or
+            ``tensorrt``; `latency_table_path` of ``out``).
 
     Returns:
         An `ExportReport`.
 
     Raises:
-        FileExistsError: ``out`` is refused (`check_export_target`), before any work.
+        FileExistsError: an output is refused (`check_export_target`), before any work.
+        ValueError: ``aot`` without a C++ compiler, ``tensorrt`` without its needs, or
+            ``latency_repeats < 1``, before any work.
     """
-    check_export_target(out, overwrite=overwrite, source=checkpoint)
+    aot_path, latency_path = _check_outputs(checkpoint, out, aot, tensorrt, latency_repeats,
+                                            overwrite)  # fmt: skip
     learner, args = load_learner(checkpoint, which=which, device=device)
     support = load_support_folder(support_folder, resample=resample, ways=args["ways"])
     x, y = support.x.to(device), support.y.to(device)
@@ -79,12 +126,99 @@ def export_from_checkpoint(
         model, x, out, dynamic_batch=dynamic_batch, metadata=meta, overwrite=overwrite
     )
     program, _ = load_exported(path)
-    with torch.inference_mode():
-        eager, exported = model(x), program.module()(x)
-    return ExportReport(
+    report = ExportReport(
         path,
         support.class_names,
         steps,
-        (exported - eager).abs().max().item(),
-        (eager.argmax(-1) == y).double().mean().item(),
+        _max_abs_diff(program.module(), model, x),
+        (_logits(model, x).argmax(-1) == y).double().mean().item(),
     )
+    if latency_path is None:
+        return report
+    return _compile_and_time(report, model, program, x, meta, aot_path, tensorrt,
+                             latency_path, latency_repeats, overwrite, dynamic_batch)  # fmt: skip
+
+
+def _check_outputs(
+    checkpoint: str | os.PathLike,
+    out: str | os.PathLike,
+    aot: bool,
+    tensorrt: bool,
+    latency_repeats: int,
+    overwrite: bool,
+) -> tuple[Path | None, Path | None]:
+    """Refuse, before any work, what the run could not finish: ``(aot_path, latency_path)``."""
+    check_export_target(out, overwrite=overwrite, source=checkpoint)
+    aot_path = latency_path = None
+    kept = {"overwrite": overwrite, "source": checkpoint}
+    if aot:
+        aot_path = check_export_target(aot_package_path(out), label="the --aot package", **kept)
+        check_compiler()
+    if tensorrt:
+        check_tensorrt()
+    if aot or tensorrt:
+        check_repeats(latency_repeats, WARMUP)
+        latency_path = check_export_target(
+            latency_table_path(out), label="the latency table", **kept
+        )
+    return aot_path, latency_path
+
+
+def _compile_and_time(
+    report: ExportReport,
+    model: nn.Module,
+    program: ExportedProgram,
+    x: Tensor,
+    meta: dict[str, Any],
+    aot_path: Path | None,
+    tensorrt: bool,
+    latency_path: Path,
+    repeats: int,
+    overwrite: bool,
+    dynamic_batch: bool,
+) -> ExportReport:
+    """Compile the requested forms, check each on the support set, and time them all."""
+    one = x[:1] if dynamic_batch else x  # a fixed-batch program takes only the support size
+
+    def inference_mode_model(images: Tensor) -> Tensor:
+        with torch.inference_mode():
+            return model(images)
+
+    forms: dict[str, tuple[Callable[[Tensor], Tensor], Tensor]] = {
+        "eager": (model, one),
+        "eager, inference_mode": (inference_mode_model, one),
+        "exported program": (program.module(), one),
+    }
+    changes: dict[str, Any] = {"latency_path": latency_path}
+    if aot_path is not None:
+        start = time.perf_counter()
+        compile_aot(program, aot_path, metadata=meta, overwrite=overwrite)
+        changes["aot_seconds"] = time.perf_counter() - start
+        package, _ = load_aot(aot_path)
+        changes.update(aot_path=aot_path, aot_max_abs_diff=_max_abs_diff(package, model, x))
+        forms["AOTInductor package"] = (package, one)
+    if tensorrt:
+        engine = compile_tensorrt(model, x, dynamic_batch=dynamic_batch)
+        changes["tensorrt_max_abs_diff"] = _max_abs_diff(engine, model, x, device="cuda")
+        forms["TensorRT engine"] = (engine, one.to("cuda"))
+    latencies = measure_latency(forms, repeats=repeats, warmup=WARMUP)
+    devices = {name: images.device.type for name, (_, images) in forms.items()}
+    table = latency_table(latencies, batch=len(one), repeats=repeats, warmup=WARMUP,
+                          devices=devices)  # fmt: skip
+    write_atomically(latency_path, lambda tmp: Path(tmp).write_text(table),
+                     overwrite=overwrite, suffix=".tmp.md")  # fmt: skip
+    return report._replace(latency=table, **changes)
+
+
+def _logits(run: Callable[[Tensor], Tensor], x: Tensor) -> Tensor:
+    """``run(x)`` under ``torch.inference_mode()``."""
+    with torch.inference_mode():
+        return run(x)
+
+
+def _max_abs_diff(
+    run: Callable[[Tensor], Tensor], model: nn.Module, x: Tensor, device: str | None = None
+) -> float:
+    """Max |run - eager| logit on ``x``; ``run`` gets ``x`` on ``device`` (default: x's)."""
+    got = _logits(run, x.to(device or x.device)).to(x.device)
+    return (got - _logits(model, x)).abs().max().item()

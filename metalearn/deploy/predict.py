@@ -1,14 +1,16 @@
-"""Classify images with an adapted model, an exported program or a ``.pt2`` file."""
+"""Classify images with an adapted model, an exported program, an AOT package, or their file."""
 
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from typing import NamedTuple
 
 import torch
 from torch import Tensor, nn
 from torch.export import ExportedProgram
 
+from metalearn.deploy.aot import is_aot_package, load_aot
 from metalearn.deploy.export import load_exported
 
 __all__ = ["Prediction", "predict"]
@@ -23,11 +25,15 @@ class Prediction(NamedTuple):
     """Softmax of the logits, ``[B, ways]``."""
 
 
-def predict(model: nn.Module | ExportedProgram | str | os.PathLike, x: Tensor) -> Prediction:
+def predict(
+    model: nn.Module | ExportedProgram | Callable[[Tensor], Tensor] | str | os.PathLike,
+    x: Tensor,
+) -> Prediction:
     """Classify images under ``torch.inference_mode()``.
 
     Args:
-        model: an adapted module, an ``ExportedProgram``, or the path of a ``.pt2``.
+        model: an adapted module, an ``ExportedProgram``, a loaded AOT package (`load_aot`),
+            or the path of an exported ``.pt2`` or of an AOT package (``.aoti.pt2``).
         x: images ``[B, C, H, W]``. Under ``norm="transductive"`` the batch is normalised
             together (predict a query set in one call); under ``"support"`` each image alone.
 
@@ -35,7 +41,7 @@ def predict(model: nn.Module | ExportedProgram | str | os.PathLike, x: Tensor) -
         A `Prediction`: ``classes [B]`` and ``probabilities [B, ways]``.
     """
     if isinstance(model, (str, os.PathLike)):
-        model = load_exported(model)[0]
+        model = load_aot(model)[0] if is_aot_package(model) else load_exported(model)[0]
     run = model.module() if isinstance(model, ExportedProgram) else model
     with torch.inference_mode():
         probabilities = torch.softmax(run(x), dim=-1)
