@@ -325,9 +325,10 @@ def _check_arguments(
     base = images.shape[0] if counts is None else len(counts)
     num_classes = base * len(rotations)
     if ways > num_classes:
+        rotated = f" ({base} classes x {len(rotations)} rotations)" if len(rotations) > 1 else ""
         raise ValueError(
-            f"ways={ways} but only {num_classes} classes are available ({base} "
-            f"characters x {len(rotations)} rotations); lower ways or add rotations"
+            f"ways={ways} but only {num_classes} classes are available{rotated}; lower ways"
+        )
         )
     if counts is None:
         smallest, size = 0, images.shape[1]
