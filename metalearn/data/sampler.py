@@ -329,7 +329,6 @@ def _check_arguments(
         raise ValueError(
             f"ways={ways} but only {num_classes} classes are available{rotated}; lower ways"
         )
-        )
     if counts is None:
         smallest, size = 0, images.shape[1]
     else:
