@@ -1,9 +1,11 @@
-"""scripts/export_adapted.py never destroys data: an existing --out is replaced only with
---overwrite, a training checkpoint never; every refusal is one line on stderr, exit status
-2, and leaves every file as it was; the write is atomic."""
+"""scripts/export_adapted.py never destroys data: an existing --out (or --aot package, or
+latency table) is replaced only with --overwrite, a training checkpoint never; every
+refusal is one line on stderr, exit status 2, and leaves every file as it was; the write
+is atomic. (--aot's compile itself is tested in test_aot.py.)"""
 
 from __future__ import annotations
 
+import importlib.util
 import subprocess
 import sys
 from pathlib import Path
@@ -134,3 +136,41 @@ def test_a_crash_while_writing_leaves_the_previous_file_intact(run, tmp_path, mo
         script.cli(argv)
     assert out.read_bytes() == b"the previous export"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["adapted.pt2", "run", "support-0"]
+
+
+def test_aot_outputs_are_refused_like_the_pt2_before_any_work(run, tmp_path, capsys) -> None:
+    checkpoint, support = run
+    out = tmp_path / "adapted.pt2"
+    argv = ["--checkpoint", str(checkpoint), "--support", str(support), "--out", str(out),
+            "--aot"]  # fmt: skip
+    package, table = tmp_path / "adapted.aoti.pt2", tmp_path / "adapted.latency.md"
+    package.write_bytes(b"an earlier package")
+    _refused(capsys, argv, tmp_path, f"the --aot package {package} exists; pass --overwrite")
+    package.unlink()
+    table.write_text("an earlier table")
+    _refused(capsys, argv, tmp_path, f"the latency table {table} exists; pass --overwrite")
+    table.unlink()
+    _refused(capsys, [*argv, "--latency-repeats", "0"], tmp_path, "repeats >= 1")
+    # A training checkpoint where the package would go: never written over.
+    experiment_checkpoint(tmp_path / "second", _args()).rename(package)
+    _refused(capsys, [*argv, "--overwrite"], tmp_path, "training checkpoint, never overwritten")
+    assert not out.exists()  # refused before the .pt2 was written, too
+
+
+def test_the_checkpoint_is_never_the_aot_package(run, tmp_path, capsys) -> None:
+    checkpoint, support = run
+    source = checkpoint.rename(checkpoint.with_name("model.aoti.pt2"))
+    argv = ["--checkpoint", str(source), "--support", str(support), "--out",
+            str(source.with_name("model.pt2")), "--aot", "--overwrite"]  # fmt: skip
+    message = f"the --aot package {source} is the checkpoint being exported; choose another --out"
+    _refused(capsys, argv, tmp_path, message)
+
+
+@pytest.mark.skipif(
+    torch.cuda.is_available() and importlib.util.find_spec("torch_tensorrt") is not None,
+    reason="TensorRT can be built here",
+)
+def test_tensorrt_without_its_needs_is_one_line_and_changes_nothing(run, tmp_path, capsys):
+    checkpoint, support = run
+    argv = ["--checkpoint", str(checkpoint), "--support", str(support), "--tensorrt"]
+    _refused(capsys, argv, tmp_path, "--tensorrt needs ")
