@@ -109,7 +109,7 @@ def latency_table(
     """
     caption = (
         f"Per-image latency: batch {batch}, median of {repeats} calls after {warmup} warm-up "
-        f"calls, torch {torch.__version__}, {torch.get_num_threads()} CPU threads."
+        f"calls, torch {torch.__version__}, torch.get_num_threads() = {torch.get_num_threads()}."
     )
     first, reference = next(iter(latencies.items()))
     rows = [f"| form | device | ms per image | speed-up vs {first} |", "|---|---|---|---|"]
