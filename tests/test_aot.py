@@ -154,7 +154,7 @@ def test_measure_latency_times_every_form_after_its_warm_up() -> None:
         measure_latency(runners, repeats=0)
 
 
-def test_compile_aot_refuses_before_compiling_and_changes_nothing(tmp_path, monkeypatch):
+def test_compile_aot_refuses_before_compiling_and_changes_nothing(tmp_path) -> None:
     model = torch.nn.Linear(3, 2).eval()
     program = torch.export.export(model, (torch.ones(1, 3),))
     existing = tmp_path / "kept.aoti.pt2"
@@ -167,8 +167,11 @@ def test_compile_aot_refuses_before_compiling_and_changes_nothing(tmp_path, monk
         compile_aot(program, checkpoint, overwrite=True)
     with pytest.raises(ValueError, match=r"must end in \.pt2; name it e\.g\. .*\.so\.pt2"):
         compile_aot(program, tmp_path / "model.so")
-    monkeypatch.setattr(torch._inductor.config.cpp, "cxx", (None, str(tmp_path / "no-c++")))
-    with pytest.raises(ValueError, match="--aot needs a C\\+\\+ compiler: install g\\+\\+"):
+    no_compiler = {"cpp.cxx": (None, str(tmp_path / "no-c++"))}  # Inductor's own search list
+    with (
+        torch._inductor.config.patch(no_compiler),
+        pytest.raises(ValueError, match="--aot needs a C\\+\\+ compiler: install g\\+\\+"),
+    ):
         compile_aot(program, tmp_path / "new.aoti.pt2")
     assert {p: p.read_bytes() for p in before} == before
     assert sorted(p.name for p in tmp_path.iterdir()) == ["kept.aoti.pt2", "run"]
