@@ -135,8 +135,11 @@ def export_from_checkpoint(
     )
     if latency_path is None:
         return report
-    return _compile_and_time(report, model, program, x, meta, aot_path, tensorrt,
-                             latency_path, latency_repeats, overwrite, dynamic_batch)  # fmt: skip
+    return _compile_and_time(
+        report, model, program, x, meta=meta, aot_path=aot_path, tensorrt=tensorrt,
+        latency_path=latency_path, repeats=latency_repeats, overwrite=overwrite,
+        dynamic_batch=dynamic_batch,
+    )  # fmt: skip
 
 
 def _check_outputs(
@@ -169,6 +172,7 @@ def _compile_and_time(
     model: nn.Module,
     program: ExportedProgram,
     x: Tensor,
+    *,
     meta: dict[str, Any],
     aot_path: Path | None,
     tensorrt: bool,
@@ -177,7 +181,11 @@ def _compile_and_time(
     overwrite: bool,
     dynamic_batch: bool,
 ) -> ExportReport:
-    """Compile the requested forms, check each on the support set, and time them all."""
+    """Compile the requested forms, check each on the support set ``x``, and time them all.
+
+    Forms are timed on one image (on the whole support set when the program's batch is
+    fixed); the table goes to ``latency_path`` and into the returned report.
+    """
     one = x[:1] if dynamic_batch else x  # a fixed-batch program takes only the support size
 
     def inference_mode_model(images: Tensor) -> Tensor:
