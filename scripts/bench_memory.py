@@ -51,7 +51,7 @@ from dataclasses import dataclass
 
 import torch
 from bench_maml import markdown_table
-from benchtools import _status_kb, peak_step_mb
+from benchtools import peak_step_mb, status_kb
 from torch import Tensor, nn
 
 from metalearn.algorithms import ANIL, FOMAML, MAML, MetaLearner
@@ -161,7 +161,7 @@ def probe(config: Config, work: Workload) -> dict[str, object]:
         seconds.append(time.perf_counter() - start)
 
     above_start = peak_step_mb(step)  # a warm-up step, then the measured one
-    peak_rss = _status_kb("VmHWM") / 1024  # the measured step's high-water mark
+    peak_rss = status_kb("VmHWM") / 1024  # the measured step's high-water mark
     for _ in range(work.repeats - 1):
         step()
     chunks = learner.plan(tasks, learner.inner_loop())

@@ -123,7 +123,7 @@ def _quiet_profiler_log() -> Iterator[None]:
 _PROFILER_CHATTER = re.compile(r"^(USDT|STAGE):\S* \S* \d+:\d+ \S+\.cpp:\d+\]")
 
 
-def _status_kb(key: str) -> int:
+def status_kb(key: str) -> int:
     """One ``kB`` field of ``/proc/self/status`` (``VmRSS``, ``VmHWM``)."""
     with open("/proc/self/status") as f:
         return int(re.search(rf"^{key}:\s+(\d+) kB", f.read(), re.M).group(1))
@@ -141,6 +141,6 @@ def peak_step_mb(step: Callable[[], None], device: torch.device | str = "cpu") -
     gc.collect()
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")  # reset VmHWM to the current RSS (Linux >= 4.0)
-    start = _status_kb("VmRSS")
+    start = status_kb("VmRSS")
     step()
-    return (_status_kb("VmHWM") - start) / 1024
+    return (status_kb("VmHWM") - start) / 1024
