@@ -124,6 +124,11 @@ class Args:
     """Test tasks for the final accuracy and its 95% confidence interval."""
     checkpoint_every: int = 200
     """Meta-steps between checkpoints (also written on Ctrl-C / SIGTERM)."""
+    curvature_every: int = 0
+    """Meta-steps between curvature measurements (curv/ metrics: support and meta-loss
+    Hessians' top eigenvalues, the meta-loss Hessian's trace); 0: off."""
+    curvature_tasks: int = 4
+    """Fixed probe tasks (drawn once from the training split) curvature is measured on."""
     seed: int = 0
     """Seeds the initial weights and the task sampling."""
     out_dir: str = "runs"

@@ -68,7 +68,7 @@ __all__ = [
 
 _AT_LEAST_ONE = (
     "ways", "shots", "query", "eval_query", "meta_batch", "iterations", "hidden",
-    "val_every", "val_tasks", "test_tasks", "checkpoint_every", "inner_steps",
+    "val_every", "val_tasks", "test_tasks", "checkpoint_every", "inner_steps", "curvature_tasks",
 )  # fmt: skip
 
 
@@ -137,9 +137,8 @@ def check_args(exp: Experiment, args: Any) -> None:
     require(args.cg_damping is None or args.cg_damping >= 0,
             f"--cg-damping {args.cg_damping}: must be >= 0")  # fmt: skip
     require(args.eval_inner_steps >= 0, f"--eval-inner-steps {args.eval_inner_steps}: must be >= 0")
-    every, tasks = _curvature_settings(args)
-    require(every >= 0, f"--curvature-every {every}: must be >= 0 (0: off)")
-    require(tasks >= 1, f"--curvature-tasks {tasks}: must be at least 1")
+    require(args.curvature_every >= 0,
+            f"--curvature-every {args.curvature_every}: must be >= 0 (0: off)")  # fmt: skip
     require(
         args.threads >= 0, f"--threads {args.threads}: must be at least 1, or 0 for torch's default"
     )
@@ -274,13 +273,13 @@ def train(
         gen.set_state(saved["generator"])
     path = checkpoint_path(args)
     snapshot = _snapshot(args, learner, opt, gen, state)
-    every, probe = _curvature_settings(args)[0], _curvature_probe(args, samplers["train"])
+    probe = _curvature_probe(args, samplers["train"])
     try:
         for it in range(state.iteration, args.iterations):
             bar.set_description("train")
             row = meta_step(args, learner, opt, samplers["train"], gen)
             bar.update(args.meta_batch)
-            if probe is not None and (it + 1) % every == 0:
+            if probe is not None and (it + 1) % args.curvature_every == 0:
                 bar.set_description("curvature")
                 row.update(measure_curvature(learner, probe))
             if (it + 1) % args.val_every == 0 or it + 1 == args.iterations:
@@ -322,22 +321,15 @@ def meta_step(args: Any, learner: MetaLearner, opt, sampler, gen) -> dict[str, f
     }  # fmt: skip
 
 
-def _curvature_settings(args: Any) -> tuple[int, int]:
-    """``(curvature_every, curvature_tasks)`` of a run (0, 4: off, for an argument type
-    without the fields)."""
-    return getattr(args, "curvature_every", 0), getattr(args, "curvature_tasks", 4)
-
-
 def _curvature_probe(args: Any, sampler: EpisodicSampler) -> list | None:
     """The fixed probe tasks curvature is measured on (rank 0 only), or None when off.
 
     Drawn from the training split with their own generator (`PROBE_SEED`), so they are the
     same in every run and across a resume, and the training tasks are drawn as without them.
     """
-    every, tasks = _curvature_settings(args)
-    if every == 0 or not distributed.is_main():
+    if args.curvature_every == 0 or not distributed.is_main():
         return None
-    return sampler.batch(tasks, torch.Generator().manual_seed(PROBE_SEED))
+    return sampler.batch(args.curvature_tasks, torch.Generator().manual_seed(PROBE_SEED))
 
 
 def measure_curvature(learner: MetaLearner, probe: Sequence) -> dict[str, float]:
@@ -468,9 +460,8 @@ def _main(exp: Experiment, args: Any, dist: distributed.DistInfo) -> dict[str, f
         print(f"checkpoint: {checkpoint_path(args)}", flush=True)
     samplers = exp.make_samplers(args)
     learner = exp.make_learner(args)
-    every = _curvature_settings(args)[0]
-    require(every == 0 or isinstance(learner, MetaLossLearner),
-            f"--curvature-every {every} with --algorithm {args.algorithm}: "
+    require(args.curvature_every == 0 or isinstance(learner, MetaLossLearner),
+            f"--curvature-every {args.curvature_every} with --algorithm {args.algorithm}: "
             f"{type(learner).__name__} has no meta-loss to measure; use maml, fomaml, anil, "
             "metasgd or mamlpp, or drop --curvature-every")  # fmt: skip
     state = RunState(run_name=str(args.run_name))
