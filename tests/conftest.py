@@ -42,6 +42,7 @@ def _isolated_wandb(tmp_path, monkeypatch):
 # quick subset, ``pytest -m "not slow"``, leaves them out. One list, so a new end-to-end
 # module is marked in one place.
 SLOW_MODULES = {
+    "test_bench_curvature",
     "test_bench_memory",
     "test_compare_runs",
     "test_distributed",
