@@ -68,8 +68,24 @@ def affine_resample(x: Tensor, theta: Tensor) -> Tensor:
     return F.grid_sample(x, grid, mode="bilinear", padding_mode="zeros", align_corners=False)
 
 
+class _Augmentation:
+    """One batched augmentation: ``params`` draws every image's parameters from the
+    generator, ``apply`` uses them, so a test can replay ``apply`` on known parameters."""
+
+    def params(self, batch: int, generator: torch.Generator) -> Tensor:
+        raise NotImplementedError
+
+    def apply(self, x: Tensor, params: Tensor) -> Tensor:
+        raise NotImplementedError
+
+    def __call__(self, x: Tensor, generator: torch.Generator) -> Tensor:
+        """Augment images ``x [B, ch, H, W]`` in [0, 1]; all randomness from ``generator``."""
+        _check_batch(x)
+        return self.apply(x, self.params(len(x), check_generator(generator)))
+
+
 @dataclass(frozen=True)
-class PadCrop:
+class PadCrop(_Augmentation):
     """Zero-pad by ``padding`` pixels, then crop ``H x W`` at a random offset."""
 
     padding: int = 8
@@ -89,13 +105,9 @@ class PadCrop:
         # Advanced indices split by a slice put their dimensions first: [B, H, W, ch].
         return padded[batch, :, rows[:, :, None], cols[:, None, :]].permute(0, 3, 1, 2)
 
-    def __call__(self, x: Tensor, generator: torch.Generator) -> Tensor:
-        _check_batch(x)
-        return self.apply(x, self.params(len(x), check_generator(generator)))
-
 
 @dataclass(frozen=True)
-class RandomResizedCrop:
+class RandomResizedCrop(_Augmentation):
     """Crop a random box of ``scale`` of the area and ``ratio`` aspect, resize to ``H x W``.
 
     Unlike torchvision, which retries a box that does not fit ten times and then falls back
@@ -121,13 +133,9 @@ class RandomResizedCrop:
     def apply(self, x: Tensor, theta: Tensor) -> Tensor:
         return affine_resample(x, theta)
 
-    def __call__(self, x: Tensor, generator: torch.Generator) -> Tensor:
-        _check_batch(x)
-        return self.apply(x, self.params(len(x), check_generator(generator)))
-
 
 @dataclass(frozen=True)
-class HorizontalFlip:
+class HorizontalFlip(_Augmentation):
     """Mirror each image left-right with probability ``p``."""
 
     p: float = 0.5
@@ -139,13 +147,9 @@ class HorizontalFlip:
     def apply(self, x: Tensor, flip: Tensor) -> Tensor:
         return torch.where(flip.to(x.device)[:, None, None, None], x.flip(-1), x)
 
-    def __call__(self, x: Tensor, generator: torch.Generator) -> Tensor:
-        _check_batch(x)
-        return self.apply(x, self.params(len(x), check_generator(generator)))
-
 
 @dataclass(frozen=True)
-class ColorJitter:
+class ColorJitter(_Augmentation):
     """Scale brightness, contrast and saturation by factors from ``U(1 - s, 1 + s)``.
 
     Applied in that order, each clamped to [0, 1] as torchvision's ``ColorJitter``: brightness
@@ -174,10 +178,6 @@ class ColorJitter:
             x = (f[:, 2] * x + (1 - f[:, 2]) * _gray(x)).clamp(0, 1)
         return x
 
-    def __call__(self, x: Tensor, generator: torch.Generator) -> Tensor:
-        _check_batch(x)
-        return self.apply(x, self.params(len(x), check_generator(generator)))
-
 
 def _gray(x: Tensor) -> Tensor:
     """``[B, 1, H, W]``: luma of RGB images, or the single channel itself."""
@@ -188,7 +188,7 @@ def _gray(x: Tensor) -> Tensor:
 
 
 @dataclass(frozen=True)
-class SmallAffine:
+class SmallAffine(_Augmentation):
     """A small random rotation, shear, scale and shift, bilinear, zero outside.
 
     The forward map is ``p -> R(angle) Sh(shear) S(scale) p + shift`` about the image
@@ -219,10 +219,6 @@ class SmallAffine:
 
     def apply(self, x: Tensor, theta: Tensor) -> Tensor:
         return affine_resample(x, theta)
-
-    def __call__(self, x: Tensor, generator: torch.Generator) -> Tensor:
-        _check_batch(x)
-        return self.apply(x, self.params(len(x), check_generator(generator)))
 
 
 @dataclass(frozen=True)
