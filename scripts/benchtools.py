@@ -19,6 +19,7 @@ import gc
 import itertools
 import os
 import re
+import subprocess
 import sys
 import tempfile
 from collections.abc import Callable, Iterator
@@ -97,6 +98,21 @@ def peak_memory_bytes(fn: Callable[[], object], device: torch.device | str) -> i
     return max(0, max(live, default=0))
 
 
+def retained_bytes(fn: Callable[[], object]) -> tuple[object, int]:
+    """``fn()``'s result and the CPU tensor bytes allocated during the call still live after it.
+
+    The same ``torch.profiler`` memory events as `peak_memory_bytes`, summed to the end
+    instead of maximised: the result itself and whatever it keeps alive (e.g. the autograd
+    graph's saved tensors) while the caller holds it.
+    """
+    with (
+        _quiet_profiler_log(),
+        profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof,
+    ):
+        result = fn()
+    return result, sum(e.self_cpu_memory_usage for e in prof.events())
+
+
 @contextlib.contextmanager
 def _quiet_profiler_log() -> Iterator[None]:
     """Drop the profiler's C++ status lines ("USDT: ... profiler_start") from stderr.
@@ -144,3 +160,28 @@ def peak_step_mb(step: Callable[[], None], device: torch.device | str = "cpu") -
     start = status_kb("VmRSS")
     step()
     return (status_kb("VmHWM") - start) / 1024
+
+
+def run_header() -> str:
+    """One line naming what a measurement ran on: torch, its threads, the load average
+    (``os.getloadavg``: 1, 5 and 15 minutes) and the metalearn commit imported."""
+    load = ", ".join(f"{v:.2f}" for v in os.getloadavg())
+    return (f"torch {torch.__version__}, {torch.get_num_threads()} thread(s), load average "
+            f"{load}, metalearn {metalearn_commit()}")  # fmt: skip
+
+
+def metalearn_commit() -> str:
+    """The short commit of the imported ``metalearn`` package's checkout, ``+changes`` when
+    its files differ from that commit; ``unknown`` outside a git checkout."""
+    import metalearn
+
+    package = os.path.dirname(metalearn.__file__)
+    git = ["git", "-C", package]
+    try:
+        commit = subprocess.run(git + ["rev-parse", "--short", "HEAD"], capture_output=True,
+                                text=True, check=True).stdout.strip()  # fmt: skip
+        changed = subprocess.run(git + ["status", "--porcelain", "--", "."], capture_output=True,
+                                 text=True, check=True).stdout.strip()  # fmt: skip
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+    return commit + ("+changes" if changed else "")

@@ -1,0 +1,418 @@
+"""Measure three PyTorch-practice claims on metalearn's workloads (``docs/claims.md``, 7-9).
+
+* ``dynamic``: does skipping `metalearn.dynamic.DynamicBlock`s leave accuracy unchanged?
+  A ``dynamic_conv`` network is meta-trained with MAML on Omniglot 5-way 1-shot, once with
+  every block always taken and once with each block skipped at random per task (stochastic
+  depth, Huang et al., 2016), then tested on the same test tasks with no block skipped,
+  block 2 skipped and both skipped: mean accuracy, its 95% interval, and the paired
+  difference from no block skipped.
+* ``permute``: ``permute`` against ``transpose`` for the same reorder: the view itself, the
+  view made contiguous, and the convolution or matmul that follows it, at Conv4's,
+  mini-ImageNet's and a linear layer's shapes.
+* ``inference``: a forward pass of Conv4 and of the adapted deploy model at batch 1 and 80,
+  plain, under ``torch.no_grad`` and under ``torch.inference_mode``: latency, the memory
+  the output holds (a plain forward's autograd graph), peak tensor memory; and what an
+  inference tensor refuses afterwards.
+
+Timing is this process's CPU time (``time.process_time``) with ``--threads`` torch threads,
+the compared forms interleaved round-robin within each repeat (`benchtools.time_round_robin`),
+medians, every ratio against a baseline of the same run. The load average is printed with
+the numbers (the machine may be shared). Each section also prints the checks that its
+compared forms compute the same thing.
+
+Command::
+
+    .venv/bin/python scripts/bench_claims.py --only permute --only inference
+    .venv/bin/python scripts/bench_claims.py --only dynamic --data-root ../shared/data/omniglot
+
+Expected: per section, a header line (torch, threads, load average, metalearn commit) and
+markdown tables; ``dynamic`` takes about 15 minutes with the defaults on one thread.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import random
+import statistics
+import time
+from collections.abc import Callable, Sequence
+
+import torch
+import torch.nn.functional as F
+from bench_maml import markdown_table
+from benchtools import peak_memory_bytes, retained_bytes, run_header, time_round_robin
+from torch import Tensor, nn
+
+from metalearn.algorithms import MAML
+from metalearn.data import EpisodicSampler, load_omniglot, omniglot_samplers
+from metalearn.deploy import adapt_to_support, adapted_model
+from metalearn.dynamic import dynamic_conv
+from metalearn.evaluation import TEST_SEED, accuracy_interval
+from metalearn.models import Conv4
+from metalearn.task import Task
+
+SECTIONS = ("dynamic", "permute", "inference")
+
+# ------------------------------------------------------------------------------ dynamic
+
+SKIPS = {"none": (False, False), "block 2": (False, True), "both": (True, True)}
+"""The tested branches of the two-block ``dynamic_conv``: name -> ``skip`` flags per block."""
+
+
+class SkippingSource:
+    """An `metalearn.evaluation.TaskSource` whose tasks all take one branch: ``skip`` flags."""
+
+    def __init__(self, sampler: EpisodicSampler, skip: tuple[bool, ...]) -> None:
+        self.sampler, self.skip = sampler, skip
+
+    def sample_indices(self, generator: torch.Generator, tasks: int) -> tuple[Tensor, Tensor]:
+        return self.sampler.sample_indices(generator, tasks)
+
+    def tasks_from_indices(self, classes: Tensor, examples: Tensor) -> list[Task]:
+        tasks = self.sampler.tasks_from_indices(classes, examples)
+        return [dataclasses.replace(t, model_kwargs={"skip": self.skip}) for t in tasks]
+
+
+def random_skips(tasks: list[Task], rng: random.Random, p: float, blocks: int) -> list[Task]:
+    """The tasks, each given its own branch: every block skipped with probability ``p``."""
+
+    def flags() -> tuple[bool, ...]:
+        return tuple(rng.random() < p for _ in range(blocks))
+
+    return [dataclasses.replace(t, model_kwargs={"skip": flags()}) for t in tasks]
+
+
+def train_dynamic(
+    sampler: EpisodicSampler,
+    steps: int,
+    meta_batch: int,
+    skip_prob: float,
+    seed: int = 0,
+    hidden: int = 64,
+    outer_lr: float = 1e-3,
+) -> MAML:
+    """MAML (second order, 1 inner step, inner lr 0.4) on ``dynamic_conv(hidden=hidden)``.
+
+    With ``skip_prob > 0`` each training task skips each block with that probability, so
+    the network learns to work without either block; with 0 every block is always taken.
+    Adam on theta with ``outer_lr``; tasks from ``sampler`` seeded by ``seed``.
+    """
+    torch.manual_seed(seed)
+    learner = MAML(dynamic_conv(hidden=hidden))
+    blocks = len(learner.model.blocks)
+    opt = torch.optim.Adam(learner.parameters(), lr=outer_lr)
+    gen, rng = torch.Generator().manual_seed(seed), random.Random(seed)
+    for _ in range(steps):
+        tasks = sampler.batch(meta_batch, gen)
+        if skip_prob > 0:
+            tasks = random_skips(tasks, rng, skip_prob, blocks)
+        opt.zero_grad(set_to_none=True)
+        learner.backward(tasks)
+        opt.step()
+    return learner
+
+
+def task_accuracies(
+    learner: MAML, source: SkippingSource, tasks: int, steps: int, seed: int, chunk: int = 50
+) -> Tensor:
+    """Query accuracy of each of ``tasks`` test tasks, ``[T]`` float64.
+
+    The tasks are drawn as `metalearn.evaluation.evaluate_tasks` draws them (every index
+    up front from a generator seeded ``seed``), so its mean is that function's and every
+    branch is tested on the same tasks, which pairs the differences.
+    """
+    classes, examples = source.sample_indices(torch.Generator().manual_seed(seed), tasks)
+    accs = [
+        learner.evaluate(source.tasks_from_indices(classes[i : i + chunk], examples[i : i + chunk]),
+                         steps=steps)[1]
+        for i in range(0, tasks, chunk)
+    ]  # fmt: skip
+    return torch.cat(accs).double()
+
+
+def skip_accuracies(
+    learner: MAML, sampler: EpisodicSampler, tasks: int, steps: int, seed: int = TEST_SEED
+) -> dict[str, dict[str, float]]:
+    """Each `SKIPS` branch's accuracy on the same tasks: ``{branch: {"mean", "ci95",
+    "diff", "diff_ci95"}}``, the difference paired with no block skipped, per task."""
+    accs = {name: task_accuracies(learner, SkippingSource(sampler, skip), tasks, steps, seed)
+            for name, skip in SKIPS.items()}  # fmt: skip
+    out = {}
+    for name, acc in accs.items():
+        diff = acc - accs["none"]
+        out[name] = {"mean": acc.mean().item(), "ci95": accuracy_interval(acc),
+                     "diff": diff.mean().item(), "diff_ci95": accuracy_interval(diff)}  # fmt: skip
+    return out
+
+
+def run_dynamic(a: argparse.Namespace) -> None:
+    data = load_omniglot(a.data_root, progress=False)
+    train = omniglot_samplers(data, ways=5, shots=1, queries=5)["train"]
+    test = omniglot_samplers(data, ways=5, shots=1, queries=15)["test"]
+    trainings = {"every block taken": 0.0}
+    if a.skip_prob > 0:
+        trainings[f"random skips (p = {a.skip_prob})"] = a.skip_prob
+    rows = []
+    for label, prob in trainings.items():
+        start = time.perf_counter()
+        learner = train_dynamic(train, a.train_steps, a.meta_batch, prob, hidden=a.hidden)
+        trained_s = time.perf_counter() - start
+        print(f"trained with {label}: {trained_s:.0f} s wall; {run_header()}", flush=True)
+        results = skip_accuracies(learner, test, a.test_tasks, a.eval_steps)
+        rows += [
+            [label, name, *_percent_cells(r), f"{trained_s:.0f}"] for name, r in results.items()
+        ]
+    print(f"\nOmniglot 5-way 1-shot, dynamic_conv(hidden={a.hidden}), MAML second order, "
+          f"{a.train_steps} meta-steps of {a.meta_batch} tasks (5 query), tested on "
+          f"{a.test_tasks} tasks (15 query, {a.eval_steps} inner steps, seed {TEST_SEED}); "
+          f"{run_header()}\n")  # fmt: skip
+    header = ["trained with", "skipped at test", "accuracy % (95% CI)",
+              "paired difference from none, points (95% CI)", "training s"]  # fmt: skip
+    print(markdown_table(header, rows))
+
+
+def _percent_cells(r: dict[str, float]) -> list[str]:
+    """A `skip_accuracies` entry as two cells: accuracy and paired difference, in percent."""
+    accuracy = f"{100 * r['mean']:.2f} +- {100 * r['ci95']:.2f}"
+    if r["diff"] == 0 and r["diff_ci95"] == 0:
+        return [accuracy, ""]
+    return [accuracy, f"{100 * r['diff']:+.2f} +- {100 * r['diff_ci95']:.2f}"]
+
+
+# ------------------------------------------------------------------------------ permute
+
+
+@dataclasses.dataclass(frozen=True)
+class Reorder:
+    """One reorder written both ways, and the op that consumes its result.
+
+    ``make()`` builds the input; ``transpose`` and ``permute`` give the same view of it;
+    ``then`` is what the workload does next with that view.
+    """
+
+    name: str
+    make: Callable[[], Tensor]
+    transpose: Callable[[Tensor], Tensor]
+    permute: Callable[[Tensor], Tensor]
+    then: Callable[[Tensor], Tensor]
+    then_name: str
+
+
+def reorder_cases(scale: int = 1) -> list[Reorder]:
+    """The measured reorders at their real shapes divided by ``scale`` (tests use > 1)."""
+    g = torch.Generator().manual_seed(0)
+
+    def randn(*shape: int) -> Callable[[], Tensor]:
+        return lambda: torch.randn(*shape, generator=g)
+
+    n, c, s, m = 80 // scale or 1, 64 // scale or 1, 14, 1024 // scale
+    w64 = torch.randn(c, c, 3, 3, generator=g)
+    w3 = torch.randn(32 // scale or 1, 3, 3, 3, generator=g)
+    lin = torch.randn(m, m, generator=g)
+    return [
+        Reorder(f"swap H and W of a Conv4 activation [{n}, {c}, {s}, {s}]", randn(n, c, s, s),
+                lambda x: x.transpose(2, 3), lambda x: x.permute(0, 1, 3, 2),
+                lambda x: F.conv2d(x, w64, stride=2, padding=1), "conv2d 3x3/2"),
+        Reorder(f"NHWC -> NCHW of mini-ImageNet images [{n}, 84, 84, 3]", randn(n, 84, 84, 3),
+                lambda x: x.transpose(1, 3).transpose(2, 3), lambda x: x.permute(0, 3, 1, 2),
+                lambda x: F.conv2d(x, w3, padding=1), "conv2d 3->32, 3x3"),
+        Reorder(f"transpose a [{m}, {m}] matrix", randn(m, m),
+                lambda x: x.t(), lambda x: x.permute(1, 0), lambda x: x @ lin, "matmul"),
+        Reorder(f"swap the last two dims of [{n // 5 or 1}, 75, 1600] features",
+                randn(n // 5 or 1, 75, 1600),
+                lambda x: x.transpose(1, 2), lambda x: x.permute(0, 2, 1),
+                lambda x: torch.bmm(x, x.new_ones(x.shape[0], 75, 5)), "bmm with [B, 75, 5]"),
+    ]  # fmt: skip
+
+
+def check_reorder(case: Reorder) -> dict[str, bool]:
+    """Whether both spellings give the same view and the same consumer output."""
+    x = case.make()
+    a, b = case.transpose(x), case.permute(x)
+    return {
+        "same view": a.shape == b.shape and a.stride() == b.stride()
+        and a.data_ptr() == b.data_ptr() == x.data_ptr(),
+        "equal values": torch.equal(a, b),
+        "equal output": torch.equal(case.then(a), case.then(b)),
+    }  # fmt: skip
+
+
+def time_reorder(case: Reorder, repeats: int, warmup: int, view_calls: int) -> dict[str, float]:
+    """Median CPU seconds of each stage, by both spellings: ``{"<stage> <way>": s}``.
+
+    Stages: ``view`` (one call; ``view_calls`` per timed sample, as a view takes about a
+    microsecond), ``contiguous`` (the view copied), ``then`` (the consumer on the view).
+    """
+    x = case.make()
+
+    def views(fn: Callable[[Tensor], Tensor]) -> Callable[[], None]:
+        def run() -> None:
+            for _ in range(view_calls):
+                fn(x)
+
+        return run
+
+    fns: dict[str, Callable[[], object]] = {}
+    for way in ("transpose", "permute"):
+        reorder = getattr(case, way)
+        fns[f"view {way}"] = views(reorder)
+        fns[f"contiguous {way}"] = lambda r=reorder: r(x).contiguous()
+        fns[f"then {way}"] = lambda r=reorder: case.then(r(x))
+    times = time_round_robin(fns, repeats, warmup, "cpu", time.process_time)
+    med = {k: statistics.median(v) for k, v in times.items()}
+    return {k: v / view_calls if k.startswith("view") else v for k, v in med.items()}
+
+
+def run_permute(a: argparse.Namespace) -> None:
+    rows = []
+    for case in reorder_cases():
+        checks = check_reorder(case)
+        if not all(checks.values()):
+            raise AssertionError(f"{case.name}: transpose and permute disagree: {checks}")
+        t = time_reorder(case, a.repeats, a.warmup, a.view_calls)
+        for stage, unit, label in (("view", 1e6, "view alone (us)"),
+                                   ("contiguous", 1e3, "view + .contiguous() (ms)"),
+                                   ("then", 1e3, f"view + {case.then_name} (ms)")):  # fmt: skip
+            tr, pe = t[f"{stage} transpose"], t[f"{stage} permute"]
+            cells = [f"{tr * unit:.3f}", f"{pe * unit:.3f}", f"{pe / tr:.2f}"]
+            rows.append([case.name, label, *cells])
+    print(f"\n{run_header()}; {a.repeats} repeats after {a.warmup} warm-ups, medians; "
+          "same view, values and output checked for every row\n")  # fmt: skip
+    print(markdown_table(["reorder", "stage", "transpose", "permute", "permute / transpose"], rows))
+
+
+# ---------------------------------------------------------------------------- inference
+
+MODES = ("plain", "no_grad", "inference_mode")
+
+
+def forward_in(mode: str, model: nn.Module, x: Tensor) -> Tensor:
+    """``model(x)`` plainly, under ``torch.no_grad()`` or under ``torch.inference_mode()``."""
+    if mode == "plain":
+        return model(x)
+    context = torch.no_grad() if mode == "no_grad" else torch.inference_mode()
+    with context:
+        return model(x)
+
+
+def inference_models(hidden: int = 64, seed: int = 0) -> dict[str, nn.Module]:
+    """Conv4 as trained (parameters require grad, transductive batch norm) and the deploy
+    model adapted from it on a random 5-way 1-shot support set (``norm="support"``)."""
+    torch.manual_seed(seed)
+    conv4 = Conv4(ways=5, hidden=hidden)
+    support_x, support_y = torch.rand(5, 1, 28, 28), torch.arange(5)
+    learner = MAML(conv4)
+    params = adapt_to_support(learner, support_x, support_y, steps=10)
+    return {"Conv4": conv4, "adapted (deploy)": adapted_model(learner, params, support_x=support_x)}
+
+
+def time_modes(model: nn.Module, x: Tensor, repeats: int, warmup: int, calls: int) -> dict:
+    """Median CPU seconds per forward of ``model(x)`` in each of `MODES`."""
+
+    def run(mode: str) -> Callable[[], None]:
+        def calls_of() -> None:
+            for _ in range(calls):
+                forward_in(mode, model, x)
+
+        return calls_of
+
+    times = time_round_robin({m: run(m) for m in MODES}, repeats, warmup, "cpu", time.process_time,
+                             collect=True)  # fmt: skip
+    return {m: statistics.median(v) / calls for m, v in times.items()}
+
+
+def inference_tensor_errors() -> dict[str, str]:
+    """What a tensor made under ``inference_mode`` refuses later, outside it: each
+    attempt's error message (a no_grad tensor does all three)."""
+    w = torch.randn(3, 3, requires_grad=True)
+    with torch.inference_mode():
+        y = torch.randn(2, 3) @ torch.randn(3, 3)
+    attempts = {
+        "saved for backward (y @ w, w requires grad)": lambda: (y @ w).sum().backward(),
+        "in-place update (y.add_(1))": lambda: y.add_(1),
+        "version counter (y._version)": lambda: y._version,
+    }
+    out = {}
+    for name, attempt in attempts.items():
+        try:
+            attempt()
+            out[name] = "(no error)"
+        except RuntimeError as e:
+            out[name] = str(e).split(".")[0]  # its first sentence
+    return out
+
+
+def memory_mb(model: nn.Module, x: Tensor) -> list[float]:
+    """MB held while the output of one ``model(x)`` is kept (`benchtools.retained_bytes`),
+    then the call's peak tensor MB (`benchtools.peak_memory_bytes`), in each of `MODES`."""
+    calls = [lambda m=m: forward_in(m, model, x) for m in MODES]
+    held = [retained_bytes(call)[1] / 2**20 for call in calls]
+    return held + [peak_memory_bytes(call, "cpu") / 2**20 for call in calls]
+
+
+def run_inference(a: argparse.Namespace) -> None:
+    rows, memory = [], []
+    for name, model in inference_models().items():
+        for batch, calls in ((1, a.small_batch_calls), (80, 1)):
+            x = torch.rand(batch, 1, 28, 28)
+            outs = [forward_in(m, model, x) for m in MODES]
+            if not all(torch.equal(outs[0], o) for o in outs[1:]):
+                raise AssertionError(f"{name} at batch {batch}: the modes' outputs differ")
+            t = time_modes(model, x, a.repeats, a.warmup, calls)
+            ms = [f"{t[m] * 1e3:.3f}" for m in MODES]
+            rows.append([name, str(batch), *ms, *(f"{t[m] / t['plain']:.3f}" for m in MODES[1:])])
+            memory.append([name, str(batch), *(f"{v:.2f}" for v in memory_mb(model, x))])
+    print(f"\n{run_header()}; {a.repeats} repeats after {a.warmup} warm-ups, medians; "
+          f"batch 1 timed over {a.small_batch_calls} calls per repeat; outputs equal in all "
+          "modes (checked)\n")  # fmt: skip
+    ratios = ["no_grad / plain", "inference_mode / plain"]
+    print(markdown_table(["model", "batch", *(f"{m} ms" for m in MODES), *ratios], rows))
+    held, peak = [f"held MB, {m}" for m in MODES], [f"peak MB, {m}" for m in MODES]
+    print("\n" + markdown_table(["model", "batch", *held, *peak], memory))
+    print("\nAn inference_mode output used outside inference_mode:")
+    for what, message in inference_tensor_errors().items():
+        print(f"* {what}: {message}")
+
+
+# --------------------------------------------------------------------------------- main
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--only", action="append", choices=SECTIONS, help="repeatable (default all)")
+    p.add_argument("--threads", type=int, default=1, help="torch threads")
+    p.add_argument("--repeats", type=int, default=21, help="timed repeats (permute, inference)")
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--view-calls", type=int, default=1000, help="view calls per timed sample")
+    p.add_argument("--small-batch-calls", type=int, default=20, help="batch-1 forwards per sample")
+    p.add_argument("--data-root", default=None, help="Omniglot (default: $METALEARN_DATA)")
+    p.add_argument("--train-steps", type=int, default=300, help="meta-steps of each model")
+    p.add_argument("--meta-batch", type=int, default=16)
+    p.add_argument("--skip-prob", type=float, default=0.5,
+                   help="each block's skip chance, second model (0: no second)")  # fmt: skip
+    p.add_argument("--test-tasks", type=int, default=600)
+    p.add_argument("--eval-steps", type=int, default=10, help="inner steps at test")
+    p.add_argument("--hidden", type=int, default=64)
+    a = p.parse_args(argv)
+    counts = (a.threads, a.repeats, a.view_calls, a.small_batch_calls, a.train_steps,
+              a.meta_batch, a.test_tasks, a.hidden)  # fmt: skip
+    if min(counts) < 1 or a.warmup < 0 or a.eval_steps < 0:
+        p.error("counts must be at least 1 (--warmup and --eval-steps at least 0)")
+    if not 0 <= a.skip_prob < 1:
+        p.error(f"--skip-prob {a.skip_prob}: must be in [0, 1)")
+    return a
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    a = parse_args(argv)
+    torch.set_num_threads(a.threads)
+    runs = {"dynamic": run_dynamic, "permute": run_permute, "inference": run_inference}
+    for section in a.only or SECTIONS:
+        print(f"## {section}", flush=True)
+        runs[section](a)
+        print(flush=True)
+
+
+if __name__ == "__main__":
+    main()
