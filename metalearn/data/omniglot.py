@@ -30,6 +30,7 @@ from __future__ import annotations
 import hashlib
 import http.client
 import os
+import re
 import stat
 import sys
 import tempfile
@@ -46,7 +47,7 @@ import torch
 from torch import Tensor
 
 from metalearn.checkpoint import save_checkpoint
-from metalearn.data.sampler import EpisodicSampler
+from metalearn.data.sampler import Augmentation, EpisodicSampler
 
 __all__ = [
     "OMNIGLOT_ZIPS",
@@ -111,6 +112,8 @@ class OmniglotImages:
         alphabets: the alphabet of each character.
         background: bool ``[C]``, True for characters of ``images_background``.
         fingerprint: the source fingerprint the cache was keyed on.
+        drawers: long ``[C, M]``, who drew each drawing, from its file name
+            ``<character id>_<drawer>.png`` (None when some file is named otherwise).
     """
 
     images: Tensor
@@ -118,6 +121,7 @@ class OmniglotImages:
     alphabets: tuple[str, ...]
     background: Tensor
     fingerprint: str
+    drawers: Tensor | None = None
 
     def to_float(
         self,
@@ -504,7 +508,16 @@ def load_omniglot(
         alphabets=tuple(cached["alphabets"]),
         background=cached["background"],
         fingerprint=fingerprint,
+        drawers=_drawers(characters),
     )
+
+
+def _drawers(characters: list[tuple[str, str, bool, list[Path]]]) -> Tensor | None:
+    """Drawer of each drawing ``[C, M]`` from ``<id>_<drawer>.png`` (None if any is not so)."""
+    found = [[re.fullmatch(r"\d+_(\d+)\.png", p.name) for p in pngs] for *_, pngs in characters]
+    if not all(all(found_one) for found_one in found):
+        return None
+    return torch.tensor([[int(m.group(1)) for m in row] for row in found])
 
 
 def omniglot_splits(
@@ -572,6 +585,7 @@ def omniglot_samplers(
     queries: int,
     seed: int = 1,
     rotations: Sequence[int] | None = None,
+    augment: Augmentation | None = None,
     dtype: torch.dtype = torch.float32,
     device: torch.device | str | None = None,
 ) -> dict[str, EpisodicSampler]:
@@ -583,6 +597,7 @@ def omniglot_samplers(
         ways, shots, queries: N, K, Q of every task.
         seed: the split's seed (not the sampling seed: sampling takes a generator).
         rotations: quarter turns as new classes (None: `SPLIT_ROTATIONS` of ``split``).
+        augment: for the ``"train"`` sampler only (e.g. `metalearn.data.SmallAffine`).
         dtype: of the task images (in [0, 1], strokes 1, background 0).
         device: where the images stay resident and tasks are made.
 
@@ -596,6 +611,7 @@ def omniglot_samplers(
             # uint8 stays resident (a quarter of float's memory); tasks come out as dtype.
             images = data.images[index].unsqueeze(2).to(device)
             samplers[name] = EpisodicSampler(
-                images, ways=ways, shots=shots, queries=queries, rotations=rotations, dtype=dtype
-            )
+                images, ways=ways, shots=shots, queries=queries, rotations=rotations, dtype=dtype,
+                augment=augment if name == "train" else None,
+            )  # fmt: skip
     return samplers

@@ -1,0 +1,143 @@
+"""Proto-MAML (Triantafillou et al., 2020, Sec. 4): MAML whose head starts at the prototypes.
+
+MAML meta-learns one initial head for every task, although a task's labels are a random
+order of its classes: the best such head is one that favours no label, and the inner loop
+must build the classifier from it in a few steps. Proto-MAML instead starts each task's
+inner loop from the head a prototypical network (Snell et al., 2017) would use. With
+``f`` the network up to its head and ``c_k`` the mean of ``f(x)`` over class ``k``'s
+support examples (its prototype), the negative squared distance is linear in ``f(x)``::
+
+    -||f(x) - c_k||^2 = 2 c_k . f(x) - ||c_k||^2 - ||f(x)||^2
+
+and the last term is the same for every class, so the head ``W_k = 2 c_k``,
+``b_k = -||c_k||^2`` classifies as the prototypical network does (the paper's Eq. in
+Sec. 4, "Proto-MAML"). The inner loop then adapts every weight, head included, as MAML
+does. The prototypes depend on theta, and the meta-gradient flows through them exactly
+(second order unless ``first_order``): nothing is detached.
+
+The meta-learned head of the model is not used: `prototype_head` replaces it, and its
+parameters get no gradient. ``f`` is computed by calling the model with an identity head,
+so any model whose head is a ``nn.Linear`` named ``head`` (`metalearn.models.Conv4`,
+`metalearn.models.ResNet12`) works without changes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from functools import partial
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from torch.func import functional_call
+
+from metalearn.algorithms.base import MetaLossLearner, _detached, _evaluation_loop
+from metalearn.inner import run_inner_loop
+from metalearn.outer import TaskFn, task_loss
+from metalearn.task import Task, TaskResult
+
+__all__ = ["ProtoMAML", "prototype_head", "proto_task_loss"]
+
+
+def prototype_head(
+    model: nn.Module,
+    params: Mapping[str, Tensor],
+    support: tuple[Tensor, Tensor],
+    *,
+    head: str = "head",
+    buffers: Mapping[str, Tensor] | None = None,
+    model_kwargs: Mapping[str, Any] | None = None,
+) -> dict[str, Tensor]:
+    """The head's weights from the support set's class prototypes.
+
+    Args:
+        model: the network; ``{head}.weight`` ``[N, D]`` (and ``{head}.bias`` ``[N]``, if
+            present) are its linear classifier on ``D`` features.
+        params: theta, name -> tensor.
+        support: ``(x [S, ...], y [S])``, labels in ``0..N-1``, every class present.
+        head: the classifier's name.
+        buffers, model_kwargs: as for ``functional_call``.
+
+    Returns:
+        ``{head.weight: 2 c [N, D], head.bias: -||c||^2 [N]}``, ``c`` the prototypes.
+    """
+    weight = params[f"{head}.weight"]
+    ways, dim = weight.shape
+    identity = {f"{head}.weight": torch.eye(dim, dtype=weight.dtype, device=weight.device)}
+    has_bias = f"{head}.bias" in params
+    if has_bias:
+        identity[f"{head}.bias"] = weight.new_zeros(dim)
+    x, y = support
+    features = functional_call(  # [S, D]: the model's output with an identity head
+        model, {**(buffers or {}), **params, **identity}, (x,), dict(model_kwargs or {})
+    )
+    # [S, N] one-hot, written as a comparison so that it runs under vmap.
+    onehot = (y[:, None] == torch.arange(ways, device=y.device)).to(features.dtype)
+    prototypes = (onehot.T @ features) / onehot.sum(0)[:, None]  # [N, D]
+    out = {f"{head}.weight": 2 * prototypes}
+    if has_bias:
+        out[f"{head}.bias"] = -(prototypes**2).sum(1)
+    return out
+
+
+def proto_task_loss(
+    model: nn.Module,
+    params: Mapping[str, Tensor],
+    support: tuple[Tensor, Tensor],
+    query: tuple[Tensor, Tensor],
+    inner: Any,
+    *,
+    head: str = "head",
+    **kwargs: Any,
+) -> TaskResult:
+    """`metalearn.outer.task_loss` from theta with its head set by `prototype_head`."""
+    start = prototype_head(
+        model, params, support, head=head, buffers=kwargs.get("buffers"),
+        model_kwargs=kwargs.get("model_kwargs"),
+    )  # fmt: skip
+    return task_loss(model, {**params, **start}, support, query, inner, **kwargs)
+
+
+class ProtoMAML(MetaLossLearner):
+    """MAML with each task's head initialised from its support prototypes.
+
+    Args:
+        model: the network, with a linear classifier named ``head``.
+        head: the classifier's name.
+        **kwargs: as for `metalearn.algorithms.base.MetaLearner`.
+
+    Raises:
+        ValueError: the model has no ``{head}.weight`` of shape ``[N, D]``.
+    """
+
+    def __init__(self, model: nn.Module, head: str = "head", **kwargs: Any) -> None:
+        weight = dict(model.named_parameters()).get(f"{head}.weight")
+        if weight is None or weight.dim() != 2:
+            raise ValueError(
+                f"Proto-MAML sets a linear head from prototypes, but the model has no 2-d "
+                f"parameter {head + '.weight'!r}; pass head= the linear classifier's name"
+            )
+        super().__init__(model, **kwargs)
+        self.head = head
+
+    def task_fn(self) -> TaskFn:
+        """`proto_task_loss` on this learner's head."""
+        return partial(proto_task_loss, head=self.head)
+
+    def adapt(self, task: Task, steps: int | None = None) -> dict[str, Tensor]:
+        """Fast weights for one task, detached, from the prototype head."""
+        inner = _evaluation_loop(self.inner_loop(steps, first_order=True))
+        theta, buffers = _detached(self.theta()), self.buffers_dict()
+        with torch.no_grad():  # torch.func.grad inside still differentiates
+            start = prototype_head(self.model, theta, task.support, head=self.head,
+                                   buffers=buffers, model_kwargs=task.model_kwargs)  # fmt: skip
+            fast, _ = run_inner_loop(
+                self.model, {**theta, **start}, task.support, inner, buffers=buffers,
+                model_kwargs=task.model_kwargs,
+            )  # fmt: skip
+        return fast
+
+    def evaluate(self, tasks: Sequence[Task], steps: int | None = None) -> tuple[Tensor, Tensor]:
+        """As `MetaLearner.evaluate`, each task starting from its prototype head."""
+        inner = _evaluation_loop(self.inner_loop(steps, first_order=True))
+        return self._evaluate(tasks, inner, self.task_fn())
