@@ -48,8 +48,14 @@ import torch
 from metalearn import distributed, experiment
 from metalearn.algorithms import MetaLearner
 from metalearn.algorithms.build import build_learner, resolve_learner_args
-from metalearn.data import EpisodicSampler, load_omniglot, omniglot_samplers
+from metalearn.data import (
+    EpisodicSampler,
+    load_omniglot,
+    omniglot_samplers,
+    standard_augmentation,
+)
 from metalearn.data.omniglot import root_is_default
+from metalearn.data.within_alphabet import within_alphabet_samplers
 from metalearn.experiment import Experiment
 from metalearn.runs import UserError, require, run_cli
 from metalearn.seeding import seed_everything
@@ -61,7 +67,9 @@ class Args:
 
     preset: Literal["cpu", "paper-5w1s", "paper-5w5s", "paper-20w1s", "paper-20w5s"] = "cpu"
     """Named configuration: cpu (about 15 min on 2 cores) or the MAML paper's settings."""
-    algorithm: Literal["maml", "fomaml", "anil", "metasgd", "mamlpp", "imaml", "reptile"] = "maml"
+    algorithm: Literal[
+        "maml", "fomaml", "anil", "metasgd", "mamlpp", "imaml", "reptile", "protomaml", "lora"
+    ] = "maml"
     """Meta-learning algorithm."""
     ways: int = 5
     """N: classes per task."""
@@ -82,6 +90,8 @@ class Args:
     cg_damping: float | None = None
     """iMAML only: damping added to the conjugate-gradient system; none: 10 (conv4's
     adapted support Hessian has eigenvalues below -lambda)."""
+    lora_rank: int | None = None
+    """LoRA only: rank of the low-rank adapters the inner loop adapts; none: 4."""
     eval_inner_steps: int = 10
     """Inner steps at validation and test time."""
     outer_lr: float = 1e-3
@@ -92,6 +102,15 @@ class Args:
     """How a meta-batch runs: vmap, a Python loop, or auto (by workload)."""
     split: Literal["maml", "alphabet"] = "maml"
     """maml: 1100/100/423 characters with rotations; alphabet: background vs evaluation."""
+    eval_protocol: Literal["episodic", "within-alphabet"] = "episodic"
+    """Validation and test tasks: episodic (classes from anywhere in the split) or
+    within-alphabet (--split alphabet only; Lake et al., 2015: one alphabet per task,
+    support and query by different drawers)."""
+    train_tasks: Literal["episodic", "within-alphabet"] = "episodic"
+    """Training tasks, drawn as by --eval-protocol (within-alphabet: --split alphabet only)."""
+    augment: bool = False
+    """Distort training images with small random affine maps (`metalearn.data.SmallAffine`:
+    rotation, shear, scale, shift, as Koch et al.'s Siamese net); never validation or test."""
     val_every: int = 250
     """Meta-steps between validations (the best-validation weights are tested)."""
     val_tasks: int = 200
@@ -161,8 +180,14 @@ RESUMABLE = (
 )  # fmt: skip
 
 
-def check_data_root(args: Args) -> None:
-    """Refuse a --data-root that does not exist (the shared checks run first)."""
+def check_args(args: Args) -> None:
+    """Refuse a --data-root that does not exist, or Lake's protocol on MAML's split (the
+    shared checks run first)."""
+    protocols = (("--eval-protocol", args.eval_protocol), ("--train-tasks", args.train_tasks))
+    for flag, value in protocols:
+        require(value == "episodic" or args.split == "alphabet",
+                f"{flag} {value} draws each task from one alphabet of the alphabet split; "
+                "add --split alphabet")  # fmt: skip
     if args.data_root is not None:
         require(Path(args.data_root).expanduser().is_dir(),
                 f"--data-root {args.data_root} does not exist; give the folder holding "
@@ -177,8 +202,11 @@ def make_samplers(args: Args) -> dict[str, EpisodicSampler]:
     except FileNotFoundError as err:
         raise UserError(" ".join(str(err).split())) from None
     common = dict(ways=args.ways, shots=args.shots, device=args.device)
-    samplers = omniglot_samplers(data, args.split, queries=args.query, **common)
-    evaluation = omniglot_samplers(data, args.split, queries=args.eval_query, **common)
+    augment = standard_augmentation("character") if args.augment else None
+    draw = {"episodic": omniglot_samplers, "within-alphabet": within_alphabet_samplers}
+    samplers = draw[args.train_tasks](data, args.split, queries=args.query, augment=augment,
+                                      **common)  # fmt: skip
+    evaluation = draw[args.eval_protocol](data, args.split, queries=args.eval_query, **common)
     samplers.update({k: v for k, v in evaluation.items() if k != "train"})
     return samplers
 
@@ -196,7 +224,7 @@ def make_learner(args: Args) -> MetaLearner:
 
 EXPERIMENT = Experiment(
     Args, __doc__, PRESETS, RESUMABLE, make_samplers, make_learner,
-    dataset=lambda args: "omniglot", check=check_data_root, tags=lambda args: [args.split],
+    dataset=lambda args: "omniglot", check=check_args, tags=lambda args: [args.split],
 )  # fmt: skip
 
 
