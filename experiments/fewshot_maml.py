@@ -64,7 +64,9 @@ class Args:
     """The data set (docs/datasets.md gives each one's layout on disk)."""
     data_root: str | None = None
     """The data set's folder; required but for omniglot ($METALEARN_DATA then)."""
-    algorithm: Literal["maml", "fomaml", "anil", "metasgd", "mamlpp", "imaml", "reptile"] = "maml"
+    algorithm: Literal[
+        "maml", "fomaml", "anil", "metasgd", "mamlpp", "imaml", "reptile", "lora"
+    ] = "maml"
     """Meta-learning algorithm."""
     first_order: bool = False
     """First-order meta-gradient for maml, anil, metasgd, mamlpp (maml: the same as
@@ -88,6 +90,8 @@ class Args:
     """Inner steps during meta-training; none: the algorithm's Omniglot value."""
     cg_damping: float | None = None
     """iMAML only: damping added to the conjugate-gradient system; none: 10."""
+    lora_rank: int | None = None
+    """LoRA only: rank of the low-rank adapters the inner loop adapts; none: 4."""
     eval_inner_steps: int = 10
     """Inner steps at validation and test time."""
     outer_lr: float = 1e-3

@@ -8,9 +8,11 @@ from metalearn.algorithms.build import (
     resolve_learner_args,
 )
 from metalearn.algorithms.imaml import IMAML, IMAMLMetrics, implicit_meta_gradient
+from metalearn.algorithms.lora_maml import LoRAMAML
 from metalearn.algorithms.maml import ANIL, FOMAML, MAML
 from metalearn.algorithms.mamlpp import MAMLpp, msl_weights, multi_step_task_loss
 from metalearn.algorithms.metasgd import MetaSGD
+from metalearn.algorithms.protomaml import ProtoMAML, prototype_head
 from metalearn.algorithms.reptile import Reptile
 
 __all__ = [
@@ -19,11 +21,13 @@ __all__ = [
     "FOMAML",
     "IMAML",
     "IMAMLMetrics",
+    "LoRAMAML",
     "MAML",
     "MAMLpp",
     "MetaLearner",
     "MetaLossLearner",
     "MetaSGD",
+    "ProtoMAML",
     "Reptile",
     "StepMetrics",
     "build_learner",
@@ -31,5 +35,6 @@ __all__ = [
     "learner_config",
     "msl_weights",
     "multi_step_task_loss",
+    "prototype_head",
     "resolve_learner_args",
 ]

@@ -9,6 +9,8 @@ The network is part of the record too: ``backbone``, ``channels``, ``image_size`
 ``hidden``, ``pool`` and ``head`` (written by ``experiments/fewshot_maml.py``). Checkpoints
 without those keys are Omniglot runs (``experiments/omniglot_maml.py`` records none of
 them), whose network is always MAML's Omniglot Conv4, so a missing key means that network.
+An algorithm's own settings (``cg_damping`` for iMAML, ``lora_rank`` for LoRA-MAML) are
+read only for that algorithm, so records from before a setting existed still build.
 """
 
 from __future__ import annotations
@@ -20,9 +22,11 @@ from torch import nn
 
 from metalearn.algorithms.base import MetaLearner
 from metalearn.algorithms.imaml import IMAML
+from metalearn.algorithms.lora_maml import LoRAMAML
 from metalearn.algorithms.maml import ANIL, FOMAML, MAML
 from metalearn.algorithms.mamlpp import MAMLpp
 from metalearn.algorithms.metasgd import MetaSGD
+from metalearn.algorithms.protomaml import ProtoMAML
 from metalearn.algorithms.reptile import Reptile
 from metalearn.models import Conv4, ResNet12
 
@@ -37,13 +41,14 @@ __all__ = [
 
 _LEARNERS: dict[str, type[MetaLearner]] = {
     "maml": MAML, "fomaml": FOMAML, "anil": ANIL, "metasgd": MetaSGD, "mamlpp": MAMLpp,
-    "imaml": IMAML, "reptile": Reptile,
+    "imaml": IMAML, "reptile": Reptile, "protomaml": ProtoMAML, "lora": LoRAMAML,
 }  # fmt: skip
 
 # The learner arguments an Omniglot run may leave open, per algorithm. iMAML: conv4's
 # adapted support Hessian has eigenvalues below -lambda, so the CG system (Rajeswaran et al.,
 # 2019, Eq. 7) needs damping 10 and a smaller, longer inner loop; Reptile (Nichol et al.,
-# 2018) needs several inner steps to differ from joint training.
+# 2018) needs several inner steps to differ from joint training. LoRA-MAML: rank 4, the
+# rank Hu et al. (2021, Table 6) found enough for adaptation.
 ALGORITHM_DEFAULTS: dict[str, dict[str, Any]] = {
     "maml": {"inner_lr": 0.4, "inner_steps": 1},
     "fomaml": {"inner_lr": 0.4, "inner_steps": 1},
@@ -52,6 +57,8 @@ ALGORITHM_DEFAULTS: dict[str, dict[str, Any]] = {
     "mamlpp": {"inner_lr": 0.4, "inner_steps": 1},
     "imaml": {"inner_lr": 0.1, "inner_steps": 5, "cg_damping": 10.0},
     "reptile": {"inner_lr": 0.4, "inner_steps": 5},
+    "protomaml": {"inner_lr": 0.4, "inner_steps": 1},
+    "lora": {"inner_lr": 0.4, "inner_steps": 1, "lora_rank": 4},
 }
 _ARG_KEYS = ("algorithm", "ways", "hidden", "inner_lr", "inner_steps", "vectorize")
 # The network of a run that records none of the network keys: MAML's Omniglot Conv4 (one
@@ -60,7 +67,9 @@ OMNIGLOT_NETWORK: dict[str, Any] = {
     "backbone": "conv4", "channels": 1, "image_size": None, "pool": "stride", "head": "mean",
 }  # fmt: skip
 # Algorithms whose learner takes first_order (FOMAML is first order by definition).
-_FIRST_ORDER = ("maml", "anil", "metasgd", "mamlpp")
+_FIRST_ORDER = ("maml", "anil", "metasgd", "mamlpp", "protomaml", "lora")
+# Settings of one algorithm: absent from its table, they must stay open (None) for the others.
+_OWN_SETTINGS = {"cg_damping": ("an iMAML", "--cg-damping"), "lora_rank": ("a LoRA", "--lora-rank")}
 
 
 def _check_algorithm(algorithm: Any) -> None:
@@ -71,14 +80,19 @@ def _check_algorithm(algorithm: Any) -> None:
 def resolve_learner_args(args: Mapping[str, Any]) -> dict[str, Any]:
     """``args`` with its open (``None`` or absent) learner arguments set from the table.
 
-    Values already given win over the table; ``cg_damping`` is ``None`` for every algorithm
-    but iMAML (it has no such argument), so the record never shows a setting that did nothing.
+    Values already given win over the table. ``cg_damping`` is ``None`` for every algorithm
+    but iMAML and ``lora_rank`` for every one but LoRA-MAML (they have no such argument), so
+    the record never shows a setting that did nothing.
 
     Args:
         args: the experiment's arguments as a dict.
 
     Returns:
         A new dict, ready for `build_learner` and for logging.
+
+    Raises:
+        ValueError: an unknown algorithm, another algorithm's setting, or a ``lora_rank``
+            below 1.
     """
     _check_algorithm(args.get("algorithm"))
     resolved = dict(args)
@@ -86,11 +100,16 @@ def resolve_learner_args(args: Mapping[str, Any]) -> dict[str, Any]:
     for key in ("inner_lr", "inner_steps", "cg_damping"):
         if resolved.get(key) is None:
             resolved[key] = table.get(key)
-    if "cg_damping" not in table and resolved["cg_damping"] is not None:
-        raise ValueError(
-            f"cg_damping={resolved['cg_damping']} is an iMAML setting; drop --cg-damping for "
-            f"{args['algorithm']}"
-        )
+    if "lora_rank" in table and resolved.get("lora_rank") is None:
+        resolved["lora_rank"] = table["lora_rank"]
+    for key, (owner, flag) in _OWN_SETTINGS.items():
+        if key not in table and resolved.get(key) is not None:
+            raise ValueError(
+                f"{key}={resolved[key]} is {owner} setting; drop {flag} for {args['algorithm']}"
+            )
+    rank = resolved.get("lora_rank")
+    if rank is not None and (isinstance(rank, bool) or not isinstance(rank, int) or rank < 1):
+        raise ValueError(f"lora_rank={rank!r}: the adapters' rank must be an int >= 1, e.g. 4")
     if resolved.get("first_order") and args["algorithm"] not in (*_FIRST_ORDER, "fomaml"):
         raise ValueError(
             f"first_order applies to {', '.join(_FIRST_ORDER)} (fomaml is first order); "
@@ -105,7 +124,8 @@ def learner_config(args: Mapping[str, Any]) -> dict[str, Any]:
     Raises:
         ValueError: a needed key is missing or unresolved, or the algorithm is unknown.
     """
-    keys = [*_ARG_KEYS, *(("cg_damping",) if args.get("algorithm") == "imaml" else ())]
+    table = ALGORITHM_DEFAULTS.get(args.get("algorithm"), {})
+    keys = [*_ARG_KEYS, *(k for k in _OWN_SETTINGS if k in table)]
     if missing := [k for k in keys if k not in args]:
         raise ValueError(
             f"the learner arguments lack {missing}: they were not written by "
@@ -120,6 +140,8 @@ def learner_config(args: Mapping[str, Any]) -> dict[str, Any]:
     kwargs = {k: args[k] for k in ("inner_lr", "inner_steps", "vectorize")}
     if args["algorithm"] == "imaml":
         kwargs["cg_damping"] = float(args["cg_damping"])
+    if args["algorithm"] == "lora":
+        kwargs["rank"] = int(args["lora_rank"])
     # The switches that trade time for memory; absent from Omniglot records (their defaults).
     if args.get("checkpoint"):
         kwargs["checkpoint"] = True
