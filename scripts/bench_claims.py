@@ -242,9 +242,12 @@ def time_reorder(case: Reorder, repeats: int, warmup: int, view_calls: int) -> d
     """Median CPU seconds of each stage, by both spellings: ``{"<stage> <way>": s}``.
 
     Stages: ``view`` (one call; ``view_calls`` per timed sample, as a view takes about a
-    microsecond), ``contiguous`` (the view copied), ``then`` (the consumer on the view).
+    microsecond), ``contiguous`` (the view copied), ``then`` (the consumer on the view);
+    ``then contiguous`` is the consumer on a contiguous tensor of the view's values, made
+    before timing (what the layout of the view costs the consumer).
     """
     x = case.make()
+    dense = case.permute(x).contiguous()
 
     def views(fn: Callable[[Tensor], Tensor]) -> Callable[[], None]:
         def run() -> None:
@@ -259,6 +262,7 @@ def time_reorder(case: Reorder, repeats: int, warmup: int, view_calls: int) -> d
         fns[f"view {way}"] = views(reorder)
         fns[f"contiguous {way}"] = lambda r=reorder: r(x).contiguous()
         fns[f"then {way}"] = lambda r=reorder: case.then(r(x))
+    fns["then contiguous"] = lambda: case.then(dense)
     times = time_round_robin(fns, repeats, warmup, "cpu", time.process_time)
     med = {k: statistics.median(v) for k, v in times.items()}
     return {k: v / view_calls if k.startswith("view") else v for k, v in med.items()}
@@ -275,11 +279,16 @@ def run_permute(a: argparse.Namespace) -> None:
                                    ("contiguous", 1e3, "view + .contiguous() (ms)"),
                                    ("then", 1e3, f"view + {case.then_name} (ms)")):  # fmt: skip
             tr, pe = t[f"{stage} transpose"], t[f"{stage} permute"]
-            cells = [f"{tr * unit:.3f}", f"{pe * unit:.3f}", f"{pe / tr:.2f}"]
+            cells = [f"{tr * unit:.3f}", f"{pe * unit:.3f}", f"{pe / tr:.2f}", "", ""]
+            if stage == "then":
+                dense = t["then contiguous"]
+                cells[3:] = [f"{dense * unit:.3f}", f"{pe / dense:.2f}"]
             rows.append([case.name, label, *cells])
     print(f"\n{run_header()}; {a.repeats} repeats after {a.warmup} warm-ups, medians; "
           "same view, values and output checked for every row\n")  # fmt: skip
-    print(markdown_table(["reorder", "stage", "transpose", "permute", "permute / transpose"], rows))
+    header = ["reorder", "stage", "transpose", "permute", "permute / transpose",
+              "contiguous input", "permute / contiguous"]  # fmt: skip
+    print(markdown_table(header, rows))
 
 
 # ---------------------------------------------------------------------------- inference
