@@ -14,6 +14,8 @@ Command:
     python scripts/evaluate.py --checkpoint runs/maml-5w1s-seed0/checkpoint.pt
     python scripts/evaluate.py --checkpoint runs/maml-5w1s-seed0/checkpoint.pt \\
         --tasks 2000 --steps 20 --shots 5 --which last
+    python scripts/evaluate.py --checkpoint runs/maml-20w1s-seed0/checkpoint.pt \\
+        --protocol within-alphabet --tasks 1000   # Lake et al.'s 20-way protocol
     python scripts/evaluate.py --data-root /data/cifar \\
         --checkpoint runs/cifar-fs-conv4-maml-5w1s-lr0.01-steps5-seed0/checkpoint.pt
 
@@ -36,7 +38,9 @@ from typing import Any, Literal
 import torch
 
 from metalearn.cli import parse_dataclass
-from metalearn.data import image_set_samplers
+from metalearn.data import image_set_samplers, load_omniglot
+from metalearn.data.omniglot import root_is_default
+from metalearn.data.within_alphabet import within_alphabet_samplers
 from metalearn.deploy import load_learner
 from metalearn.evaluation import TEST_SEED, TaskSource, evaluate_tasks
 from metalearn.tracking import init_run, run_group
@@ -60,9 +64,11 @@ class Args:
     """Support examples per class (default: the run's shots)."""
     query: int | None = None
     """Query examples per class (default: the run's eval_query)."""
-    protocol: Literal["episodic"] = "episodic"
-    """How tasks are drawn; episodic: N-way K-shot from the split's test classes, as the
-    experiment tests."""
+    protocol: Literal["episodic", "within-alphabet"] | None = None
+    """How tasks are drawn (default: the run's --eval-protocol, else episodic). episodic:
+    N-way K-shot from the split's test classes; within-alphabet (Omniglot's alphabet split):
+    each task's classes from one evaluation alphabet, support and query by different
+    drawers (Lake et al., 2015)."""
     split: Literal["maml", "alphabet"] | None = None
     """Omniglot runs only: the class split whose test classes are drawn (default: the run's)."""
     data_root: str | None = None
@@ -93,6 +99,7 @@ def settings(args: Args, run: Mapping[str, Any]) -> dict[str, Any]:
             for a data set other than Omniglot.
     """
     dataset = run.get("dataset", "omniglot")
+    protocol = args.protocol or run.get("eval_protocol", "episodic")
     if args.split is not None and dataset != "omniglot":
         raise ValueError(f"--split {args.split}: {dataset} has one published split (--split "
                          "chooses Omniglot's class split); drop --split")  # fmt: skip
@@ -102,6 +109,13 @@ def settings(args: Args, run: Mapping[str, Any]) -> dict[str, Any]:
             "split": run.get("split", "maml") if dataset == "omniglot" else None,
             "steps": run["eval_inner_steps"], "data_root": run.get("data_root")}  # fmt: skip
     chosen = {"dataset": dataset, **{k: runs[k] if v is None else v for k, v in given.items()}}
+    chosen["protocol"] = protocol
+    if protocol == "within-alphabet" and (dataset, chosen["split"]) != ("omniglot", "alphabet"):
+        raise ValueError(
+            f"--protocol within-alphabet draws tasks from one alphabet of Omniglot's alphabet "
+            f"split; this is {drawn_from(chosen)}: pass --split alphabet (Omniglot runs) or "
+            "--protocol episodic"
+        )
     if chosen["ways"] != run["ways"]:
         raise ValueError(
             f"--ways {chosen['ways']}: this model's head has {run['ways']} outputs (trained "
@@ -115,13 +129,15 @@ def settings(args: Args, run: Mapping[str, Any]) -> dict[str, Any]:
     return chosen
 
 
-def task_source(
-    protocol: str, chosen: Mapping[str, Any], run: Mapping[str, Any], device: str
-) -> TaskSource:
+def task_source(chosen: Mapping[str, Any], run: Mapping[str, Any], device: str) -> TaskSource:
     """Where the test tasks come from: the one place a protocol is chosen. The run's own
     sampler factory draws them, at the image shape the run recorded."""
-    if protocol != "episodic":
-        raise ValueError(f"--protocol {protocol!r} is unknown; choose episodic")
+    if chosen["protocol"] == "within-alphabet":
+        data = load_omniglot(chosen["data_root"], download=root_is_default(chosen["data_root"]))
+        return within_alphabet_samplers(
+            data, "alphabet", ways=chosen["ways"], shots=chosen["shots"],
+            queries=chosen["query"], device=device,
+        )["test"]  # fmt: skip
     samplers = image_set_samplers(
         chosen["dataset"], chosen["data_root"], ways=chosen["ways"], shots=chosen["shots"],
         queries=chosen["query"], image_size=run.get("image_size"), channels=run.get("channels"),
@@ -144,11 +160,11 @@ def evaluate(args: Args) -> dict[str, float]:
         torch.set_num_threads(args.threads)
     learner, run_args = load_learner(args.checkpoint, which=args.which, device=args.device)
     chosen = settings(args, run_args)
-    source = task_source(args.protocol, chosen, run_args, args.device)
+    source = task_source(chosen, run_args, args.device)
     print(
         f"{args.checkpoint} ({args.which} weights): {chosen['ways']}-way {chosen['shots']}-shot, "
-        f"{chosen['query']} queries, {chosen['steps']} inner steps, {args.tasks} tasks of the "
-        f"test classes of {drawn_from(chosen)}, seed {args.seed}"
+        f"{chosen['query']} queries, {chosen['steps']} inner steps, {args.tasks} "
+        f"{chosen['protocol']} tasks of the test classes of {drawn_from(chosen)}, seed {args.seed}"
     )
     wandb_run = _start_run(args, run_args, chosen) if args.track else None
     try:

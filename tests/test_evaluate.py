@@ -268,3 +268,46 @@ def test_data_root_overrides_the_recorded_folder(fewshot_checkpoint, tmp_path, c
 def test_split_is_refused_for_a_data_set_other_than_omniglot(fewshot_checkpoint, capsys):
     argv = ["--checkpoint", str(fewshot_checkpoint), "--no-track", "--split", "alphabet"]
     _refused(capsys, argv, "--split alphabet: folder has one published split")
+
+
+@pytest.fixture(scope="module")
+def lake_checkpoint(tmp_path_factory) -> Path:
+    """Two meta-steps of a Proto-MAML run on the alphabet split, tested within alphabets."""
+    if not (DATA / "images_background").is_dir():
+        pytest.skip("full Omniglot not found: set METALEARN_DATA or put it at ../shared/data/")
+    tmp = tmp_path_factory.mktemp("lake")
+    args = om.Args(
+        algorithm="protomaml", ways=4, split="alphabet", eval_protocol="within-alphabet",
+        train_tasks="within-alphabet", augment=True, iterations=2, meta_batch=2, query=1,
+        eval_query=2, hidden=8, val_every=1, val_tasks=3, test_tasks=4, eval_inner_steps=1,
+        data_root=str(DATA), out_dir=str(tmp), track=False, device="cpu",
+    )  # fmt: skip
+    om.main(args)
+    (path,) = tmp.glob("*/checkpoint.pt")
+    return path
+
+
+def test_within_alphabet_is_the_runs_protocol_and_matches_by_hand(lake_checkpoint, capsys):
+    from metalearn.data.within_alphabet import within_alphabet_samplers
+
+    argv = ["--checkpoint", str(lake_checkpoint), "--tasks", "9", "--seed", "4", "--no-track"]
+    assert script.cli(argv) == 0
+    printed = _last_line(capsys)
+    learner, run = load_learner(lake_checkpoint, which="best")
+    sampler = within_alphabet_samplers(load_omniglot(run["data_root"]), ways=4, shots=1,
+                                       queries=2)["test"]  # fmt: skip
+    drawn = sampler.batch(9, torch.Generator().manual_seed(4))
+    acc = learner.evaluate(drawn, steps=1)[1].double()
+    assert float(printed.group(1)) == pytest.approx(acc.mean().item(), abs=5e-5)
+    # The same checkpoint on MAML's episodic tasks of the same split is another number.
+    assert script.cli([*argv, "--protocol", "episodic"]) == 0
+    episodic = _last_line(capsys)
+    assert episodic.group(1) != printed.group(1)
+
+
+def test_within_alphabet_needs_the_alphabet_split(checkpoint, capsys) -> None:
+    argv = ["--checkpoint", str(checkpoint), "--protocol", "within-alphabet", "--no-track"]
+    assert script.cli(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert "--protocol within-alphabet draws tasks from one alphabet" in err
+    assert len(err.splitlines()) == 1
