@@ -1,0 +1,148 @@
+"""`metalearn.compiled`: a compiled meta-step gives the eager meta-gradient, in one graph.
+
+The references are the learner's own eager ``backward`` in float64 on the same tasks; the
+graph counts come from Dynamo's counters, so a path that silently ran eagerly (no graph
+compiled) fails too. Tiny networks keep each compile to seconds.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+
+import pytest
+import torch
+from torch._dynamo.utils import counters
+
+from metalearn.algorithms import IMAML, MAML, MAMLpp, MetaSGD, Reptile
+from metalearn.compiled import CompiledMetaGradient, compile_blocker
+from metalearn.models import MLP
+from metalearn.outer import NonFiniteLossError, Task
+
+# Inductor's compile runs torch code that warns about torch's own deprecated APIs.
+pytestmark = [
+    pytest.mark.filterwarnings("ignore:`torch.jit.script_method` is deprecated:DeprecationWarning"),
+    pytest.mark.filterwarnings("ignore:`isinstance\\(treespec, LeafSpec\\)` is deprecated"),
+]
+TOLERANCE = 1e-10
+"""Max relative difference of a float64 meta-gradient from eager's (rounding is ~1e-15)."""
+
+
+def _tasks(n: int, seed: int, nan_task: int | None = None) -> list[Task]:
+    """``n`` random 3-way tasks of 4 features, 6 support and 6 query examples, float64."""
+    g = torch.Generator().manual_seed(seed)
+    labels = torch.arange(6) % 3
+    tasks = [
+        Task(support=(torch.randn(6, 4, generator=g, dtype=torch.float64), labels),
+             query=(torch.randn(6, 4, generator=g, dtype=torch.float64), labels))
+        for _ in range(n)
+    ]  # fmt: skip
+    if nan_task is not None:
+        tasks[nan_task].support[0][0, 0] = float("nan")
+    return tasks
+
+
+def _learner(cls=MAML, **kwargs):
+    torch.manual_seed(0)
+    return cls(MLP(4, [8], 3).double(), inner_lr=0.4, inner_steps=2, **kwargs)
+
+
+def _meta_gradient(backward, learner, tasks):
+    for p in learner.parameters():
+        p.grad = None
+    metrics = backward(tasks)
+    return metrics, {n: p.grad.clone() for n, p in learner.named_parameters() if p.grad is not None}
+
+
+def _relative_difference(grads, reference) -> float:
+    assert grads.keys() == reference.keys()
+    error = max(float((grads[n] - ref).abs().max()) for n, ref in reference.items())
+    return error / max(float(ref.abs().max()) for ref in reference.values())
+
+
+def _assert_same_step(learner, tasks, compiled):
+    """The compiled step's metrics and meta-gradient against eager ``backward``."""
+    got, grads = _meta_gradient(compiled, learner, tasks)
+    want, reference = _meta_gradient(learner.backward, learner, tasks)
+    assert _relative_difference(grads, reference) < TOLERANCE
+    assert math.isclose(got.loss, want.loss, rel_tol=TOLERANCE)
+    assert (got.accuracy, got.skipped) == (want.accuracy, want.skipped)
+    return got, want
+
+
+@pytest.fixture(autouse=True)
+def _fresh_dynamo():
+    torch._dynamo.reset()
+    counters.clear()
+    yield
+    torch._dynamo.reset()
+
+
+@pytest.mark.parametrize("cls", [MAML, MetaSGD])
+def test_a_vmapped_chunk_compiles_to_one_graph_with_eager_meta_gradient(cls):
+    learner = _learner(cls, vectorize="vmap", chunk_size=None)
+    compiled = CompiledMetaGradient(learner)
+    for seed in (1, 2):  # new tasks and moved weights reuse the graph
+        got, want = _assert_same_step(learner, _tasks(4, seed), compiled)
+        assert got.vectorized == want.vectorized == 4
+        with torch.no_grad():
+            for p in learner.parameters():
+                p.add_(0.1 * p.grad)
+    assert compiled.whole and compiled.break_reason is None
+    assert counters["stats"]["unique_graphs"] == 1  # compiled once, no recompile
+    assert not counters["graph_break"]
+
+
+def test_loop_chunks_run_the_compiled_per_task_function():
+    learner = _learner(vectorize="loop")  # chunks of one task each
+    compiled = CompiledMetaGradient(learner)
+    got, _ = _assert_same_step(learner, _tasks(3, 1), compiled)
+    assert got.vectorized == 0
+    assert counters["stats"]["unique_graphs"] == 1  # one per-task graph, reused by every task
+    assert not counters["graph_break"]
+
+
+# Dynamo reads .grad of MAML++'s per-step rates (views of a parameter) while tracing.
+@pytest.mark.filterwarnings("ignore:The .grad attribute of a Tensor that is not a leaf")
+@pytest.mark.filterwarnings("ignore:Dynamo does not know how to trace the builtin")
+def test_a_chunk_that_breaks_the_graph_runs_per_task_with_eager_meta_gradient():
+    learner = _learner(MAMLpp, vectorize="vmap", chunk_size=None)
+    compiled = CompiledMetaGradient(learner)
+    _assert_same_step(learner, _tasks(3, 1), compiled)
+    if not (compiled.whole and compiled.per_task):
+        assert compiled.break_reason  # a fallback says why
+    assert not counters["graph_break"]  # what compiled, compiled whole
+
+
+@pytest.mark.parametrize("vectorize", ["vmap", "loop"])
+def test_non_finite_losses_raise_or_skip_as_eager(vectorize):
+    tasks = _tasks(4, 1, nan_task=2)
+    raising = CompiledMetaGradient(_learner(vectorize=vectorize, chunk_size=None))
+    with pytest.raises(NonFiniteLossError, match="task 2"):
+        raising(tasks)
+    learner = _learner(vectorize=vectorize, chunk_size=None, on_nonfinite="skip")
+    got, want = _assert_same_step(learner, tasks, CompiledMetaGradient(learner))
+    assert got.skipped == want.skipped == 1
+
+
+@pytest.mark.parametrize(
+    ("learner", "message"),
+    [
+        (_learner(Reptile), "Reptile computes its meta-gradient its own way"),
+        (_learner(IMAML), "IMAML computes its meta-gradient its own way"),
+        (_learner(vectorize="loop", checkpoint=True), "checkpoint=True: .*drop checkpointing"),
+    ],
+)
+def test_what_cannot_be_compiled_is_refused_in_one_line(learner, message):
+    assert "\n" not in compile_blocker(learner)
+    with pytest.raises(ValueError, match=message):
+        CompiledMetaGradient(learner)
+
+
+def test_a_learner_that_overrides_backward_is_refused():
+    class Custom(MAML):
+        def backward(self, tasks):
+            return super().backward(tasks)
+
+    with pytest.raises(ValueError, match="Custom overrides backward"):
+        CompiledMetaGradient(copy.deepcopy(_learner(Custom)))
