@@ -120,6 +120,11 @@ class Args:
     memory, more time."""
     vectorize: Literal["auto", "vmap", "loop"] = "auto"
     """How a meta-batch runs: vmap, a Python loop, or auto (by workload)."""
+    compile: bool = False
+    """Compile the training meta-gradient with torch.compile (`metalearn.compiled`): each
+    vmapped chunk's meta-loss and its gradient as one graph, else the per-task meta-loss.
+    Same meta-gradient (float32 rounds differently); the first steps spend minutes
+    compiling on a CPU. Validation and test stay eager. Not for imaml, reptile, --checkpoint."""
     val_every: int = 200
     """Meta-steps between validations (the best-validation weights are tested)."""
     val_tasks: int = 200
@@ -142,8 +147,8 @@ class Args:
     resume: bool = False
     """Continue the run named run_name from its last checkpoint, with its saved arguments;
     only --iterations (to extend), --checkpoint-every, --checkpoint, --chunk-size,
-    --device, --threads, --tune-malloc, --track, --wandb-mode, --wandb-group, --log-model,
-    --dist-timeout, --data-root, --out-dir may change."""
+    --compile, --device, --threads, --tune-malloc, --track, --wandb-mode, --wandb-group,
+    --log-model, --dist-timeout, --data-root, --out-dir may change."""
     track: bool = True
     """Log to Weights & Biases (--no-track to skip)."""
     log_model: bool = False
@@ -178,10 +183,11 @@ PRESETS: dict[str, dict[str, Any]] = {
     "paper-miniimagenet-5w1s-fo": {**PAPER, "shots": 1, "meta_batch": 4, "algorithm": "fomaml"},
     "paper-miniimagenet-5w5s-fo": {**PAPER, "shots": 5, "meta_batch": 2, "algorithm": "fomaml"},
 }  # fmt: skip
-# What --resume may change: how long, where and with how much memory the run goes on
-# (checkpointing and chunking compute the same meta-gradient), not what it computes.
+# What --resume may change: how long, where, how fast and with how much memory the run goes
+# on (compiling, checkpointing and chunking compute the same meta-gradient), not what it
+# computes.
 RESUMABLE = (
-    "iterations", "checkpoint_every", "checkpoint", "chunk_size", "device", "threads",
+    "iterations", "checkpoint_every", "checkpoint", "chunk_size", "compile", "device", "threads",
     "tune_malloc", "track", "wandb_mode", "wandb_group", "log_model", "dist_timeout",
     "data_root", "out_dir", "resume",
 )  # fmt: skip

@@ -100,6 +100,11 @@ class Args:
     """Filters per conv layer."""
     vectorize: Literal["auto", "vmap", "loop"] = "auto"
     """How a meta-batch runs: vmap, a Python loop, or auto (by workload)."""
+    compile: bool = False
+    """Compile the training meta-gradient with torch.compile (`metalearn.compiled`): each
+    vmapped chunk's meta-loss and its gradient as one graph, else the per-task meta-loss.
+    Same meta-gradient (float32 rounds differently); the first steps spend minutes
+    compiling on a CPU. Validation and test stay eager. Not for imaml, reptile, --checkpoint."""
     split: Literal["maml", "alphabet"] = "maml"
     """maml: 1100/100/423 characters with rotations; alphabet: background vs evaluation."""
     eval_protocol: Literal["episodic", "within-alphabet"] = "episodic"
@@ -134,9 +139,9 @@ class Args:
     """Run name (default: algorithm-NwKs-lrLR-stepsS-seedS); --resume looks for it in out_dir."""
     resume: bool = False
     """Continue the run named run_name from its last checkpoint, with its saved arguments;
-    only --iterations (to extend), --checkpoint-every, --device, --threads, --tune-malloc,
-    --track, --wandb-mode, --wandb-group, --log-model, --dist-timeout, --data-root, --out-dir
-    may change."""
+    only --iterations (to extend), --checkpoint-every, --compile, --device, --threads,
+    --tune-malloc, --track, --wandb-mode, --wandb-group, --log-model, --dist-timeout,
+    --data-root, --out-dir may change."""
     track: bool = True
     """Log to Weights & Biases (--no-track to skip)."""
     log_model: bool = False
@@ -173,9 +178,10 @@ PRESETS: dict[str, dict[str, Any]] = {
     "paper-20w5s": {**PAPER, "ways": 20, "shots": 5, "meta_batch": 16, "inner_lr": 0.1,
                     "inner_steps": 5},
 }  # fmt: skip
-# What --resume may change: how long and where the run goes on, not what it computes.
+# What --resume may change: how long, where and how fast the run goes on (--compile computes
+# the same meta-gradient), not what it computes.
 RESUMABLE = (
-    "iterations", "checkpoint_every", "device", "threads", "tune_malloc", "track",
+    "iterations", "checkpoint_every", "compile", "device", "threads", "tune_malloc", "track",
     "wandb_mode", "wandb_group", "log_model", "dist_timeout", "data_root", "out_dir", "resume",
 )  # fmt: skip
 

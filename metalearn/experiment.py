@@ -11,13 +11,15 @@ refuses bad input the same way::
 The argument dataclass holds the common fields the functions below read (``algorithm``,
 ``ways``, ``shots``, ``query``, ``eval_query``, ``meta_batch``, ``iterations``, the learner
 values, ``val_every``, ``val_tasks``, ``test_tasks``, ``checkpoint_every``, ``seed``,
-``out_dir``, ``run_name``, ``resume``, ``curvature_every``, ``curvature_tasks``, the W&B
-and device fields) and its own. A run is its arguments: they are checked before any data
-loads, the open ones are resolved once (`resolve_args`), and the result is what W&B and the
-checkpoint record. `metalearn.runs` says how no logged metric is lost across a kill and
-resume. With ``curvature_every`` N > 0, every N meta-steps the train loop measures the
-curvature of the support and meta losses on fixed probe tasks (`measure_curvature`) and
-logs it under ``curv/`` with the step's other metrics.
+``out_dir``, ``run_name``, ``resume``, ``curvature_every``, ``curvature_tasks``,
+``compile``, the W&B and device fields) and its own. A run is its arguments: they are
+checked before any data loads, the open ones are resolved once (`resolve_args`), and the
+result is what W&B and the checkpoint record. `metalearn.runs` says how no logged metric is
+lost across a kill and resume. With ``curvature_every`` N > 0, every N meta-steps the train
+loop measures the curvature of the support and meta losses on fixed probe tasks
+(`measure_curvature`) and logs it under ``curv/`` with the step's other metrics. With
+``compile``, the training meta-steps compute the meta-gradient under ``torch.compile``
+(`meta_gradient`); validation and test stay eager.
 
 Under ``torchrun`` each rank computes the meta-gradient of its share of every meta-batch
 (`metalearn.distributed`); every rank draws the same global meta-batch, so N processes
@@ -39,14 +41,16 @@ import torch
 from tqdm import tqdm
 
 from metalearn import distributed, tune_malloc
-from metalearn.algorithms import MetaLearner, MetaLossLearner
+from metalearn.algorithms import MetaLearner, MetaLossLearner, StepMetrics
 from metalearn.algorithms.build import learner_config, resolve_learner_args
 from metalearn.checkpoint import load_checkpoint, save_checkpoint
 from metalearn.cli import parse_dataclass
+from metalearn.compiled import CompiledMetaGradient
 from metalearn.data import EpisodicSampler
 from metalearn.evaluation import TEST_SEED, VAL_SEED, evaluate_tasks
 from metalearn.meta_curvature import PROBE_SEED, meta_curvature, support_curvature
 from metalearn.runs import RunState, Stopped, UserError, merge_resumed_args, require, signals_held
+from metalearn.task import Task
 from metalearn.tracking import graceful_shutdown, init_run, log_model, run_group
 
 __all__ = [
@@ -57,6 +61,7 @@ __all__ = [
     "main",
     "make_optimizer",
     "measure_curvature",
+    "meta_gradient",
     "meta_step",
     "parse_args",
     "resolve_args",
@@ -65,6 +70,9 @@ __all__ = [
     "train",
     "validate",
 ]
+
+MetaGradient = Callable[[Sequence[Task]], StepMetrics]
+"""Fills ``.grad`` of a learner's parameters with a meta-batch's meta-gradient."""
 
 _AT_LEAST_ONE = (
     "ways", "shots", "query", "eval_query", "meta_batch", "iterations", "hidden",
@@ -264,8 +272,12 @@ def train(
     run: Any,
     bar: tqdm,
     saved: dict | None,
+    backward: MetaGradient | None = None,
 ) -> dict:
-    """Meta-train from ``state`` (fresh or resumed); returns the last checkpoint written."""
+    """Meta-train from ``state`` (fresh or resumed); returns the last checkpoint written.
+
+    ``backward`` computes each step's meta-gradient (default ``learner.backward``).
+    """
     opt = make_optimizer(args, learner)
     gen = torch.Generator().manual_seed(args.seed)
     if saved is not None:
@@ -277,7 +289,7 @@ def train(
     try:
         for it in range(state.iteration, args.iterations):
             bar.set_description("train")
-            row = meta_step(args, learner, opt, samplers["train"], gen)
+            row = meta_step(args, learner, opt, samplers["train"], gen, backward)
             bar.update(args.meta_batch)
             if probe is not None and (it + 1) % args.curvature_every == 0:
                 bar.set_description("curvature")
@@ -305,12 +317,18 @@ def train(
     return snapshot
 
 
-def meta_step(args: Any, learner: MetaLearner, opt, sampler, gen) -> dict[str, float]:
-    """One meta-step on this rank's share of a meta-batch; returns its logged metrics."""
+def meta_step(
+    args: Any, learner: MetaLearner, opt, sampler, gen, backward: MetaGradient | None = None
+) -> dict[str, float]:
+    """One meta-step on this rank's share of a meta-batch; returns its logged metrics.
+
+    ``backward`` fills ``.grad`` with the meta-gradient of the tasks (default
+    ``learner.backward``; `meta_gradient` gives the run's).
+    """
     start = time.perf_counter()
     tasks = _my_tasks(sampler, args.meta_batch, gen)
     opt.zero_grad(set_to_none=True)
-    metrics = learner.backward(tasks)
+    metrics = (learner.backward if backward is None else backward)(tasks)
     metrics = distributed.average_meta_step(learner, metrics, len(tasks))
     opt.step()
     seconds = time.perf_counter() - start
@@ -319,6 +337,21 @@ def meta_step(args: Any, learner: MetaLearner, opt, sampler, gen) -> dict[str, f
         "perf/tasks_per_s": args.meta_batch / seconds,
         "perf/vectorized_tasks": metrics.vectorized, "train/skipped": metrics.skipped,
     }  # fmt: skip
+
+
+def meta_gradient(args: Any, learner: MetaLearner) -> MetaGradient:
+    """What fills ``.grad`` in a training step: ``learner.backward``, compiled with
+    ``--compile`` (`metalearn.compiled.CompiledMetaGradient`).
+
+    Raises:
+        UserError: ``--compile`` for a learner whose meta-step cannot be compiled.
+    """
+    if not args.compile:
+        return learner.backward
+    try:
+        return CompiledMetaGradient(learner)
+    except ValueError as err:
+        raise UserError(f"--compile with --algorithm {args.algorithm}: {err}") from None
 
 
 def _curvature_probe(args: Any, sampler: EpisodicSampler) -> list | None:
@@ -464,6 +497,7 @@ def _main(exp: Experiment, args: Any, dist: distributed.DistInfo) -> dict[str, f
             f"--curvature-every {args.curvature_every} with --algorithm {args.algorithm}: "
             f"{type(learner).__name__} has no meta-loss to measure; use maml, fomaml, anil, "
             "metasgd or mamlpp, or drop --curvature-every")  # fmt: skip
+    backward = meta_gradient(args, learner)
     state = RunState(run_name=str(args.run_name))
     if saved is not None:
         learner.load_state_dict(saved["learner"])
@@ -473,15 +507,15 @@ def _main(exp: Experiment, args: Any, dist: distributed.DistInfo) -> dict[str, f
     run = _make_run(exp, args, state, learner)
     if dist.is_main:
         print(f"W&B run: {Path(run.dir).parent if run is not None else 'not tracked'}", flush=True)
-    return _train_and_test(args, learner, samplers, state, run, saved, dist)
+    return _train_and_test(args, learner, samplers, state, run, saved, dist, backward)
 
 
-def _train_and_test(args, learner, samplers, state, run, saved, dist) -> dict[str, float]:
+def _train_and_test(args, learner, samplers, state, run, saved, dist, backward) -> dict[str, float]:
     """Train, test, record; the W&B run ends failed (exit code != 0) unless all of it ran."""
     started, exit_code = time.perf_counter(), 1
     try:
         with graceful_shutdown(), _make_progress(args, state, "val" in samplers) as bar:
-            final = train(args, learner, samplers, state, run, bar, saved)
+            final = train(args, learner, samplers, state, run, bar, saved, backward)
             results = test(args, learner, samplers, state, bar)
         results["perf/total_minutes"] = (time.perf_counter() - started) / 60
         state.results = final["results"] = results
