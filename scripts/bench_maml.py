@@ -16,8 +16,9 @@ order). Methods:
 * ``higher``: ``higher.innerloop_ctx`` with SGD, one ``backward`` per task; first order
   detaches the inner gradient through ``grad_callback`` (higher has no first-order switch
   that keeps the gradient to theta; ``track_higher_grads=False`` cuts it).
-* ``compile`` (only when named in ``--methods``): metalearn's vmapped `task_loss` under
-  ``torch.compile``; minutes of compiling per setting.
+* ``compile`` (only when named in ``--methods``): ``auto`` under
+  `metalearn.compiled.CompiledMetaGradient` (the experiments' ``--compile``): each vmapped
+  chunk compiled as one graph; minutes of compiling per setting on a CPU.
 
 Every method starts from the same weights and sees the same tasks. By default the baselines
 run the network with the fused ``nn.BatchNorm2d(track_running_stats=False)`` (what their
@@ -67,13 +68,13 @@ import torch
 import torch.nn.functional as F
 from benchtools import peak_step_mb, sync
 from torch import Tensor, nn
-from torch.func import vmap
 
 from metalearn import tune_malloc
 from metalearn.algorithms import FOMAML, MAML
 from metalearn.chunking import ChunkSize
+from metalearn.compiled import CompiledMetaGradient
 from metalearn.models import Conv4
-from metalearn.outer import InnerLoop, Task, task_loss
+from metalearn.outer import InnerLoop, Task
 from metalearn.plan import plan
 
 WAYS, SHOTS, INNER_LR, OUTER_LR = 5, 1, 0.4, 1e-3
@@ -251,32 +252,14 @@ def higher_gradient(model: nn.Module, setting: Setting) -> MetaGradient:
 
 
 def compiled_gradient(model: nn.Module, setting: Setting) -> MetaGradient:
-    """metalearn's vmapped `task_loss` under ``torch.compile`` (inductor), one backward.
+    """``auto``'s learner under `metalearn.compiled.CompiledMetaGradient` (``--compile``).
 
-    The whole meta-loss, inner gradient included, is one compiled graph; AOTAutograd
-    derives its backward. The first call compiles (minutes on 2 cores): keep ``--warmup``.
+    Each vmapped chunk of the plan (its meta-loss, inner gradient included, and AOTAutograd's
+    backward) is one compiled graph. Each chunk size compiles on its first call (minutes on
+    2 cores): keep ``--warmup``.
     """
-    return compiled_meta_gradient(
-        model, InnerLoop(steps=1, lr=INNER_LR, first_order=setting.first_order)
-    )
-
-
-def compiled_meta_gradient(model: nn.Module, inner: InnerLoop) -> MetaGradient:
-    """The vmapped mean of `task_loss` over a meta-batch, compiled whole; fills ``.grad``."""
-
-    def meta_loss(params: dict[str, Tensor], *stacked: Tensor) -> Tensor:
-        def one(xs: Tensor, ys: Tensor, xq: Tensor, yq: Tensor) -> Tensor:
-            return task_loss(model, params, (xs, ys), (xq, yq), inner).loss
-
-        return vmap(one)(*stacked).mean()
-
-    compiled = torch.compile(meta_loss)
-
-    def run(tasks: Sequence[Task]) -> None:
-        stacked = [torch.stack(column) for column in zip(*((*t.support, *t.query) for t in tasks))]
-        compiled(dict(model.named_parameters()), *stacked).backward()
-
-    return run
+    cls = FOMAML if setting.first_order else MAML
+    return CompiledMetaGradient(cls(model, inner_lr=INNER_LR, inner_steps=1))
 
 
 def make_gradient(method: str, model: nn.Module, setting: Setting) -> MetaGradient:

@@ -15,6 +15,9 @@
 #                 Hessian against HVP.
 #   bench_chunks  scripts/bench_chunks.py --device DEVICE: meta-step time by tasks per vmapped
 #                 chunk, the grid behind metalearn.chunking's CUDA chunk limit.
+#   compile       scripts/bench_maml.py --methods auto,compile --device DEVICE: the default
+#                 Omniglot meta-step (16 tasks, 5 query per class, second order) eager against
+#                 the experiments' --compile (metalearn.compiled); the warm-up compiles.
 #   omniglot      experiments/omniglot_maml.py --device DEVICE for --iterations meta-steps,
 #                 tested on 600 tasks, tracked offline in W&B inside the output folder.
 #
@@ -38,7 +41,8 @@ Options:
   --iterations N     meta-steps of the Omniglot run (default 500)
   --quick            toy sizes everywhere: checks the plumbing, measures nothing
   --full-tests       the whole test suite instead of the quick subset
-  --skip PART        leave out a part (tests, bench_maml, bench_hvp, bench_chunks, omniglot);
+  --skip PART        leave out a part (tests, bench_maml, bench_hvp, bench_chunks, compile,
+                     omniglot);
                      may be repeated
   -h, --help         this text
 EOF
@@ -70,8 +74,8 @@ done
 
 case "$ITERATIONS" in '' | *[!0-9]* | 0) die "--iterations must be a positive integer, got '$ITERATIONS'" ;; esac
 for name in $SKIP; do
-    case "$name" in tests | bench_maml | bench_hvp | bench_chunks | omniglot) ;;
-        *) die "--skip takes tests, bench_maml, bench_hvp, bench_chunks or omniglot, got '$name'" ;;
+    case "$name" in tests | bench_maml | bench_hvp | bench_chunks | compile | omniglot) ;;
+        *) die "--skip takes tests, bench_maml, bench_hvp, bench_chunks, compile or omniglot, got '$name'" ;;
     esac
 done
 if [ -n "$DATA_ROOT" ] && [ ! -d "$DATA_ROOT/images_background" ]; then
@@ -103,16 +107,18 @@ if [ "$QUICK" = 1 ]; then
     MAML=(--quick --settings q1-first --methods loop,auto --no-float64-check)
     HVP=(--quick)
     CHUNKS=(--settings q1-first --repeats 1 --max-examples 80)
+    COMPILE=(--quick --settings q1-first --tasks 4 --no-float64-check)
     OMNIGLOT=(--iterations 2 --val-every 2 --val-tasks 2 --test-tasks 2 --checkpoint-every 2)
-    LIMITS=(tests=300 bench_maml=300 bench_hvp=120 bench_chunks=300 omniglot=600)
+    LIMITS=(tests=300 bench_maml=300 bench_hvp=120 bench_chunks=300 compile=600 omniglot=600)
 else
     TESTS=(-m "not slow")
     [ "$FULL_TESTS" = 1 ] && TESTS=()
     MAML=(--repeats 10 --warmup 3)
     HVP=(--max-hessian-gb 40)
     CHUNKS=(--repeats 5 --max-examples 2600)
+    COMPILE=(--settings q5-second --tasks 16 --repeats 10 --warmup 2 --no-memory)
     OMNIGLOT=(--iterations "$ITERATIONS")
-    LIMITS=(tests=1800 bench_maml=1800 bench_hvp=600 bench_chunks=1800 omniglot=3600)
+    LIMITS=(tests=1800 bench_maml=1800 bench_hvp=600 bench_chunks=1800 compile=1200 omniglot=3600)
 fi
 
 limit_of() {  # limit_of PART: its time limit in seconds
@@ -160,6 +166,8 @@ part tests '(passed|failed|error)' "$PY" -m pytest -q -p no:cacheprovider "${TES
 part bench_maml '^speedup_vs_learn2learn' "$PY" scripts/bench_maml.py --device "$DEVICE" "${MAML[@]}"
 part bench_hvp '^hvp_over_grad' "$PY" scripts/bench_hvp.py --device "$DEVICE" "${HVP[@]}"
 part bench_chunks '^\|' "$PY" scripts/bench_chunks.py --device "$DEVICE" "${CHUNKS[@]}"
+part compile '^timed ' "$PY" scripts/bench_maml.py --device "$DEVICE" --methods auto,compile \
+    "${COMPILE[@]}"
 part omniglot 'test/acc' "$PY" experiments/omniglot_maml.py --device "$DEVICE" --threads 0 \
     --run-name gpu-check --out-dir "$DEST/omniglot" "${TRACK[@]}" "${OMNIGLOT[@]}"
 

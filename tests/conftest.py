@@ -45,6 +45,7 @@ SLOW_MODULES = {
     "test_bench_curvature",
     "test_bench_memory",
     "test_compare_runs",
+    "test_compiled",
     "test_distributed",
     "test_evaluate",
     "test_fewshot_experiment",

@@ -12,12 +12,15 @@ import math
 
 import pytest
 import torch
+from test_omniglot_experiment import DATA, om, tiny_args
 from torch._dynamo.utils import counters
 
 from metalearn.algorithms import IMAML, MAML, MAMLpp, MetaSGD, Reptile
+from metalearn.checkpoint import load_checkpoint
 from metalearn.compiled import CompiledMetaGradient, compile_blocker
 from metalearn.models import MLP
 from metalearn.outer import NonFiniteLossError, Task
+from metalearn.runs import UserError
 
 # Inductor's compile runs torch code that warns about torch's own deprecated APIs.
 pytestmark = [
@@ -146,3 +149,38 @@ def test_a_learner_that_overrides_backward_is_refused():
 
     with pytest.raises(ValueError, match="Custom overrides backward"):
         CompiledMetaGradient(copy.deepcopy(_learner(Custom)))
+
+
+# --------------------------------------------------------------------------- the experiments
+
+
+def test_compile_in_the_omniglot_experiment_runs_compiled_and_resumes_uncompiled(tmp_path):
+    if not (DATA / "images_background").is_dir():
+        pytest.skip("full Omniglot not found: set METALEARN_DATA")
+    run = dict(run_name="compiled", algorithm="fomaml")  # first order: a smaller graph
+    om.main(tiny_args(tmp_path, compile=True, **run))
+    assert counters["stats"]["unique_graphs"] >= 1  # the meta-steps really ran compiled
+    assert not counters["graph_break"]
+    saved = load_checkpoint(tmp_path / "compiled" / "checkpoint.pt")
+    assert saved["args"]["compile"] is True and saved["iteration"] == 2
+    om.main(tiny_args(tmp_path, iterations=3, resume=True, **run))  # and --no-compile
+    resumed = load_checkpoint(tmp_path / "compiled" / "checkpoint.pt")
+    assert resumed["args"]["compile"] is False and resumed["iteration"] == 3
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        ({"algorithm": "reptile"}, "--compile with --algorithm reptile: Reptile computes"),
+        ({"algorithm": "imaml"}, "--compile with --algorithm imaml: IMAML computes"),
+    ],
+)
+def test_compile_where_it_cannot_apply_is_refused_before_anything_is_written(
+    tmp_path, overrides, message
+):
+    if not (DATA / "images_background").is_dir():
+        pytest.skip("full Omniglot not found: set METALEARN_DATA")
+    with pytest.raises(UserError, match=message) as refused:
+        om.main(tiny_args(tmp_path, compile=True, **overrides))
+    assert "\n" not in str(refused.value)
+    assert not any(tmp_path.iterdir())
