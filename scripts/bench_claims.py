@@ -370,12 +370,13 @@ def run_inference(a: argparse.Namespace) -> None:
                 raise AssertionError(f"{name} at batch {batch}: the modes' outputs differ")
             t = time_modes(model, x, a.repeats, a.warmup, calls)
             ms = [f"{t[m] * 1e3:.3f}" for m in MODES]
-            rows.append([name, str(batch), *ms, *(f"{t[m] / t['plain']:.3f}" for m in MODES[1:])])
+            ratios = [t["no_grad"] / t["plain"], t["inference_mode"] / t["no_grad"]]
+            rows.append([name, str(batch), *ms, *(f"{r:.3f}" for r in ratios)])
             memory.append([name, str(batch), *(f"{v:.2f}" for v in memory_mb(model, x))])
     print(f"\n{run_header()}; {a.repeats} repeats after {a.warmup} warm-ups, medians; "
           f"batch 1 timed over {a.small_batch_calls} calls per repeat; outputs equal in all "
           "modes (checked)\n")  # fmt: skip
-    ratios = ["no_grad / plain", "inference_mode / plain"]
+    ratios = ["no_grad / plain", "inference_mode / no_grad"]
     print(markdown_table(["model", "batch", *(f"{m} ms" for m in MODES), *ratios], rows))
     held, peak = [f"held MB, {m}" for m in MODES], [f"peak MB, {m}" for m in MODES]
     print("\n" + markdown_table(["model", "batch", *held, *peak], memory))
