@@ -404,10 +404,13 @@ def _my_tasks(sampler: EpisodicSampler, meta_batch: int, gen: torch.Generator) -
     Every rank draws the whole meta-batch's indices from the same generator (microseconds
     per task) and builds only its own tasks, so N ranks train on exactly the tasks one
     process would, and the generator state is the same on every rank (resume, any N).
+    With augmentation, each task's seed is drawn with its indices, as `EpisodicSampler.batch`
+    draws it, so a rank's tasks are augmented as one process would augment them.
     """
-    classes, examples = sampler.sample_indices(gen, meta_batch)
+    classes, examples, seeds = sampler.draw(gen, meta_batch)  # seeds: None unless augmenting
     part = distributed.shard_slice(meta_batch)
-    return sampler.tasks_from_indices(classes[part], examples[part])
+    mine = None if seeds is None else seeds[part]
+    return sampler.tasks_from_indices(classes[part], examples[part], mine)
 
 
 def _snapshot(args: Any, learner: MetaLearner, opt, gen: torch.Generator, state: RunState) -> dict:

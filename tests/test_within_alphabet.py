@@ -120,3 +120,23 @@ def test_experiment_refuses_the_protocol_on_mamls_split():
     assert out.returncode == 2
     assert "--eval-protocol within-alphabet draws each task from one alphabet" in out.stderr
     assert "add --split alphabet" in out.stderr
+
+
+@pytest.mark.parametrize("kind", ["episodic", "within-alphabet"])
+def test_the_experiments_training_tasks_are_augmented_as_batch_augments(kind):
+    from metalearn.data import EpisodicSampler
+    from metalearn.experiment import _my_tasks
+
+    images = torch.rand(
+        len(ALPHABETS), DRAWERS, 1, 8, 8, generator=torch.Generator().manual_seed(0)
+    )
+    common = dict(ways=3, shots=1, queries=2, augment=SmallAffine())
+    sampler = (EpisodicSampler(images, **common) if kind == "episodic"
+               else WithinAlphabetSampler(images, ALPHABETS, **common))  # fmt: skip
+    trained = _my_tasks(sampler, 4, torch.Generator().manual_seed(3))
+    batch = sampler.batch(4, torch.Generator().manual_seed(3))
+    plain = sampler.tasks_from_indices(*sampler.sample_indices(torch.Generator().manual_seed(3), 4))
+    for t, b, p in zip(trained, batch, plain):
+        assert torch.equal(t.support[0], b.support[0]) and torch.equal(t.query[0], b.query[0])
+        assert not torch.equal(t.support[0], p.support[0])  # the distortion was applied
+        assert torch.equal(t.support[1], p.support[1])  # to the same tasks

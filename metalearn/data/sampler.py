@@ -180,11 +180,17 @@ class EpisodicSampler:
         With ``augment`` set, one seed per task is drawn after the indices (see the module
         docstring); without it the generator advances exactly as `sample_indices` moves it.
         """
+        return self.tasks_from_indices(*self.draw(generator, tasks))
+
+    def draw(self, generator: torch.Generator, tasks: int) -> tuple[Tensor, Tensor, Tensor | None]:
+        """What `batch` draws, unbuilt: `sample_indices`' output, then (with ``augment``
+        set) one augmentation seed per task, long ``[T]``; else None. A caller that builds
+        only some of the tasks (a rank of a distributed run) slices all three alike."""
         classes, examples = self.sample_indices(generator, tasks)
         seeds = None
         if self.augment is not None:
             seeds = torch.randint(2**62, (tasks,), generator=generator, device=generator.device)
-        return self.tasks_from_indices(classes, examples, seeds)
+        return classes, examples, seeds
 
     def sample(self, generator: torch.Generator) -> Task:
         """One task (``batch(1, generator)[0]``)."""
