@@ -17,8 +17,8 @@ from torch._dynamo.utils import counters
 
 from metalearn.algorithms import IMAML, MAML, MAMLpp, MetaSGD, Reptile
 from metalearn.checkpoint import load_checkpoint
-from metalearn.compiled import CompiledMetaGradient, compile_blocker
-from metalearn.models import MLP
+from metalearn.compiled import CompiledMetaGradient, _vmapped_task_results, compile_blocker
+from metalearn.models import MLP, Conv4
 from metalearn.outer import NonFiniteLossError, Task
 from metalearn.runs import UserError
 
@@ -94,6 +94,20 @@ def test_a_vmapped_chunk_compiles_to_one_graph_with_eager_meta_gradient(cls):
     assert compiled.whole and compiled.break_reason is None
     assert counters["stats"]["unique_graphs"] == 1  # compiled once, no recompile
     assert not counters["graph_break"]
+
+
+def test_a_second_order_conv4_chunk_traces_as_one_graph():
+    """The experiments' network, with its batch norm from elementary ops: Dynamo alone."""
+    learner = MAML(Conv4(in_channels=1, ways=5, hidden=8, pool="stride"), inner_lr=0.4)
+    g = torch.Generator().manual_seed(1)
+    labels = torch.arange(5).repeat(2, 1)
+    stacked = (torch.rand(2, 5, 1, 28, 28, generator=g), labels,
+               torch.rand(2, 5, 1, 28, 28, generator=g), labels)  # fmt: skip
+    explained = torch._dynamo.explain(_vmapped_task_results)(
+        learner.task_fn(), learner.model, learner.theta(), learner.buffers_dict(),
+        learner.inner_loop(), None, *stacked,
+    )  # fmt: skip
+    assert (explained.graph_count, explained.graph_break_count) == (1, 0)
 
 
 def test_loop_chunks_run_the_compiled_per_task_function():
