@@ -124,7 +124,8 @@ class Args:
     """Compile the training meta-gradient with torch.compile (`metalearn.compiled`): each
     vmapped chunk's meta-loss and its gradient as one graph, else the per-task meta-loss.
     Same meta-gradient (float32 rounds differently); the first steps spend minutes
-    compiling on a CPU. Validation and test stay eager. Not for imaml, reptile, --checkpoint."""
+    compiling on a CPU, where it then ran slower than eager (docs/benchmarks.md). Validation
+    and test stay eager. Not for imaml, reptile or --checkpoint."""
     val_every: int = 200
     """Meta-steps between validations (the best-validation weights are tested)."""
     val_tasks: int = 200

@@ -104,7 +104,8 @@ class Args:
     """Compile the training meta-gradient with torch.compile (`metalearn.compiled`): each
     vmapped chunk's meta-loss and its gradient as one graph, else the per-task meta-loss.
     Same meta-gradient (float32 rounds differently); the first steps spend minutes
-    compiling on a CPU. Validation and test stay eager. Not for imaml, reptile, --checkpoint."""
+    compiling on a CPU, where it then ran slower than eager (docs/benchmarks.md). Validation
+    and test stay eager. Not for imaml, reptile or --checkpoint."""
     split: Literal["maml", "alphabet"] = "maml"
     """maml: 1100/100/423 characters with rotations; alphabet: background vs evaluation."""
     eval_protocol: Literal["episodic", "within-alphabet"] = "episodic"
