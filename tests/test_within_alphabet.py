@@ -140,3 +140,18 @@ def test_the_experiments_training_tasks_are_augmented_as_batch_augments(kind):
         assert torch.equal(t.support[0], b.support[0]) and torch.equal(t.query[0], b.query[0])
         assert not torch.equal(t.support[0], p.support[0])  # the distortion was applied
         assert torch.equal(t.support[1], p.support[1])  # to the same tasks
+
+
+def test_the_presets_parse_to_their_recipes():
+    sys.path.insert(0, str(ROOT / "experiments"))
+    import omniglot_maml as om
+
+    lake = om.parse_args(["--preset", "cpu-20w1s", "--no-track"])
+    assert (lake.algorithm, lake.ways, lake.shots, lake.split) == ("protomaml", 20, 1, "alphabet")
+    assert (lake.eval_protocol, lake.train_tasks, lake.augment) == (
+        "within-alphabet", "within-alphabet", True,
+    )  # fmt: skip
+    assert (lake.meta_batch, lake.query, lake.iterations) == (8, 3, 3000)
+    default = om.parse_args(["--no-track"])
+    assert (default.algorithm, default.ways, default.split) == ("protomaml", 5, "maml")
+    assert om.parse_args(["--algorithm", "maml", "--no-track"]).algorithm == "maml"
