@@ -53,6 +53,7 @@ SLOW_MODULES = {
     "test_omniglot_experiment",
     "test_run_records",
     "test_sine_experiment",
+    "test_transfer_check",
     "test_within_alphabet",
 }
 
