@@ -65,12 +65,12 @@ class Args:
     data_root: str | None = None
     """The data set's folder; required but for omniglot ($METALEARN_DATA then)."""
     algorithm: Literal[
-        "maml", "fomaml", "anil", "metasgd", "mamlpp", "imaml", "reptile", "lora"
+        "maml", "fomaml", "anil", "metasgd", "mamlpp", "imaml", "reptile", "protomaml", "lora"
     ] = "maml"
     """Meta-learning algorithm."""
     first_order: bool = False
-    """First-order meta-gradient for maml, anil, metasgd, mamlpp (maml: the same as
-    --algorithm fomaml): no second derivatives, less memory and time."""
+    """First-order meta-gradient for maml, anil, metasgd, mamlpp, protomaml, lora (maml: the
+    same as --algorithm fomaml): no second derivatives, less memory and time."""
     ways: int = 5
     """N: classes per task."""
     shots: int = 1

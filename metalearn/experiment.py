@@ -499,7 +499,7 @@ def _main(exp: Experiment, args: Any, dist: distributed.DistInfo) -> dict[str, f
     require(args.curvature_every == 0 or isinstance(learner, MetaLossLearner),
             f"--curvature-every {args.curvature_every} with --algorithm {args.algorithm}: "
             f"{type(learner).__name__} has no meta-loss to measure; use maml, fomaml, anil, "
-            "metasgd or mamlpp, or drop --curvature-every")  # fmt: skip
+            "metasgd, mamlpp, protomaml or lora, or drop --curvature-every")  # fmt: skip
     backward = meta_gradient(args, learner)
     state = RunState(run_name=str(args.run_name))
     if saved is not None:
