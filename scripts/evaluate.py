@@ -163,8 +163,8 @@ def evaluate(args: Args) -> dict[str, float]:
     source = task_source(chosen, run_args, args.device)
     print(
         f"{args.checkpoint} ({args.which} weights): {chosen['ways']}-way {chosen['shots']}-shot, "
-        f"{chosen['query']} queries, {chosen['steps']} inner steps, {args.tasks} "
-        f"{chosen['protocol']} tasks of the test classes of {drawn_from(chosen)}, seed {args.seed}"
+        f"{chosen['query']} queries, {chosen['steps']} inner steps, {args.tasks} tasks of the "
+        f"test classes of {drawn_from(chosen)}, seed {args.seed}, {chosen['protocol']} protocol"
     )
     wandb_run = _start_run(args, run_args, chosen) if args.track else None
     try:

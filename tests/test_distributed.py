@@ -144,8 +144,9 @@ needs_omniglot = pytest.mark.skipif(
 def experiment_args(out: Path, iterations: int) -> list[str]:
     """A tiny 2-rank Omniglot run: conv4 with 8 filters, 2 tasks per step (one per rank)."""
     return [
-        "experiments/omniglot_maml.py", "--data-root", str(DATA), "--out-dir", str(out),
-        "--run-name", "crash", "--iterations", str(iterations), "--meta-batch", "2",
+        "experiments/omniglot_maml.py", "--algorithm", "maml", "--data-root", str(DATA),
+        "--out-dir", str(out), "--run-name", "crash", "--iterations", str(iterations),
+        "--meta-batch", "2",
         "--query", "1", "--eval-query", "2", "--hidden", "8", "--val-every", "100000",
         "--val-tasks", "2", "--test-tasks", "5", "--eval-inner-steps", "1",
         "--checkpoint-every", "2", "--no-track", "--device", "cpu", "--dist-timeout", "60",

@@ -34,10 +34,10 @@ pytestmark = pytest.mark.skipif(
     not (DATA / "images_background").is_dir(),
     reason="full Omniglot not found: set METALEARN_DATA or put it at ../shared/data/omniglot",
 )
-TINY = dict(
-    iterations=2, meta_batch=2, query=1, eval_query=2, hidden=8, val_every=1, val_tasks=3,
-    test_tasks=4, eval_inner_steps=2, checkpoint_every=1, data_root=str(DATA), track=False,
-    device="cpu",
+TINY = dict(  # MAML given explicitly: the command line's default preset trains Proto-MAML
+    algorithm="maml", iterations=2, meta_batch=2, query=1, eval_query=2, hidden=8, val_every=1,
+    val_tasks=3, test_tasks=4, eval_inner_steps=2, checkpoint_every=1, data_root=str(DATA),
+    track=False, device="cpu",
 )  # fmt: skip
 
 
