@@ -31,8 +31,8 @@ from torch.func import functional_call, grad
 from tqdm import tqdm
 
 from metalearn import hessian_trace, top_eigenvalues
-from metalearn.cli import parse_dataclass
-from metalearn.tracking import init_run
+from metalearn.runs.cli import parse_dataclass
+from metalearn.runs.tracking import init_run
 
 
 @dataclass

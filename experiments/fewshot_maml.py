@@ -22,7 +22,7 @@ order; printed as ``test/acc: 0.4xxx ± 0.0xxx``. The default ``cpu`` preset is 
 of the same network, not a reproduction.
 
 The run itself (argument checks, resume, the train loop, validation and test, checkpoints,
-W&B, torchrun) is `metalearn.experiment`'s, shared with ``experiments/omniglot_maml.py``;
+W&B, torchrun) is `metalearn.runs.loop`'s, shared with ``experiments/omniglot_maml.py``;
 this file holds what is particular to these data sets: the arguments, the presets, the
 data and the network. The network is recorded in the run's arguments (``backbone``,
 ``channels``, ``image_size``, ``hidden``, ``pool``, ``head``), so `metalearn.deploy` and
@@ -39,14 +39,15 @@ from typing import Any, Literal
 
 import torch
 
-from metalearn import distributed, experiment
+from metalearn import distributed
 from metalearn.algorithms import MetaLearner
 from metalearn.algorithms.build import build_learner, resolve_learner_args
 from metalearn.data import EpisodicSampler, image_set_samplers
 from metalearn.data.benchmarks import image_options, image_shape
-from metalearn.experiment import Experiment, default_run_name
-from metalearn.runs import UserError, require, run_cli
-from metalearn.seeding import seed_everything
+from metalearn.runs import loop as experiment
+from metalearn.runs.lifecycle import UserError, require, run_cli
+from metalearn.runs.loop import Experiment, default_run_name
+from metalearn.runs.seeding import seed_everything
 
 Dataset = Literal["mini-imagenet", "tiered-imagenet", "cifar-fs", "fc100", "cub", "folder",
                   "omniglot"]  # fmt: skip
@@ -121,7 +122,7 @@ class Args:
     vectorize: Literal["auto", "vmap", "loop"] = "auto"
     """How a meta-batch runs: vmap, a Python loop, or auto (by workload)."""
     compile: bool = False
-    """Compile the training meta-gradient with torch.compile (`metalearn.compiled`): each
+    """Compile the training meta-gradient with torch.compile (`metalearn.engine.compiled`): each
     vmapped chunk's meta-loss and its gradient as one graph, else the per-task meta-loss.
     Same meta-gradient (float32 rounds differently); the first steps spend minutes
     compiling on a CPU, where it then ran slower than eager (docs/benchmarks.md). Validation

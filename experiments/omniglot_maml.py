@@ -27,7 +27,8 @@ A run is its arguments: they are checked before any data loads, the learner's op
 (``--inner-lr``, ``--inner-steps``, ``--cg-damping``) are filled from the per-algorithm table
 in `metalearn.algorithms.build`, and the result is what W&B and the checkpoint record.
 ``--resume`` continues the saved run with the saved arguments; only the RESUMABLE ones may
-be changed (see `metalearn.runs` for how no logged metric is lost across a kill and resume).
+be changed (see `metalearn.runs.lifecycle` for how no logged metric is lost across a kill
+and resume).
 
 Under ``torchrun`` each rank computes the meta-gradient of its share of every meta-batch
 and the shares are averaged (`metalearn.distributed`); every rank draws the same global
@@ -35,7 +36,7 @@ meta-batch, so N processes train on exactly the tasks one process sees. Rank 0 a
 writes checkpoints and shows progress; evaluation tasks are split across ranks.
 
 This file holds what is Omniglot's (its arguments, presets, data and network);
-`metalearn.experiment` runs it, as it runs ``experiments/fewshot_maml.py``.
+`metalearn.runs.loop` runs it, as it runs ``experiments/fewshot_maml.py``.
 """
 
 from __future__ import annotations
@@ -48,7 +49,7 @@ from typing import Any, Literal
 
 import torch
 
-from metalearn import distributed, experiment
+from metalearn import distributed
 from metalearn.algorithms import MetaLearner
 from metalearn.algorithms.build import build_learner, resolve_learner_args
 from metalearn.data import (
@@ -59,9 +60,10 @@ from metalearn.data import (
 )
 from metalearn.data.omniglot import root_is_default
 from metalearn.data.within_alphabet import within_alphabet_samplers
-from metalearn.experiment import Experiment
-from metalearn.runs import UserError, require, run_cli
-from metalearn.seeding import seed_everything
+from metalearn.runs import loop as experiment
+from metalearn.runs.lifecycle import UserError, require, run_cli
+from metalearn.runs.loop import Experiment
+from metalearn.runs.seeding import seed_everything
 
 
 @dataclass
@@ -108,7 +110,7 @@ class Args:
     vectorize: Literal["auto", "vmap", "loop"] = "auto"
     """How a meta-batch runs: vmap, a Python loop, or auto (by workload)."""
     compile: bool = False
-    """Compile the training meta-gradient with torch.compile (`metalearn.compiled`): each
+    """Compile the training meta-gradient with torch.compile (`metalearn.engine.compiled`): each
     vmapped chunk's meta-loss and its gradient as one graph, else the per-task meta-loss.
     Same meta-gradient (float32 rounds differently); the first steps spend minutes
     compiling on a CPU, where it then ran slower than eager (docs/benchmarks.md). Validation

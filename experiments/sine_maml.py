@@ -28,12 +28,12 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from metalearn.algorithms import MAML
-from metalearn.cli import parse_dataclass
 from metalearn.data import SineTasks, sine
 from metalearn.models import MLP
-from metalearn.runs import Stopped, require, run_cli
-from metalearn.seeding import seed_everything
-from metalearn.tracking import graceful_shutdown, init_run
+from metalearn.runs.cli import parse_dataclass
+from metalearn.runs.lifecycle import Stopped, require, run_cli
+from metalearn.runs.seeding import seed_everything
+from metalearn.runs.tracking import graceful_shutdown, init_run
 
 
 @dataclass

@@ -4,7 +4,7 @@ What: for each workload (``q<query per class>-<first|second>``, as in ``bench_ma
 conv4, 32 tasks, 5-way 1-shot, 1 inner step) the median time of a full meta-step for vmapped
 chunks of 4, 8, 16 and 32 tasks (those within ``--max-examples``), what ``chunk_size="auto"``
 picks, the per-task loop, and learn2learn when it is installed, interleaved round-robin in
-one process. `metalearn.plan.VMAP_CHUNK_EXAMPLES` comes from this table.
+one process. `metalearn.engine.plan.VMAP_CHUNK_EXAMPLES` comes from this table.
 
 Command::
 
@@ -42,7 +42,7 @@ from benchtools import time_round_robin
 
 from metalearn import tune_malloc
 from metalearn.algorithms import FOMAML, MAML
-from metalearn.chunking import ChunkSize
+from metalearn.engine import ChunkSize
 
 CHUNKS = (4, 8, 16, 32)
 DEFAULT_SETTINGS = "q1-second,q1-first,q5-second,q5-first,q15-second,q15-first"

@@ -1,6 +1,6 @@
 """Measure three PyTorch-practice claims on metalearn's workloads (``docs/claims.md``, 7-9).
 
-* ``dynamic``: does skipping `metalearn.dynamic.DynamicBlock`s leave accuracy unchanged?
+* ``dynamic``: does skipping `metalearn.models.dynamic.DynamicBlock`s leave accuracy unchanged?
   A ``dynamic_conv`` network is meta-trained with MAML on Omniglot 5-way 1-shot, once with
   every block always taken and once with each block skipped at random per task (stochastic
   depth, Huang et al., 2016), then tested on the same test tasks with no block skipped,
@@ -47,10 +47,10 @@ from torch import Tensor, nn
 from metalearn.algorithms import MAML
 from metalearn.data import EpisodicSampler, load_omniglot, omniglot_samplers
 from metalearn.deploy import adapt_to_support, adapted_model
-from metalearn.dynamic import dynamic_conv
-from metalearn.evaluation import TEST_SEED, accuracy_interval
+from metalearn.engine import Task
 from metalearn.models import Conv4
-from metalearn.task import Task
+from metalearn.models.dynamic import dynamic_conv
+from metalearn.runs.evaluation import TEST_SEED, accuracy_interval
 
 SECTIONS = ("dynamic", "permute", "inference")
 
@@ -61,7 +61,7 @@ SKIPS = {"none": (False, False), "block 2": (False, True), "both": (True, True)}
 
 
 class SkippingSource:
-    """An `metalearn.evaluation.TaskSource` whose tasks all take one branch: ``skip`` flags."""
+    """An `metalearn.runs.evaluation.TaskSource` whose tasks all take one branch: ``skip`` flags."""
 
     def __init__(self, sampler: EpisodicSampler, skip: tuple[bool, ...]) -> None:
         self.sampler, self.skip = sampler, skip
@@ -118,7 +118,7 @@ def task_accuracies(
 ) -> Tensor:
     """Query accuracy of each of ``tasks`` test tasks, ``[T]`` float64.
 
-    The tasks are drawn as `metalearn.evaluation.evaluate_tasks` draws them (every index
+    The tasks are drawn as `metalearn.runs.evaluation.evaluate_tasks` draws them (every index
     up front from a generator seeded ``seed``), so its mean is that function's and every
     branch is tested on the same tasks, which pairs the differences.
     """

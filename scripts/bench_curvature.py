@@ -1,6 +1,6 @@
 """Cost of ``--curvature-every N``: one curvature measurement against N meta-steps.
 
-The experiments' curvature tracking (`metalearn.experiment.measure_curvature`: Lanczos on the
+The experiments' curvature tracking (`metalearn.runs.loop.measure_curvature`: Lanczos on the
 support losses and on the second-order meta-loss, Hutchinson's trace) runs every N meta-steps
 on a fixed probe batch. This times it against the meta-step it rides on, on the default
 Omniglot workload (MAML, conv4, 5-way 1-shot, 5 query per class, meta-batch 16), in one
@@ -23,10 +23,10 @@ import statistics
 import torch
 from bench_maml import markdown_table
 
-from metalearn import experiment
 from metalearn.algorithms import build_learner, resolve_learner_args
+from metalearn.algorithms.curvature import PROBE_SEED
 from metalearn.data import load_omniglot, omniglot_samplers
-from metalearn.meta_curvature import PROBE_SEED
+from metalearn.runs import loop as experiment
 
 
 def main() -> None:

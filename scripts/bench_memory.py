@@ -55,9 +55,8 @@ from benchtools import peak_step_mb, status_kb
 from torch import Tensor, nn
 
 from metalearn.algorithms import ANIL, FOMAML, MAML, MetaLearner
+from metalearn.engine import ChunkSize, Task
 from metalearn.models import Conv4, ResNet12
-from metalearn.outer import Task
-from metalearn.plan import ChunkSize
 
 WAYS, SHOTS, IMAGE_SIZE, INNER_LR, OUTER_LR = 5, 1, 84, 0.01, 1e-3
 MODELS = ("conv4-84", "resnet12")

@@ -15,7 +15,7 @@ purpose: a sharper or flatter landscape is something to watch, not better in its
 they show their final value and their curves, never a "best".
 One row per run, or with ``--group-by`` one row per group of runs (e.g. seeds), each number
 the mean over the group's runs ± the 95% confidence half-width of that mean (Student t,
-n - 1 degrees of freedom). Offline runs are read with `metalearn.run_records`; a resumed run
+n - 1 degrees of freedom). Offline runs are read with `metalearn.runs.records`; a resumed run
 is one row, a damaged file is named on stderr. For an interactive look, open the same folder
 with ``wandb leet runs/wandb``.
 """
@@ -35,7 +35,7 @@ from fnmatch import fnmatchcase
 from pathlib import Path
 from typing import Any
 
-from metalearn.run_records import (
+from metalearn.runs.records import (
     RunReadError,
     RunRecord,
     read_offline_runs,

@@ -3,8 +3,8 @@
 What: loads a checkpoint of ``experiments/omniglot_maml.py`` or ``experiments/fewshot_maml.py``
 (``runs/<run>/checkpoint.pt``), its best-validation weights by default, and tests them as
 the experiment's test does (its test sampler, rebuilt by `metalearn.data.image_set_samplers`,
-and its evaluation function, `metalearn.evaluation.evaluate_tasks`) with any number of tasks and
-inner steps. The data set, its folder and the image shape are the run's recorded ones (a
+and its evaluation function, `metalearn.runs.evaluation.evaluate_tasks`) with any number of
+tasks and inner steps. The data set, its folder and the image shape are the run's recorded ones (a
 record without ``dataset`` is an Omniglot run); ``--data-root`` points at the data
 elsewhere. The last line printed is ``test/acc: 0.xxxx ± 0.xxxx`` (mean and 95%
 half-width over tasks); the result is logged to W&B as an ``eval`` job in the run's group
@@ -37,13 +37,13 @@ from typing import Any, Literal
 
 import torch
 
-from metalearn.cli import parse_dataclass
 from metalearn.data import image_set_samplers, load_omniglot
 from metalearn.data.omniglot import root_is_default
 from metalearn.data.within_alphabet import within_alphabet_samplers
 from metalearn.deploy import load_learner
-from metalearn.evaluation import TEST_SEED, TaskSource, evaluate_tasks
-from metalearn.tracking import init_run, run_group
+from metalearn.runs.cli import parse_dataclass
+from metalearn.runs.evaluation import TEST_SEED, TaskSource, evaluate_tasks
+from metalearn.runs.tracking import init_run, run_group
 
 
 @dataclass

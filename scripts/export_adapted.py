@@ -35,8 +35,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
-from metalearn.cli import parse_dataclass
 from metalearn.deploy import ExportReport, export_from_checkpoint
+from metalearn.runs.cli import parse_dataclass
 
 
 @dataclass

@@ -14,10 +14,10 @@
 #   bench_hvp     scripts/bench_hvp.py --device DEVICE: HVP against one gradient, dense
 #                 Hessian against HVP.
 #   bench_chunks  scripts/bench_chunks.py --device DEVICE: meta-step time by tasks per vmapped
-#                 chunk, the grid behind metalearn.chunking's CUDA chunk limit.
+#                 chunk, the grid behind metalearn.engine.accumulate's CUDA chunk limit.
 #   compile       scripts/bench_maml.py --methods auto,compile --device DEVICE: the default
 #                 Omniglot meta-step (16 tasks, 5 query per class, second order) eager against
-#                 the experiments' --compile (metalearn.compiled); the warm-up compiles.
+#                 the experiments' --compile (metalearn.engine.compiled); the warm-up compiles.
 #   omniglot      experiments/omniglot_maml.py --device DEVICE for --iterations meta-steps,
 #                 tested on 600 tasks, tracked offline in W&B inside the output folder.
 #

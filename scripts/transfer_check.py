@@ -34,12 +34,12 @@ import torch
 from torch import Tensor
 from tqdm import tqdm
 
-from metalearn.cli import parse_dataclass
 from metalearn.data import decode_image, load_omniglot, omniglot_splits
 from metalearn.data.omniglot import SUBSETS, resolve_data_root
 from metalearn.data.within_alphabet import within_alphabet_samplers
 from metalearn.deploy import adapt_to_support, adapted_model, load_learner, load_support_folder
-from metalearn.evaluation import TEST_SEED, accuracy_interval
+from metalearn.runs.cli import parse_dataclass
+from metalearn.runs.evaluation import TEST_SEED, accuracy_interval
 
 
 @dataclass

@@ -17,8 +17,8 @@ import torch
 
 from metalearn import distributed as dist
 from metalearn.algorithms import MAML, MetaLearner, Reptile
+from metalearn.engine import Task
 from metalearn.models import MLP
-from metalearn.outer import Task
 
 WAYS, META_BATCH, STEPS = 3, 5, 3
 TIMEOUT_S = 6.0

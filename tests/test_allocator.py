@@ -29,7 +29,7 @@ torch.set_num_threads(1)
 from metalearn import tune_malloc
 from metalearn.algorithms import MAML
 from metalearn.models import Conv4
-from metalearn.outer import Task
+from metalearn.engine import Task
 tuning = tune_malloc() if sys.argv[1] == "tuned" else None
 torch.manual_seed(0)
 learner = MAML(Conv4(ways=5), inner_lr=0.4, inner_steps=1, vectorize="vmap", chunk_size=None)

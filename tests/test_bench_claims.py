@@ -21,8 +21,8 @@ import benchtools  # noqa: E402
 
 from metalearn.algorithms import MAML  # noqa: E402
 from metalearn.data import load_omniglot, omniglot_samplers  # noqa: E402
-from metalearn.evaluation import TEST_SEED, evaluate_tasks  # noqa: E402
-from metalearn.task import Task  # noqa: E402
+from metalearn.engine import Task  # noqa: E402
+from metalearn.runs.evaluation import TEST_SEED, evaluate_tasks  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 DATA = Path(os.environ.get("METALEARN_DATA", ROOT.parent / "shared" / "data" / "omniglot"))

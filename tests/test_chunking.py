@@ -1,4 +1,4 @@
-"""Chunked meta-batches (`metalearn.chunking`) against the unchunked meta-gradient.
+"""Chunked meta-batches (`metalearn.engine.accumulate`) against the unchunked meta-gradient.
 
 The reference is `MetaLearner.backward` with ``chunk_size=None``: one graph over the whole
 meta-batch, one ``loss.backward()``. Chunking must give the same ``.grad`` (float64, 1e-12)
@@ -14,9 +14,8 @@ import torch
 from torch import Tensor
 
 from metalearn.algorithms import IMAML, MAML, MAMLpp, MetaLearner, MetaSGD, Reptile
-from metalearn.chunking import ChunkedMetaGradient
+from metalearn.engine import AllTasksSkippedError, ChunkedMetaGradient, NonFiniteLossError, Task
 from metalearn.models import Conv4
-from metalearn.task import AllTasksSkippedError, NonFiniteLossError, Task
 
 F64 = torch.float64
 

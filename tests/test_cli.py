@@ -7,7 +7,7 @@ from typing import Literal
 
 import pytest
 
-from metalearn.cli import field_docs, parse_dataclass
+from metalearn.runs.cli import field_docs, parse_dataclass
 
 
 @dataclass

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 from test_run_records import damage, offline_run
 
-from metalearn.run_records import read_offline_runs
+from metalearn.runs.records import read_offline_runs
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "scripts"))

@@ -1,4 +1,4 @@
-"""`metalearn.compiled`: a compiled meta-step gives the eager meta-gradient, in one graph.
+"""`metalearn.engine.compiled`: a compiled meta-step gives the eager meta-gradient, in one graph.
 
 The references are the learner's own eager ``backward`` in float64 on the same tasks; the
 graph counts come from Dynamo's counters, so a path that silently ran eagerly (no graph
@@ -17,10 +17,10 @@ from torch._dynamo.utils import counters
 
 from metalearn.algorithms import IMAML, MAML, MAMLpp, MetaSGD, Reptile
 from metalearn.checkpoint import load_checkpoint
-from metalearn.compiled import CompiledMetaGradient, _vmapped_task_results, compile_blocker
+from metalearn.engine import NonFiniteLossError, Task
+from metalearn.engine.compiled import CompiledMetaGradient, _vmapped_task_results, compile_blocker
 from metalearn.models import MLP, Conv4
-from metalearn.outer import NonFiniteLossError, Task
-from metalearn.runs import UserError
+from metalearn.runs.lifecycle import UserError
 
 # Inductor's compile runs torch code that warns about torch's own deprecated APIs.
 pytestmark = [

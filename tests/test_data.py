@@ -33,8 +33,8 @@ from metalearn.data import (
     safe_extract,
 )
 from metalearn.data import omniglot as om
+from metalearn.engine import InnerLoop, Task, task_loss
 from metalearn.models import MLP, Conv4
-from metalearn.outer import InnerLoop, Task, task_loss
 
 SIDE = 105  # Omniglot drawings are 105x105
 

@@ -26,7 +26,7 @@ import dist_worker as worker  # noqa: E402
 from metalearn import distributed as dist  # noqa: E402
 from metalearn.checkpoint import load_checkpoint  # noqa: E402
 from metalearn.data import load_omniglot, omniglot_samplers  # noqa: E402
-from metalearn.evaluation import TEST_SEED, evaluate_tasks  # noqa: E402
+from metalearn.runs.evaluation import TEST_SEED, evaluate_tasks  # noqa: E402
 
 DATA = Path(os.environ.get("METALEARN_DATA", ROOT.parent / "shared" / "data" / "omniglot"))
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]

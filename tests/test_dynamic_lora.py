@@ -1,7 +1,7 @@
-"""Per-task branches (`metalearn.dynamic`) and LoRA fast weights (`metalearn.lora`) on the
-engine: their definitions written out by hand, their meta-gradients against finite
-differences, and mixed meta-batches against running each task alone. Float64, fixed seeds,
-fixed tolerances.
+"""Per-task branches (`metalearn.models.dynamic`) and LoRA fast weights
+(`metalearn.models.lora`) on the engine: their definitions written out by hand, their
+meta-gradients against finite differences, and mixed meta-batches against running each task
+alone. Float64, fixed seeds, fixed tolerances.
 """
 
 from __future__ import annotations
@@ -15,11 +15,10 @@ from torch import Tensor, nn
 from torch.func import functional_call
 
 from metalearn.algorithms.maml import MAML
-from metalearn.dynamic import DynamicBlock, DynamicNet, dynamic_conv, dynamic_mlp
-from metalearn.inner import adapt
-from metalearn.lora import LoRALinear, add_lora, lora_keys
+from metalearn.engine import InnerLoop, Task, adapt, meta_batch
 from metalearn.models import MLP, Conv4
-from metalearn.outer import InnerLoop, Task, meta_batch
+from metalearn.models.dynamic import DynamicBlock, DynamicNet, dynamic_conv, dynamic_mlp
+from metalearn.models.lora import LoRALinear, add_lora, lora_keys
 
 F64 = torch.float64
 Params = dict[str, Tensor]

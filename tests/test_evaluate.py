@@ -1,4 +1,4 @@
-"""scripts/evaluate.py and metalearn.evaluation on real tiny runs' checkpoints, an Omniglot
+"""scripts/evaluate.py and metalearn.runs.evaluation on real tiny runs' checkpoints, an Omniglot
 run and a few-shot run on an image folder: the printed accuracy is the evaluation done by
 hand (load_learner, the test split's sampler, learner.evaluate, the same seed), at two step
 counts; the eval run lands in W&B in the run's group; every user error is one line and exit
@@ -24,8 +24,8 @@ from image_set_fixtures import write_folder
 from metalearn.checkpoint import save_checkpoint
 from metalearn.data import load_image_set, load_omniglot, omniglot_samplers
 from metalearn.deploy import load_learner
-from metalearn.evaluation import accuracy_interval, evaluate_tasks
-from metalearn.run_records import read_offline_run
+from metalearn.runs.evaluation import accuracy_interval, evaluate_tasks
+from metalearn.runs.records import read_offline_run
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "experiments"))

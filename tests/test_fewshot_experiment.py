@@ -27,10 +27,10 @@ from metalearn.algorithms import FOMAML, MAML  # noqa: E402
 from metalearn.checkpoint import load_checkpoint  # noqa: E402
 from metalearn.data import load_image_set, load_omniglot, omniglot_samplers  # noqa: E402
 from metalearn.deploy import load_learner  # noqa: E402
-from metalearn.evaluation import TEST_SEED, evaluate_tasks  # noqa: E402
 from metalearn.models import Conv4, ResNet12  # noqa: E402
-from metalearn.run_records import read_offline_run  # noqa: E402
-from metalearn.runs import UserError  # noqa: E402
+from metalearn.runs.evaluation import TEST_SEED, evaluate_tasks  # noqa: E402
+from metalearn.runs.lifecycle import UserError  # noqa: E402
+from metalearn.runs.records import read_offline_run  # noqa: E402
 
 OMNIGLOT = Path(os.environ.get("METALEARN_DATA", ROOT.parent / "shared" / "data" / "omniglot"))
 # The fixtures hold 2 images per class (CIFAR 3, CUB 2 or 3): 1 shot + 1 query.

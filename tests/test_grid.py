@@ -16,7 +16,7 @@ import grid  # noqa: E402
 import omniglot_maml as om  # noqa: E402
 
 from metalearn.checkpoint import load_checkpoint  # noqa: E402
-from metalearn.run_records import read_offline_run  # noqa: E402
+from metalearn.runs.records import read_offline_run  # noqa: E402
 
 DATA = Path(os.environ.get("METALEARN_DATA", ROOT.parent / "shared" / "data" / "omniglot"))
 TINY = ["--iterations=1", "--meta-batch=2", "--query=1", "--eval-query=2", "--hidden=8",

@@ -20,9 +20,8 @@ from metalearn.algorithms.base import StepMetrics
 from metalearn.algorithms.imaml import IMAML, implicit_meta_gradient
 from metalearn.algorithms.maml import FOMAML, MAML
 from metalearn.algorithms.reptile import Reptile
-from metalearn.inner import NonFiniteLossError
+from metalearn.engine import InnerLoop, NonFiniteLossError, Task, task_loss
 from metalearn.models import MLP
-from metalearn.outer import InnerLoop, Task, task_loss
 from metalearn.second_order import HVP_METHODS
 
 F64 = torch.float64

@@ -1,4 +1,4 @@
-"""The inner loop (`metalearn.inner.adapt`) against slow, obvious references.
+"""The inner loop (`metalearn.engine.inner.adapt`) against slow, obvious references.
 
 References: central finite differences of the whole meta-objective, FOMAML's closed form
 (the query gradient at weights adapted by plain SGD), hand-written update loops for every
@@ -22,9 +22,15 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from metalearn.algorithms.maml import ANIL
-from metalearn.inner import NonFiniteLossError, adapt, adapt_with_losses
+from metalearn.engine import (
+    InnerLoop,
+    NonFiniteLossError,
+    Task,
+    adapt,
+    adapt_with_losses,
+    meta_batch,
+)
 from metalearn.models import MLP, Conv4
-from metalearn.outer import InnerLoop, Task, meta_batch
 
 F64 = torch.float64
 Params = dict[str, Tensor]

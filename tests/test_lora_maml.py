@@ -1,4 +1,4 @@
-"""LoRA on convolutions (`metalearn.lora.LoRAConv2d`) and LoRA-MAML (`metalearn.algorithms.
+"""LoRA on convolutions (`metalearn.models.lora.LoRAConv2d`) and LoRA-MAML (`metalearn.algorithms.
 LoRAMAML`): the layer against a convolution written as loops, the meta-gradient against a
 hand-written second-order MAML over the same adapted set and against finite differences
 (float64), the experiment's record rebuilding the learner, and bad ranks refused in one line.
@@ -21,11 +21,10 @@ from metalearn.algorithms import LoRAMAML
 from metalearn.algorithms.build import build_learner, learner_config, resolve_learner_args
 from metalearn.checkpoint import save_checkpoint
 from metalearn.deploy import load_learner
-from metalearn.inner import adapt
-from metalearn.lora import LoRAConv2d, LoRALinear, add_lora, lora_keys
+from metalearn.engine import Task, adapt
 from metalearn.models import Conv4
-from metalearn.outer import Task
-from metalearn.runs import UserError
+from metalearn.models.lora import LoRAConv2d, LoRALinear, add_lora, lora_keys
+from metalearn.runs.lifecycle import UserError
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "experiments"))

@@ -1,4 +1,4 @@
-"""`metalearn.meta_curvature` against dense float64 Hessians of a tiny network's losses,
+"""`metalearn.algorithms.curvature` against dense float64 Hessians of a tiny network's losses,
 and ``--curvature-every`` in a real Omniglot run.
 
 The references are independent of the library's inner loop: the support loss's Hessian
@@ -22,12 +22,12 @@ from torch import nn
 from torch.func import functional_call
 
 from metalearn.algorithms import ANIL, FOMAML, IMAML, MAML, Reptile
+from metalearn.algorithms.curvature import meta_curvature, support_curvature
 from metalearn.checkpoint import load_checkpoint
+from metalearn.engine import Task
 from metalearn.functional import flatten_tree, unflatten_like
-from metalearn.meta_curvature import meta_curvature, support_curvature
-from metalearn.outer import Task
-from metalearn.run_records import read_offline_run
-from metalearn.runs import UserError
+from metalearn.runs.lifecycle import UserError
+from metalearn.runs.records import read_offline_run
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "experiments"))

@@ -18,8 +18,8 @@ from torch.func import functional_call
 from metalearn.algorithms.maml import ANIL, FOMAML, MAML
 from metalearn.algorithms.mamlpp import MAMLpp, batch_norm_names, msl_weights
 from metalearn.algorithms.metasgd import MetaSGD
+from metalearn.engine import Task
 from metalearn.models import MLP, Conv4
-from metalearn.outer import Task
 
 WAYS, SHOTS = 3, 2
 FD_EPS = 1e-6

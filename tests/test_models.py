@@ -254,7 +254,7 @@ def _graph_nodes(t: torch.Tensor) -> set[str]:
 
 
 def _tasks_and_theta(model: nn.Module) -> tuple[list, dict[str, torch.Tensor]]:
-    from metalearn.outer import Task
+    from metalearn.engine import Task
 
     theta = {k: v.detach().clone().requires_grad_() for k, v in model.named_parameters()}
     tasks = []
@@ -269,7 +269,7 @@ def _tasks_and_theta(model: nn.Module) -> tuple[list, dict[str, torch.Tensor]]:
 def test_batch_norm_is_elementary_in_the_loop_and_under_vmap() -> None:
     """One form of batch norm everywhere: neither mode reaches the fused kernel, and their
     meta-gradients agree."""
-    from metalearn.outer import InnerLoop, meta_batch
+    from metalearn.engine import InnerLoop, meta_batch
 
     torch.manual_seed(0)
     model = Conv4(ways=3, hidden=3).to(F64)
@@ -292,7 +292,7 @@ def test_the_fused_kernels_vmapped_second_order_is_wrong_and_batch_norms_is_righ
     torch 2.13: 10%, 72% and 11% off along these three directions), while `MetaBatchNorm`'s
     and the fused kernel's in the loop agree to 1e-7. ``run_meta_batch`` is given the mode,
     so it skips the planner's refusal of fused norms under vmap."""
-    from metalearn.outer import InnerLoop, run_meta_batch
+    from metalearn.engine import InnerLoop, run_meta_batch
 
     inner = InnerLoop(steps=2, lr=0.3)
 
@@ -340,7 +340,7 @@ def test_batch_norm_compiles_without_graph_breaks() -> None:
 
 def image_tasks(channels: int, size: int, ways: int, n_tasks: int = 3) -> list:
     """``n_tasks`` float64 tasks of ``channels x size x size`` images, 1 shot, 2 query."""
-    from metalearn.outer import Task
+    from metalearn.engine import Task
 
     tasks = []
     for i in range(n_tasks):
@@ -361,7 +361,7 @@ FD_STEP = 1e-7
 
 def meta_gradients_agree_across_modes(model: nn.Module, tasks: list) -> None:
     """The vmapped second-order MAML meta-gradient equals the per-task loop's."""
-    from metalearn.outer import InnerLoop, run_meta_batch
+    from metalearn.engine import InnerLoop, run_meta_batch
 
     theta = {k: v.detach().clone().requires_grad_() for k, v in model.named_parameters()}
     inner = InnerLoop(steps=2, lr=INNER_LR)
@@ -378,7 +378,7 @@ def meta_gradients_agree_across_modes(model: nn.Module, tasks: list) -> None:
 def meta_gradient_errors_against_fd(model: nn.Module, tasks: list, directions: int = 2):
     """Relative error of the vmapped second-order meta-gradient along random directions,
     against central differences of the meta-loss (step `FD_STEP`, float64)."""
-    from metalearn.outer import InnerLoop, run_meta_batch
+    from metalearn.engine import InnerLoop, run_meta_batch
 
     theta = {k: v.detach().clone().requires_grad_() for k, v in model.named_parameters()}
     inner = InnerLoop(steps=2, lr=INNER_LR)

@@ -23,11 +23,11 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "experiments"))
 import omniglot_maml as om  # noqa: E402
 
-from metalearn import experiment  # noqa: E402
 from metalearn.algorithms import IMAML, Reptile  # noqa: E402
 from metalearn.checkpoint import load_checkpoint  # noqa: E402
-from metalearn.run_records import read_offline_run  # noqa: E402
-from metalearn.runs import UserError, latest_segment  # noqa: E402
+from metalearn.runs import loop as experiment  # noqa: E402
+from metalearn.runs.lifecycle import UserError, latest_segment  # noqa: E402
+from metalearn.runs.records import read_offline_run  # noqa: E402
 
 DATA = Path(os.environ.get("METALEARN_DATA", ROOT.parent / "shared" / "data" / "omniglot"))
 pytestmark = pytest.mark.skipif(

@@ -15,10 +15,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.func import functional_call
 
-from metalearn.inner import adapt
+from metalearn.engine import InnerLoop, Task, Vectorize, adapt, meta_batch, plan
 from metalearn.models import MLP, Conv4, MetaBatchNorm
-from metalearn.outer import InnerLoop, Task, meta_batch
-from metalearn.plan import Vectorize, plan
 
 F64 = torch.float64
 Params = dict[str, Tensor]

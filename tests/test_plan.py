@@ -1,4 +1,4 @@
-"""The planner (`metalearn.plan.plan`) against its rule, restated here independently.
+"""The planner (`metalearn.engine.plan.plan`) against its rule, restated here independently.
 
 The rule, as a reader would check it by hand: on CPU a vmapped chunk holds at most 480
 examples (support + query, summed over its tasks); ``chunk_size="auto"`` packs as many whole
@@ -16,10 +16,8 @@ import pytest
 import torch
 from torch import nn
 
-from metalearn.inner import InnerLoop
+from metalearn.engine import VMAP_CHUNK_EXAMPLES, InnerLoop, Task, plan
 from metalearn.models import MLP
-from metalearn.plan import VMAP_CHUNK_EXAMPLES, plan
-from metalearn.task import Task
 
 F64 = torch.float64
 CPU_LIMIT = 480

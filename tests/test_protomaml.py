@@ -15,8 +15,8 @@ from torch.func import functional_call
 
 from metalearn.algorithms import ProtoMAML, prototype_head
 from metalearn.algorithms.build import build_learner, resolve_learner_args
+from metalearn.engine import Task
 from metalearn.models import Conv4
-from metalearn.outer import Task
 
 WAYS, SHOTS, QUERIES = 3, 2, 2
 EXACT = 1e-12

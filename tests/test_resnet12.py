@@ -115,8 +115,7 @@ def test_second_order_meta_gradient_equals_finite_differences() -> None:
 def test_fused_batch_norm_is_refused_under_vmap_for_second_order() -> None:
     """With ``nn.BatchNorm2d`` the planner keeps second order out of vmap (its vmapped
     second derivative is wrong); `MetaBatchNorm`, the default, vmaps."""
-    from metalearn.outer import InnerLoop
-    from metalearn.plan import vmap_blockers
+    from metalearn.engine import InnerLoop, vmap_blockers
 
     fused = ResNet12(widths=TINY, norm_layer=lambda c: nn.BatchNorm2d(c, track_running_stats=False))
     tasks = image_tasks(3, 16, ways=5, n_tasks=1)

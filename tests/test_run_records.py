@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from metalearn.run_records import (
+from metalearn.runs.records import (
     STALE_AFTER_S,
     find_run_dirs,
     read_offline_run,

@@ -11,8 +11,8 @@ import torch
 from metalearn.algorithms import FOMAML, IMAML, Reptile
 from metalearn.algorithms.build import build_learner, learner_config, resolve_learner_args
 from metalearn.checkpoint import load_checkpoint, save_checkpoint
-from metalearn.runs import RunState, UserError, merge_resumed_args
-from metalearn.seeding import seed_everything
+from metalearn.runs.lifecycle import RunState, UserError, merge_resumed_args
+from metalearn.runs.seeding import seed_everything
 
 ARGS = {"algorithm": "maml", "ways": 5, "hidden": 8, "vectorize": "auto", "inner_lr": None,
         "inner_steps": None, "cg_damping": None}  # fmt: skip

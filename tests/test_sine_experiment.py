@@ -12,8 +12,8 @@ import wandb
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "experiments"))
 import sine_maml  # noqa: E402
 
-from metalearn.run_records import read_offline_run  # noqa: E402
-from metalearn.runs import UserError  # noqa: E402
+from metalearn.runs.lifecycle import UserError  # noqa: E402
+from metalearn.runs.records import read_offline_run  # noqa: E402
 
 
 def test_short_run_beats_scratch_and_logs_the_plot(tmp_path):

@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 import wandb
 
-from metalearn.run_records import read_offline_run
-from metalearn.tracking import decide_mode, graceful_shutdown, init_run
+from metalearn.runs.records import read_offline_run
+from metalearn.runs.tracking import decide_mode, graceful_shutdown, init_run
 
 
 def _make_runs(tmp_path: Path) -> list[Path]:
@@ -60,12 +60,12 @@ def test_sigterm_finishes_cleanly(tmp_path):
     script = textwrap.dedent(
         """
         import os, signal, sys
-        from metalearn.tracking import graceful_shutdown
+        from metalearn.runs.tracking import graceful_shutdown
         try:
             with graceful_shutdown():
                 os.kill(os.getpid(), signal.SIGTERM)
                 sys.exit("signal was not turned into KeyboardInterrupt")
-        except KeyboardInterrupt as stop:  # metalearn.runs.Stopped
+        except KeyboardInterrupt as stop:  # metalearn.runs.lifecycle.Stopped
             print("cleaned up", stop.exit_code)
         """
     )

@@ -1,4 +1,4 @@
-"""The MAML family on `metalearn.outer`: each algorithm a small `MetaLearner` subclass."""
+"""The MAML family on `metalearn.engine.outer`: each algorithm a small `MetaLearner` subclass."""
 
 from metalearn.algorithms.base import MetaLearner, MetaLossLearner, StepMetrics
 from metalearn.algorithms.build import (

@@ -14,9 +14,9 @@ Every algorithm is a small subclass. The training loop is the same for all of th
 (`MetaLossLearner`) get it from autograd through their `MetaLossLearner.meta_loss`; Reptile
 and iMAML subclass `MetaLearner` and compute it their own way.
 
-A meta-batch walks down the layers: the learner plans it (`metalearn.plan.plan`), runs each
-chunk in its mode (`metalearn.outer.run_meta_batch`) and accumulates the chunks' gradients
-(`metalearn.chunking.ChunkedMetaGradient`).
+A meta-batch walks down the layers: the learner plans it (`metalearn.engine.plan.plan`), runs each
+chunk in its mode (`metalearn.engine.outer.run_meta_batch`) and accumulates the chunks' gradients
+(`metalearn.engine.accumulate.ChunkedMetaGradient`).
 """
 
 from __future__ import annotations
@@ -29,12 +29,25 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from metalearn.chunking import ChunkedMetaGradient
+from metalearn.engine import (
+    AllTasksSkippedError,
+    Chunk,
+    ChunkedMetaGradient,
+    ChunkSize,
+    InnerLoop,
+    LearningRate,
+    LossFn,
+    MetaBatch,
+    OnNonfinite,
+    Task,
+    TaskFn,
+    Vectorize,
+    plan,
+    run_inner_loop,
+    run_meta_batch,
+    task_loss,
+)
 from metalearn.functional import accumulate_grad
-from metalearn.inner import InnerLoop, LearningRate, LossFn, run_inner_loop
-from metalearn.outer import OnNonfinite, TaskFn, run_meta_batch, task_loss
-from metalearn.plan import Chunk, ChunkSize, Vectorize, plan
-from metalearn.task import AllTasksSkippedError, MetaBatch, Task
 
 __all__ = ["MetaLearner", "MetaLossLearner", "StepMetrics", "accumulate_grad", "check_loop_only"]
 
@@ -66,7 +79,7 @@ class MetaLearner(nn.Module, abc.ABC):
             passes the head's.
         loss_fn: ``loss_fn(outputs, targets) -> Tensor[]``.
         vectorize: ``"vmap"``, ``"loop"`` or ``"auto"``: how a meta-batch runs
-            (`metalearn.plan.plan`).
+            (`metalearn.engine.plan.plan`).
         checkpoint: recompute inner steps in the backward pass: memory grows by one copy
             of the fast weights per inner step instead of each step's activations (0.48x
             the plain loop's peak at 20 steps, for about 2x the time; docs/claims.md).
@@ -74,7 +87,7 @@ class MetaLearner(nn.Module, abc.ABC):
             and `evaluate` alike (`evaluate` gives skipped tasks NaN loss and accuracy).
         chunk_size: tasks per chunk of the meta-batch: each chunk's graph is built,
             differentiated and freed in turn (same meta-gradient, less memory; on a CPU
-            also faster, see `metalearn.plan`). ``"auto"`` (default) picks by workload,
+            also faster, see `metalearn.engine.plan`). ``"auto"`` (default) picks by workload,
             None runs the whole meta-batch as one graph.
     """
 
@@ -130,7 +143,7 @@ class MetaLearner(nn.Module, abc.ABC):
         return dict(self.model.named_buffers())
 
     def learning_rate(self) -> LearningRate:
-        """The inner learning rate(s) in `metalearn.inner.LearningRate` form."""
+        """The inner learning rate(s) in `metalearn.engine.inner.LearningRate` form."""
         return self.inner_lr
 
     def inner_loop(self, steps: int | None = None, first_order: bool | None = None) -> InnerLoop:
@@ -196,7 +209,7 @@ class MetaLearner(nn.Module, abc.ABC):
         inner: InnerLoop,
         task_fn: TaskFn,
     ) -> MetaBatch:
-        """One chunk of a plan through `metalearn.outer.run_meta_batch`."""
+        """One chunk of a plan through `metalearn.engine.outer.run_meta_batch`."""
         return run_meta_batch(
             self.model, theta, [tasks[i] for i in chunk.tasks], inner, chunk.mode,
             buffers=self.buffers_dict(), on_nonfinite=self.on_nonfinite, task_fn=task_fn,
@@ -209,7 +222,7 @@ class MetaLossLearner(MetaLearner):
     `meta_loss`, the mean query loss after adaptation. Arguments as for `MetaLearner`."""
 
     def task_fn(self) -> TaskFn:
-        """The meta-loss of one task (`metalearn.outer.task_loss`; MAML++ overrides it)."""
+        """The meta-loss of one task (`metalearn.engine.outer.task_loss`; MAML++ overrides it)."""
         return task_loss
 
     def meta_loss(self, tasks: Sequence[Task]) -> MetaBatch:

@@ -35,10 +35,18 @@ from metalearn.algorithms.base import (
     accumulate_grad,
     check_loop_only,
 )
+from metalearn.engine import (
+    AllTasksSkippedError,
+    LearningRate,
+    LossFn,
+    NonFiniteLossError,
+    StopRule,
+    Task,
+    accuracy,
+    adapt,
+)
 from metalearn.functional import tree_dot, tree_scale
-from metalearn.inner import LearningRate, LossFn, adapt
 from metalearn.second_order import DEFAULT_HVP_METHOD, CGResult, HVPMethod, conjugate_gradient, hvp
-from metalearn.task import AllTasksSkippedError, NonFiniteLossError, StopRule, Task, accuracy
 
 __all__ = [
     "IMAML",
@@ -71,7 +79,7 @@ def proximal_adapt(
         support: ``(x [N_s, ...], y [N_s])``.
         lam: the proximal strength lambda > 0.
         steps: gradient steps from ``phi_0 = theta``.
-        lr: inner learning rate (see `metalearn.inner.LearningRate`).
+        lr: inner learning rate (see `metalearn.engine.inner.LearningRate`).
         loss_fn: ``loss_fn(outputs, y) -> Tensor[]``.
         buffers: non-adapted tensors for ``functional_call``.
         model_kwargs: forward keyword arguments.

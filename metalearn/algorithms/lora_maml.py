@@ -1,6 +1,6 @@
 """LoRA-MAML: MAML whose inner loop adapts low-rank adapters and the head, not the weights.
 
-Every convolution and linear layer outside the head gets a LoRA adapter (`metalearn.lora`:
+Every convolution and linear layer outside the head gets a LoRA adapter (`metalearn.models.lora`:
 ``W + (alpha / r) B A``, Hu et al., 2021, Eq. 3). The inner loop (Finn et al., 2017, Eq. 1)
 runs over the adapted set only::
 
@@ -21,7 +21,7 @@ from typing import Any
 from torch import nn
 
 from metalearn.algorithms.base import MetaLossLearner
-from metalearn.lora import add_lora, lora_keys
+from metalearn.models.lora import add_lora, lora_keys
 
 __all__ = ["LoRAMAML"]
 
@@ -29,7 +29,7 @@ __all__ = ["LoRAMAML"]
 class LoRAMAML(MetaLossLearner):
     """MAML with low-rank adapters (rank ``rank``) as the fast weights, plus the head.
 
-    The learner holds a LoRA copy of ``model`` (`metalearn.lora.add_lora` on every
+    The learner holds a LoRA copy of ``model`` (`metalearn.models.lora.add_lora` on every
     ``nn.Conv2d`` and ``nn.Linear`` outside ``head``); ``model`` itself is not changed. At
     initialisation (``B = 0``) the copy computes what ``model`` does.
 

@@ -4,7 +4,7 @@ What is here, by the paper's names (Sec. 4):
 
 * **MSL**, multi-step loss: the meta-loss of a task is ``sum_s w_s L_query(phi_{s+1})``
   over the inner steps, with weights annealed from uniform to the last step (`msl_weights`).
-  `multi_step_task_loss` computes it one inner step at a time; `metalearn.outer` runs it in
+  `multi_step_task_loss` computes it one inner step at a time; `metalearn.engine.outer` runs it in
   the vmap and loop modes alike (`MAMLpp.task_fn`).
 * **DA**, derivative-order annealing: first order for the first ``first_order_epochs``
   epochs, exact second order after.
@@ -31,10 +31,19 @@ from torch import Tensor, nn
 
 from metalearn.algorithms.base import MetaLossLearner, _detached, _evaluation_loop
 from metalearn.algorithms.metasgd import adapted_names, keyed_names
-from metalearn.inner import InnerLoop, LearningRate, Regularizer, run_inner_loop
+from metalearn.engine import (
+    InnerLoop,
+    LearningRate,
+    NonFiniteLossError,
+    Regularizer,
+    StopRule,
+    Task,
+    TaskFn,
+    TaskResult,
+    run_inner_loop,
+    task_loss,
+)
 from metalearn.models import MetaBatchNorm
-from metalearn.outer import TaskFn, task_loss
-from metalearn.task import NonFiniteLossError, StopRule, Task, TaskResult
 
 __all__ = ["MAMLpp", "batch_norm_names", "msl_weights", "multi_step_task_loss"]
 
@@ -100,7 +109,7 @@ def multi_step_task_loss(
 ) -> TaskResult:
     """MAML++'s meta-loss of one task: ``sum_s w_s L_query(phi_{s+1})`` (MSL, with BNWB).
 
-    Takes `metalearn.outer.task_loss`'s arguments plus the two below, so it runs under
+    Takes `metalearn.engine.outer.task_loss`'s arguments plus the two below, so it runs under
     ``meta_batch(..., task_fn=partial(multi_step_task_loss, step_weights=..., ...))`` in
     both modes. Each inner step is one ``run_inner_loop`` call of one step with that step's
     learning rate and ``step_params``, so it is the same computation as `adapt`'s loop.
@@ -112,7 +121,7 @@ def multi_step_task_loss(
         step_weights: ``[w_0, ..., w_{S-1}]`` (Python floats: zero weights skip their query
             pass); None puts all weight on the last step (plain MAML's loss).
         step_params: per-step replacements of theta's entries (BNWB), see `StepParams`.
-        (others): as for `metalearn.outer.task_loss`.
+        (others): as for `metalearn.engine.outer.task_loss`.
 
     Returns:
         A `TaskResult`: the weighted query loss, the final weights' query accuracy, and the

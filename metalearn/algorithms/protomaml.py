@@ -32,9 +32,7 @@ from torch import Tensor, nn
 from torch.func import functional_call
 
 from metalearn.algorithms.base import MetaLossLearner, _detached, _evaluation_loop
-from metalearn.inner import run_inner_loop
-from metalearn.outer import TaskFn, task_loss
-from metalearn.task import Task, TaskResult
+from metalearn.engine import Task, TaskFn, TaskResult, run_inner_loop, task_loss
 
 __all__ = ["ProtoMAML", "prototype_head", "proto_task_loss"]
 
@@ -90,7 +88,7 @@ def proto_task_loss(
     head: str = "head",
     **kwargs: Any,
 ) -> TaskResult:
-    """`metalearn.outer.task_loss` from theta with its head set by `prototype_head`."""
+    """`metalearn.engine.outer.task_loss` from theta with its head set by `prototype_head`."""
     start = prototype_head(
         model, params, support, head=head, buffers=kwargs.get("buffers"),
         model_kwargs=kwargs.get("model_kwargs"),

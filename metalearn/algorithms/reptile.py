@@ -28,8 +28,7 @@ from metalearn.algorithms.base import (
     accumulate_grad,
     check_loop_only,
 )
-from metalearn.inner import adapt
-from metalearn.task import AllTasksSkippedError, NonFiniteLossError, Task, accuracy
+from metalearn.engine import AllTasksSkippedError, NonFiniteLossError, Task, accuracy, adapt
 
 __all__ = ["Reptile"]
 

@@ -15,7 +15,7 @@ import torch
 from torch import Tensor
 
 from metalearn.data.sampler import check_generator
-from metalearn.task import Task
+from metalearn.engine import Task
 
 __all__ = ["SineTasks", "sine"]
 

@@ -19,7 +19,7 @@ Omniglot names every drawing ``<character id>_<drawer>.png`` with drawers ``01..
 (`OmniglotImages.drawers`), so drawing ``m`` of every character is drawer ``m + 1``;
 `within_alphabet_samplers` checks that before it builds a sampler. Tasks are built by
 `EpisodicSampler.tasks_from_indices`, so augmentation, dtypes and devices behave exactly
-as in the episodic sampler, and `metalearn.evaluation.evaluate_tasks` takes either.
+as in the episodic sampler, and `metalearn.runs.evaluation.evaluate_tasks` takes either.
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@ from torch import Tensor
 
 from metalearn.algorithms import MetaLearner
 from metalearn.debug import check_consistent
-from metalearn.outer import Task
+from metalearn.engine import Task
 
 __all__ = ["adapt_to_support"]
 

@@ -14,7 +14,7 @@ values, ``val_every``, ``val_tasks``, ``test_tasks``, ``checkpoint_every``, ``se
 ``out_dir``, ``run_name``, ``resume``, ``curvature_every``, ``curvature_tasks``,
 ``compile``, the W&B and device fields) and its own. A run is its arguments: they are
 checked before any data loads, the open ones are resolved once (`resolve_args`), and the
-result is what W&B and the checkpoint record. `metalearn.runs` says how no logged metric is
+result is what W&B and the checkpoint record. `metalearn.runs.lifecycle` says how no logged metric is
 lost across a kill and resume. With ``curvature_every`` N > 0, every N meta-steps the train
 loop measures the curvature of the support and meta losses on fixed probe tasks
 (`measure_curvature`) and logs it under ``curv/`` with the step's other metrics. With
@@ -44,14 +44,14 @@ from metalearn import distributed, tune_malloc
 from metalearn.algorithms import MetaLearner, MetaLossLearner, StepMetrics
 from metalearn.algorithms.build import learner_config, resolve_learner_args
 from metalearn.checkpoint import load_checkpoint, save_checkpoint
-from metalearn.cli import parse_dataclass
-from metalearn.compiled import CompiledMetaGradient
+from metalearn.runs.cli import parse_dataclass
+from metalearn.engine.compiled import CompiledMetaGradient
 from metalearn.data import EpisodicSampler
-from metalearn.evaluation import TEST_SEED, VAL_SEED, evaluate_tasks
-from metalearn.meta_curvature import PROBE_SEED, meta_curvature, support_curvature
-from metalearn.runs import RunState, Stopped, UserError, merge_resumed_args, require, signals_held
-from metalearn.task import Task
-from metalearn.tracking import graceful_shutdown, init_run, log_model, run_group
+from metalearn.runs.evaluation import TEST_SEED, VAL_SEED, evaluate_tasks
+from metalearn.algorithms.curvature import PROBE_SEED, meta_curvature, support_curvature
+from metalearn.runs.lifecycle import RunState, Stopped, UserError, merge_resumed_args, require, signals_held
+from metalearn.engine import Task
+from metalearn.runs.tracking import graceful_shutdown, init_run, log_model, run_group
 
 __all__ = [
     "Experiment",
@@ -227,7 +227,7 @@ def make_optimizer(args: Any, learner: MetaLearner) -> torch.optim.Optimizer:
 def _make_run(exp: Experiment, args: Any, state: RunState, learner: MetaLearner) -> Any:
     """The W&B run (None without tracking), continuing ``state.wandb_id`` on resume.
 
-    A resumed run first re-logs the checkpoint's history (see `metalearn.runs`).
+    A resumed run first re-logs the checkpoint's history (see `metalearn.runs.lifecycle`).
     """
     if not args.track or not distributed.is_main():
         return None
@@ -341,7 +341,7 @@ def meta_step(
 
 def meta_gradient(args: Any, learner: MetaLearner) -> MetaGradient:
     """What fills ``.grad`` in a training step: ``learner.backward``, compiled with
-    ``--compile`` (`metalearn.compiled.CompiledMetaGradient`).
+    ``--compile`` (`metalearn.engine.compiled.CompiledMetaGradient`).
 
     Raises:
         UserError: ``--compile`` for a learner whose meta-step cannot be compiled.
@@ -372,9 +372,9 @@ def measure_curvature(learner: MetaLearner, probe: Sequence) -> dict[str, float]
     the top eigenvalue of each task's support-loss Hessian at theta, beside
     ``curv/two_over_inner_lr``, the eigenvalue above which the inner step of rate
     ``inner_lr`` (the configured one; learned rates differ) diverges on a quadratic
-    (`metalearn.meta_curvature.support_curvature`). ``curv/meta_top_eig``,
+    (`metalearn.algorithms.curvature.support_curvature`). ``curv/meta_top_eig``,
     ``curv/meta_trace`` and its ``curv/meta_trace_std_error``: the second-order meta-loss
-    Hessian w.r.t. theta (`metalearn.meta_curvature.meta_curvature`). ``perf/curvature_s``:
+    Hessian w.r.t. theta (`metalearn.algorithms.curvature.meta_curvature`). ``perf/curvature_s``:
     the seconds it all took. Each measurement seeds its own generator from `PROBE_SEED`,
     so it depends on theta alone.
     """

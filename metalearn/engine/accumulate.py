@@ -7,7 +7,7 @@ meta-batch), so it can be accumulated chunk by chunk:
 
 with ``k_c`` the kept (finite) tasks of chunk ``c`` and ``K`` their total. Each chunk's graph
 is built, differentiated and freed in turn; the chunks and their modes come from
-`metalearn.plan.plan`, their results from `metalearn.outer.run_meta_batch`.
+`metalearn.engine.plan.plan`, their results from `metalearn.engine.outer.run_meta_batch`.
 """
 
 from __future__ import annotations
@@ -17,9 +17,9 @@ from collections.abc import Mapping
 import torch
 from torch import Tensor
 
+from metalearn.engine.plan import ChunkSize
+from metalearn.engine.task import AllTasksSkippedError, MetaBatch
 from metalearn.functional import accumulate_grad
-from metalearn.plan import ChunkSize
-from metalearn.task import AllTasksSkippedError, MetaBatch
 
 __all__ = ["ChunkSize", "ChunkedMetaGradient"]
 

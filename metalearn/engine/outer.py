@@ -2,7 +2,7 @@
 
 `task_loss` adapts theta on a task's support set and returns the query loss of the adapted
 weights (MAML's outer objective, Finn et al., 2017, Eq. 2, for one task). `run_meta_batch`
-runs it over many tasks in the mode it is given (`metalearn.plan` decides it):
+runs it over many tasks in the mode it is given (`metalearn.engine.plan` decides it):
 
 * ``"vmap"``: under ``torch.func.vmap``, tasks bucketed by shape, each bucket one vmap call;
 * ``"loop"``: a Python loop, which allows anything: per-task step counts, early stopping,
@@ -11,8 +11,6 @@ runs it over many tasks in the mode it is given (`metalearn.plan` decides it):
 Both modes call the same `task_loss`; ``tests/test_outer.py`` asserts they agree.
 `meta_batch` plans its tasks as one chunk and runs them.
 
-`Task`, `TaskResult`, `MetaBatch` (`metalearn.task`) and `InnerLoop` (`metalearn.inner`) are
-re-exported here, where users import them from.
 """
 
 from __future__ import annotations
@@ -26,9 +24,9 @@ import torch
 from torch import Tensor, nn
 from torch.func import functional_call, vmap
 
-from metalearn.inner import InnerLoop, Regularizer, run_inner_loop
-from metalearn.plan import Mode, Vectorize, plan
-from metalearn.task import (
+from metalearn.engine.inner import InnerLoop, Regularizer, run_inner_loop
+from metalearn.engine.plan import Mode, Vectorize, plan
+from metalearn.engine.task import (
     AllTasksSkippedError,
     MetaBatch,
     NonFiniteLossError,
@@ -39,14 +37,8 @@ from metalearn.task import (
 )
 
 __all__ = [
-    "AllTasksSkippedError",
-    "InnerLoop",
-    "MetaBatch",
-    "NonFiniteLossError",
     "OnNonfinite",
-    "Task",
     "TaskFn",
-    "TaskResult",
     "meta_batch",
     "run_meta_batch",
     "task_loss",
@@ -119,7 +111,7 @@ def meta_batch(
 ) -> MetaBatch:
     """Mean query loss of a meta-batch of tasks, each adapted from the same ``params``.
 
-    The tasks run as one chunk, in the mode `metalearn.plan.plan` gives it (``vectorize``
+    The tasks run as one chunk, in the mode `metalearn.engine.plan.plan` gives it (``vectorize``
     ``"vmap"`` that cannot be right raises there).
 
     Args:
@@ -158,12 +150,12 @@ def run_meta_batch(
     task_fn: TaskFn = task_loss,
     first_index: int = 0,
 ) -> MetaBatch:
-    """`meta_batch` in a mode already decided (a chunk of a `metalearn.plan.plan`).
+    """`meta_batch` in a mode already decided (a chunk of a `metalearn.engine.plan.plan`).
 
     Args:
         model, params, tasks, inner, buffers, on_nonfinite, regularizer, task_fn: as for
             `meta_batch`.
-        mode: ``"vmap"`` or ``"loop"``; not checked against `metalearn.plan.vmap_blockers`
+        mode: ``"vmap"`` or ``"loop"``; not checked against `metalearn.engine.plan.vmap_blockers`
             (the planner did that).
         first_index: the meta-batch index of ``tasks[0]``, so that errors name a task's place
             in the whole meta-batch when ``tasks`` is one of its chunks.

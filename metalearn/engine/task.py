@@ -2,9 +2,8 @@
 errors a non-finite loss raises.
 
 This module sits at the bottom: it imports nothing from the rest of the package, so the data
-layer (`metalearn.data`) builds tasks without importing the engine, and every engine layer
-(`metalearn.inner`, `metalearn.outer`, `metalearn.plan`, `metalearn.chunking`) speaks the
-same types.
+layer (`metalearn.data`) builds tasks without the rest of the engine, and every engine module
+(`inner`, `outer`, `plan`, `accumulate`) speaks the same types.
 """
 
 from __future__ import annotations

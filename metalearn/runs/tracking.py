@@ -1,13 +1,13 @@
 """Weights & Biases tracking: offline by default, one config per run, clean shutdown.
 
-Reading runs back (for comparison) is `metalearn.run_records`.
+Reading runs back (for comparison) is `metalearn.runs.records`.
 
 Facts this module is built on (wandb 0.31, measured): offline ``init`` takes
 about 0.5 s; with an API key set but no network, online ``init`` blocks ~100 s before
 failing, so the mode is decided *before* calling it; offline runs keep everything in their
 ``.wandb`` file, which ``wandb leet inspect --json`` reads back; data reaches that file only
 every 15 s or at ``finish``, so SIGTERM is turned into a clean finish (and a killed process
-loses up to 15 s of metrics: `metalearn.runs` keeps them in the checkpoint); an offline run
+loses up to 15 s of metrics: `metalearn.runs.lifecycle` keeps them in the checkpoint); an offline run
 resumed under the same id is written to a new ``offline-run-*`` folder; ``finish(exit_code=N)``
 with N != 0 records the run as ``failed``.
 """
@@ -24,7 +24,7 @@ from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
-from metalearn.runs import Stopped
+from metalearn.runs.lifecycle import Stopped
 
 __all__ = [
     "decide_mode",
@@ -135,7 +135,7 @@ def init_run(
 
 @contextlib.contextmanager
 def graceful_shutdown() -> Iterator[None]:
-    """Turn SIGTERM into `metalearn.runs.Stopped` (a KeyboardInterrupt) inside the block.
+    """Turn SIGTERM into `metalearn.runs.lifecycle.Stopped` (a KeyboardInterrupt) inside the block.
 
     A killed job (SIGTERM from a scheduler, ``timeout``, ``kill``) then runs its ``finally``
     clauses: it keeps its last checkpoint and finishes its W&B run, exactly like Ctrl-C;

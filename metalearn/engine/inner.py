@@ -28,15 +28,13 @@ from torch import Tensor, nn
 from torch.func import functional_call, grad_and_value
 from torch.utils.checkpoint import checkpoint as torch_checkpoint
 
-from metalearn.task import NonFiniteLossError, StopRule
+from metalearn.engine.task import NonFiniteLossError, StopRule
 
 __all__ = [
     "InnerLoop",
     "LearningRate",
     "LossFn",
-    "NonFiniteLossError",
     "Regularizer",
-    "StopRule",
     "adapt",
     "adapt_with_losses",
     "lr_for",

@@ -3,10 +3,11 @@
 `plan` is the one place this is decided, from one table of limits
 (`VMAP_CHUNK_EXAMPLES`) and the reasons a meta-batch cannot run under vmap
 (`vmap_blockers`). `MetaLearner` plans, then hands each chunk with its mode to
-`metalearn.outer.run_meta_batch`; `metalearn.outer.meta_batch` plans its tasks as one chunk.
+`metalearn.engine.outer.run_meta_batch`; `metalearn.engine.outer.meta_batch` plans its tasks
+as one chunk.
 
 Chunking changes nothing in the maths (the meta-gradient is a mean over tasks, see
-`metalearn.chunking`) and two things in the cost:
+`metalearn.engine.accumulate`) and two things in the cost:
 
 * **memory**: only one chunk's graph is alive at a time (the loop with chunks of one task
   holds one task's graph, as learn2learn does; vmapped chunks hold ``k`` tasks');
@@ -21,8 +22,8 @@ from typing import Literal, NamedTuple
 
 from torch import nn
 
-from metalearn.inner import InnerLoop
-from metalearn.task import Task
+from metalearn.engine.inner import InnerLoop
+from metalearn.engine.task import Task
 
 __all__ = [
     "VMAP_CHUNK_EXAMPLES",

@@ -25,7 +25,7 @@ from tqdm import tqdm
 
 from metalearn import distributed
 from metalearn.algorithms import MetaLearner
-from metalearn.outer import Task
+from metalearn.engine import Task
 
 __all__ = ["TEST_SEED", "VAL_SEED", "TaskSource", "accuracy_interval", "evaluate_tasks"]
 

@@ -3,13 +3,13 @@
 What pays to compile is the largest piece that traces as one graph:
 
 * **the whole chunk**, where it traces without a graph break: a vmapped chunk of the
-  learner's plan, i.e. its per-task meta-loss (`metalearn.outer.task_loss`, or MAML++'s)
+  learner's plan, i.e. its per-task meta-loss (`metalearn.engine.outer.task_loss`, or MAML++'s)
   under ``torch.func.vmap`` over the chunk's stacked tasks, compiled with
   ``fullgraph=True``. AOTAutograd derives the backward, so the inner gradients, the query
   losses and the chunk's meta-gradient (Finn et al., 2017, Eq. 2 over the chunk) are all
   generated code. Only the Adam update and the sum over chunks run eagerly.
 * **the per-task function** otherwise: each task's meta-loss compiled as one graph, called
-  in `metalearn.outer.run_meta_batch`'s loop. That is the path of the chunks the plan runs
+  in `metalearn.engine.outer.run_meta_batch`'s loop. That is the path of the chunks the plan runs
   in the loop, and of every chunk once the whole chunk failed to trace as one graph.
 * **nothing** when neither traces as one graph: the chunks run eagerly, as ``backward``
   runs them. MAML++'s multi-step loss at torch 2.13 is such a case: its zero-step query
@@ -19,7 +19,7 @@ Every compile asks for one graph (``fullgraph=True``), so what is compiled has n
 break; a failed trace costs about a second and leaves the reason in ``break_reason``.
 
 The plan (`MetaLearner.plan`), the per-task function (`MetaLossLearner.task_fn`) and the
-sum over chunks (`metalearn.chunking.ChunkedMetaGradient`) are the learner's own, so a
+sum over chunks (`metalearn.engine.accumulate.ChunkedMetaGradient`) are the learner's own, so a
 compiled step computes `MetaLossLearner.backward`'s meta-gradient: in float64 they agree to
 rounding (``tests/test_compiled.py``); in float32 the generated code rounds differently
 (1e-3 relative at 16 tasks, docs/claims.md section 5).
@@ -45,11 +45,11 @@ from torch import Tensor, nn
 from torch.func import vmap
 
 from metalearn.algorithms import MetaLearner, MetaLossLearner, StepMetrics
-from metalearn.chunking import ChunkedMetaGradient
-from metalearn.inner import InnerLoop
-from metalearn.outer import TaskFn, run_meta_batch
-from metalearn.plan import Chunk
-from metalearn.task import AllTasksSkippedError, MetaBatch, Task, TaskResult
+from metalearn.engine.accumulate import ChunkedMetaGradient
+from metalearn.engine.inner import InnerLoop
+from metalearn.engine.outer import TaskFn, run_meta_batch
+from metalearn.engine.plan import Chunk
+from metalearn.engine.task import AllTasksSkippedError, MetaBatch, Task, TaskResult
 
 __all__ = ["CompiledMetaGradient", "compile_blocker"]
 
@@ -213,7 +213,7 @@ def _vmapped_task_results(
     """``task_fn`` of T same-shaped tasks under vmap (what `run_meta_batch` runs per bucket).
 
     Args:
-        task_fn, model, params, buffers, inner, steps: as `metalearn.outer.task_loss` takes.
+        task_fn, model, params, buffers, inner, steps: as `metalearn.engine.outer.task_loss` takes.
         xs, ys: the stacked support sets, ``[T, N_s, ...]`` and ``[T, N_s]``.
         xq, yq: the stacked query sets, ``[T, N_q, ...]`` and ``[T, N_q]``.
 
@@ -238,7 +238,7 @@ def _first_line(error: Exception) -> str:
 
 def _one_bucket(tasks: Sequence[Task]) -> bool:
     """Whether ``tasks`` stack into one vmap call: same shapes, steps and dtypes, no forward
-    kwargs and no early stopping (`metalearn.outer` buckets the others)."""
+    kwargs and no early stopping (`metalearn.engine.outer` buckets the others)."""
     first = tasks[0]
 
     def key(t: Task) -> tuple:

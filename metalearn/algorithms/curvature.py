@@ -26,8 +26,7 @@ from torch import Tensor
 from torch.func import functional_call
 
 from metalearn.algorithms import MetaLearner, MetaLossLearner
-from metalearn.inner import lr_for
-from metalearn.outer import Task, meta_batch
+from metalearn.engine import Task, lr_for, meta_batch
 from metalearn.second_order import (
     DEFAULT_HVP_METHOD,
     HVPMethod,
@@ -106,7 +105,8 @@ def support_curvature(
 
 
 def _adapted_keys(learner: MetaLearner, theta: Mapping[str, Tensor]) -> list[str]:
-    """The parameters the inner loop's first step adapts (as `metalearn.inner` selects them)."""
+    """The parameters the inner loop's first step adapts (as `metalearn.engine.inner` selects
+    them)."""
     lr = learner.learning_rate()
     keys = [
         k for k in theta

@@ -1,0 +1,76 @@
+"""The meta-learning engine: a task's inner loop and meta-loss, how a meta-batch is planned
+and run, and its meta-gradient accumulated chunk by chunk.
+
+Modules, bottom-up (each imports only those before it):
+
+* `task`: what flows through the engine (`Task`, `TaskResult`, `MetaBatch`, the errors);
+* `inner`: MAML's inner loop on a parameter dict (`InnerLoop`, `adapt`);
+* `plan`: the one place that decides a meta-batch's chunks and each chunk's mode;
+* `outer`: one task's meta-loss (`task_loss`) run over a chunk, under vmap or in a loop;
+* `accumulate`: the meta-gradient summed over chunks (`ChunkedMetaGradient`);
+* `compiled`: that meta-gradient with each chunk under ``torch.compile``.
+
+`Task` and the other names below are imported from here.
+"""
+
+from metalearn.engine.accumulate import ChunkedMetaGradient
+from metalearn.engine.inner import (
+    InnerLoop,
+    LearningRate,
+    LossFn,
+    Regularizer,
+    adapt,
+    adapt_with_losses,
+    lr_for,
+    run_inner_loop,
+)
+from metalearn.engine.outer import OnNonfinite, TaskFn, meta_batch, run_meta_batch, task_loss
+from metalearn.engine.plan import (
+    VMAP_CHUNK_EXAMPLES,
+    Chunk,
+    ChunkSize,
+    Mode,
+    Vectorize,
+    plan,
+    vmap_blockers,
+)
+from metalearn.engine.task import (
+    AllTasksSkippedError,
+    MetaBatch,
+    NonFiniteLossError,
+    StopRule,
+    Task,
+    TaskResult,
+    accuracy,
+)
+
+__all__ = [
+    "VMAP_CHUNK_EXAMPLES",
+    "AllTasksSkippedError",
+    "Chunk",
+    "ChunkSize",
+    "ChunkedMetaGradient",
+    "InnerLoop",
+    "LearningRate",
+    "LossFn",
+    "MetaBatch",
+    "Mode",
+    "NonFiniteLossError",
+    "OnNonfinite",
+    "Regularizer",
+    "StopRule",
+    "Task",
+    "TaskFn",
+    "TaskResult",
+    "Vectorize",
+    "accuracy",
+    "adapt",
+    "adapt_with_losses",
+    "lr_for",
+    "meta_batch",
+    "plan",
+    "run_inner_loop",
+    "run_meta_batch",
+    "task_loss",
+    "vmap_blockers",
+]
