@@ -17,8 +17,8 @@ order). Methods:
   detaches the inner gradient through ``grad_callback`` (higher has no first-order switch
   that keeps the gradient to theta; ``track_higher_grads=False`` cuts it).
 * ``compile`` (only when named in ``--methods``): ``auto`` under
-  `metalearn.engine.compiled.CompiledMetaGradient` (the experiments' ``--compile``): each vmapped
-  chunk compiled as one graph; minutes of compiling per setting on a CPU.
+  `metalearn.algorithms.compiled.CompiledMetaGradient` (the experiments' ``--compile``): each
+  vmapped chunk compiled as one graph; minutes of compiling per setting on a CPU.
 
 Every method starts from the same weights and sees the same tasks. By default the baselines
 run the network with the fused ``nn.BatchNorm2d(track_running_stats=False)`` (what their
@@ -71,8 +71,8 @@ from torch import Tensor, nn
 
 from metalearn import tune_malloc
 from metalearn.algorithms import FOMAML, MAML
+from metalearn.algorithms.compiled import CompiledMetaGradient
 from metalearn.engine import ChunkSize, InnerLoop, Task, plan
-from metalearn.engine.compiled import CompiledMetaGradient
 from metalearn.models import Conv4
 
 WAYS, SHOTS, INNER_LR, OUTER_LR = 5, 1, 0.4, 1e-3
@@ -250,7 +250,8 @@ def higher_gradient(model: nn.Module, setting: Setting) -> MetaGradient:
 
 
 def compiled_gradient(model: nn.Module, setting: Setting) -> MetaGradient:
-    """``auto``'s learner under `metalearn.engine.compiled.CompiledMetaGradient` (``--compile``).
+    """``auto``'s learner under ``--compile``
+    (`metalearn.algorithms.compiled.CompiledMetaGradient`).
 
     Each vmapped chunk of the plan (its meta-loss, inner gradient included, and AOTAutograd's
     backward) is one compiled graph. Each chunk size compiles on its first call (minutes on

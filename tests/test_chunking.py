@@ -9,12 +9,26 @@ chunks and the mode.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from typing import Any
+
 import pytest
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
 from metalearn.algorithms import IMAML, MAML, MAMLpp, MetaLearner, MetaSGD, Reptile
-from metalearn.engine import AllTasksSkippedError, ChunkedMetaGradient, NonFiniteLossError, Task
+from metalearn.engine import (
+    AllTasksSkippedError,
+    Chunk,
+    ChunkedMetaGradient,
+    ChunkRunner,
+    InnerLoop,
+    MetaBatch,
+    Mode,
+    NonFiniteLossError,
+    Task,
+    run_meta_batch,
+)
 from metalearn.models import Conv4
 
 F64 = torch.float64
@@ -42,9 +56,11 @@ def _vector_task(seed: int, per_task: int = 12, **kwargs) -> Task:
     return Task((x[:half], y[:half]), (x[half:], y[half:]), **kwargs)
 
 
-def _grads_after_backward(learner: MetaLearner, tasks: list[Task]) -> tuple[dict, object]:
+def _grads_after_backward(
+    learner: MetaLearner, tasks: list[Task], **kwargs: Any
+) -> tuple[dict, object]:
     learner.zero_grad(set_to_none=True)
-    metrics = learner.backward(tasks)
+    metrics = learner.backward(tasks, **kwargs)
     grads = {k: p.grad.clone() for k, p in learner.named_parameters() if p.grad is not None}
     return grads, metrics
 
@@ -107,6 +123,34 @@ def test_existing_grads_accumulate_like_backward() -> None:
     _assert_same(
         {k: p.grad for k, p in learner.named_parameters()}, {k: 2 * g for k, g in once.items()}
     )
+
+
+class RecordingRunner:
+    """A chunk runner that records each chunk it is handed, then runs it with ``runner``."""
+
+    def __init__(self, runner: ChunkRunner = run_meta_batch) -> None:
+        self.runner, self.chunks = runner, []
+
+    def __call__(
+        self, model: nn.Module, params: Any, tasks: Sequence[Task], inner: InnerLoop, mode: Mode,
+        **kwargs: Any,
+    ) -> MetaBatch:  # fmt: skip
+        start = kwargs.get("first_index", 0)
+        self.chunks.append(Chunk(range(start, start + len(tasks)), mode))
+        return self.runner(model, params, tasks, inner, mode, **kwargs)
+
+
+@pytest.mark.parametrize("chunk_size", [None, 2])
+def test_backward_hands_its_plan_chunk_by_chunk_to_the_chunk_runner(chunk_size) -> None:
+    tasks = [_image_task(i) for i in range(5)]
+    learner = MAML(_conv(), inner_steps=2, vectorize="vmap", chunk_size=chunk_size)
+    expected, m_ref = _grads_after_backward(learner, tasks)
+    recording = RecordingRunner()
+    got, m = _grads_after_backward(learner, tasks, run_chunk=recording)
+    assert recording.chunks == learner.plan(tasks, learner.inner_loop())
+    assert len(recording.chunks) == (1 if chunk_size is None else 3)
+    _assert_same(got, expected)
+    assert m == m_ref
 
 
 def test_evaluate_in_chunks_equals_one_batch() -> None:

@@ -1,4 +1,5 @@
-"""`metalearn.engine.compiled`: a compiled meta-step gives the eager meta-gradient, in one graph.
+"""`metalearn.engine.compiled` and `metalearn.algorithms.compiled`: a compiled meta-step gives
+the eager meta-gradient, in one graph, through the learner's own ``backward``.
 
 The references are the learner's own eager ``backward`` in float64 on the same tasks; the
 graph counts come from Dynamo's counters, so a path that silently ran eagerly (no graph
@@ -12,13 +13,15 @@ import math
 
 import pytest
 import torch
+from test_chunking import RecordingRunner
 from test_omniglot_experiment import DATA, om, tiny_args
 from torch._dynamo.utils import counters
 
 from metalearn.algorithms import IMAML, MAML, MAMLpp, MetaSGD, Reptile
+from metalearn.algorithms.compiled import CompiledMetaGradient, compile_blocker
 from metalearn.checkpoint import load_checkpoint
-from metalearn.engine import NonFiniteLossError, Task
-from metalearn.engine.compiled import CompiledMetaGradient, _vmapped_task_results, compile_blocker
+from metalearn.engine import NonFiniteLossError, Task, TaskCall, TaskFn, TaskResult, task_loss
+from metalearn.engine.outer import vmapped_task_results
 from metalearn.models import MLP, Conv4
 from metalearn.runs.lifecycle import UserError
 
@@ -91,7 +94,7 @@ def test_a_vmapped_chunk_compiles_to_one_graph_with_eager_meta_gradient(cls):
         with torch.no_grad():
             for p in learner.parameters():
                 p.add_(0.1 * p.grad)
-    assert compiled.whole and compiled.break_reason is None
+    assert compiled.runner.whole and compiled.runner.break_reason is None
     assert counters["stats"]["unique_graphs"] == 1  # compiled once, no recompile
     assert not counters["graph_break"]
 
@@ -103,10 +106,11 @@ def test_a_second_order_conv4_chunk_traces_as_one_graph():
     labels = torch.arange(5).repeat(2, 1)
     stacked = (torch.rand(2, 5, 1, 28, 28, generator=g), labels,
                torch.rand(2, 5, 1, 28, 28, generator=g), labels)  # fmt: skip
-    explained = torch._dynamo.explain(_vmapped_task_results)(
-        learner.task_fn(), learner.model, learner.theta(), learner.buffers_dict(),
-        learner.inner_loop(), None, *stacked,
-    )  # fmt: skip
+    settings = TaskCall((stacked[0][0], labels[0]), (stacked[2][0], labels[0]),
+                        learner.inner_loop(), buffers=learner.buffers_dict())  # fmt: skip
+    explained = torch._dynamo.explain(vmapped_task_results)(
+        learner.task_fn(), learner.model, learner.theta(), settings, *stacked
+    )
     assert (explained.graph_count, explained.graph_break_count) == (1, 0)
 
 
@@ -122,13 +126,46 @@ def test_loop_chunks_run_the_compiled_per_task_function():
 # Dynamo reads .grad of MAML++'s per-step rates (views of a parameter) while tracing.
 @pytest.mark.filterwarnings("ignore:The .grad attribute of a Tensor that is not a leaf")
 @pytest.mark.filterwarnings("ignore:Dynamo does not know how to trace the builtin")
-def test_a_chunk_that_breaks_the_graph_runs_per_task_with_eager_meta_gradient():
+def test_mamlpp_runs_compiled_as_far_as_it_traces_with_eager_meta_gradient():
     learner = _learner(MAMLpp, vectorize="vmap", chunk_size=None)
     compiled = CompiledMetaGradient(learner)
     _assert_same_step(learner, _tasks(3, 1), compiled)
-    if not (compiled.whole and compiled.per_task):
-        assert compiled.break_reason  # a fallback says why
+    if not (compiled.runner.whole and compiled.runner.per_task):
+        assert compiled.runner.break_reason  # a fallback says why
     assert not counters["graph_break"]  # what compiled, compiled whole
+
+
+def _task_loss_with_a_graph_break(model, params, call: TaskCall) -> TaskResult:
+    torch._dynamo.graph_break()  # a no-op when eager
+    return task_loss(model, params, call)
+
+
+class _GraphBreaking(MAML):
+    def task_fn(self) -> TaskFn:
+        return _task_loss_with_a_graph_break
+
+
+def test_a_chunk_that_breaks_the_graph_runs_eagerly_with_eager_meta_gradient():
+    learner = _learner(_GraphBreaking, vectorize="vmap", chunk_size=None)
+    compiled = CompiledMetaGradient(learner)
+    _assert_same_step(learner, _tasks(3, 1), compiled)
+    assert not (compiled.runner.whole or compiled.runner.per_task)  # both fell back
+    assert "graph_break" in compiled.runner.break_reason
+    assert not counters["graph_break"]  # nothing compiled with a break
+
+
+def test_the_compiled_step_is_backward_handing_its_plan_to_the_compiled_runner():
+    """No chunk loop of its own: each chunk of the learner's plan, the one-task chunk
+    included, reaches the compiled runner through ``backward``."""
+    learner = _learner(vectorize="vmap", chunk_size=2)  # chunks of 2, 2 and 1 tasks
+    tasks = _tasks(5, 1)
+    compiled = CompiledMetaGradient(learner)
+    compiled.runner = recording = RecordingRunner(compiled.runner)
+    got, want = _assert_same_step(learner, tasks, compiled)
+    assert recording.chunks == learner.plan(tasks, learner.inner_loop())
+    assert got.vectorized == want.vectorized == 4  # the one-task chunk runs as a task
+    assert counters["stats"]["unique_graphs"] == 2  # the 2-task chunk's and the per-task one
+    assert not counters["graph_break"]
 
 
 @pytest.mark.parametrize("vectorize", ["vmap", "loop"])

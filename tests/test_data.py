@@ -33,7 +33,7 @@ from metalearn.data import (
     safe_extract,
 )
 from metalearn.data import omniglot as om
-from metalearn.engine import InnerLoop, Task, task_loss
+from metalearn.engine import InnerLoop, Task, TaskCall, task_loss
 from metalearn.models import MLP, Conv4
 
 SIDE = 105  # Omniglot drawings are 105x105
@@ -346,7 +346,7 @@ def test_real_tasks_have_the_right_shapes_and_train(omniglot):
     task = sampler.sample(torch.Generator().manual_seed(0))
     assert task.support[0].shape == (5, 1, 28, 28) and task.query[0].shape == (75, 1, 28, 28)
     model = Conv4(ways=5, hidden=8)
-    result = task_loss(model, dict(model.named_parameters()), task.support, task.query, InnerLoop())
+    result = task_loss(model, dict(model.named_parameters()), TaskCall.of(task, InnerLoop()))
     assert torch.isfinite(result.loss)
 
 
@@ -478,7 +478,7 @@ def test_sine_is_reproducible_and_trains_an_mlp():
     assert one[0].query[0].shape == (3, 1) and one[0].support[1].dtype == torch.float32
     model = MLP(1, [40, 40], 1)
     inner = InnerLoop(lr=0.01, loss_fn=F.mse_loss)
-    result = task_loss(model, dict(model.named_parameters()), one[0].support, one[0].query, inner)
+    result = task_loss(model, dict(model.named_parameters()), TaskCall.of(one[0], inner))
     assert torch.isfinite(result.loss)
     with pytest.raises(ValueError, match="amplitude=.*low end"):
         SineTasks(amplitude=(5.0, 0.1))

@@ -20,7 +20,7 @@ from metalearn.algorithms.base import StepMetrics
 from metalearn.algorithms.imaml import IMAML, implicit_meta_gradient
 from metalearn.algorithms.maml import FOMAML, MAML
 from metalearn.algorithms.reptile import Reptile
-from metalearn.engine import InnerLoop, NonFiniteLossError, Task, task_loss
+from metalearn.engine import InnerLoop, NonFiniteLossError, Task, TaskCall, task_loss
 from metalearn.models import MLP
 from metalearn.second_order import HVP_METHODS
 
@@ -145,7 +145,7 @@ def test_imaml_equals_unrolled_second_order_through_a_converged_inner_loop() -> 
         return 0.5 * lam * sum(((fast[k] - theta[k]) ** 2).sum() for k in theta)
 
     inner = InnerLoop(steps=steps, lr=lr, loss_fn=F.mse_loss)
-    losses = [task_loss(model, theta, t.support, t.query, inner, regularizer=proximal).loss
+    losses = [task_loss(model, theta, TaskCall.of(t, inner, regularizer=proximal)).loss
               for t in tasks]  # fmt: skip
     unrolled = torch.autograd.grad(torch.stack(losses).mean(), list(theta.values()))
     learner = IMAML(model, lam=lam, inner_lr=lr, inner_steps=steps, cg_steps=n, cg_tol=1e-14,

@@ -15,7 +15,18 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.func import functional_call
 
-from metalearn.engine import InnerLoop, Task, Vectorize, adapt, meta_batch, plan
+from metalearn.engine import (
+    InnerLoop,
+    Task,
+    TaskCall,
+    TaskResult,
+    Vectorize,
+    adapt,
+    meta_batch,
+    plan,
+    task_loss,
+)
+from metalearn.engine.outer import vmap_buckets
 from metalearn.models import MLP, Conv4, MetaBatchNorm
 
 F64 = torch.float64
@@ -278,6 +289,44 @@ def test_tensor_kwargs_bucket_by_identity_not_by_their_rounded_repr() -> None:
     expected = _one_by_one(model, theta, tasks, inner)
     torch.testing.assert_close(vmapped.loss, expected, rtol=0, atol=1e-12)
     assert vmapped.task_losses[0] != vmapped.task_losses[1]
+
+
+class _InputPrecision(nn.Module):
+    """A linear classifier that computes in its input's dtype (float64 weights cast to it)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.linear = nn.Linear(4, 3, dtype=F64)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return F.linear(x, self.linear.weight.to(x.dtype), self.linear.bias.to(x.dtype))
+
+
+def test_tasks_of_different_dtypes_bucket_apart_and_each_runs_in_its_own() -> None:
+    model = _InputPrecision()
+    theta = _theta(model)
+    inner = InnerLoop(steps=2, lr=0.5)
+    tasks = [_vector_task(i) for i in range(4)]
+    for i in (1, 3):  # float32 sets: stacked with the float64 ones they would be promoted
+        (xs, ys), (xq, yq) = tasks[i].support, tasks[i].query
+        tasks[i] = Task((xs.float(), ys), (xq.float(), yq))
+    assert vmap_buckets(tasks, inner) == [[0, 2], [1, 3]]
+    seen: list[tuple[torch.dtype, torch.dtype]] = []
+
+    def recording(model: nn.Module, params: Params, call: TaskCall) -> TaskResult:
+        result = task_loss(model, params, call)
+        seen.append((call.support[0].dtype, result.loss.dtype))  # once per vmap call
+        return result
+
+    vmapped = meta_batch(model, theta, tasks, inner, vectorize="vmap", task_fn=recording)
+    looped = meta_batch(model, theta, tasks, inner, vectorize="loop")
+    assert vmapped.vectorized == 4
+    assert sorted(seen, key=str) == [(torch.float32, torch.float32), (F64, F64)]
+    for i, rtol in [(0, 0.0), (2, 0.0), (1, 1e-6), (3, 1e-6)]:  # float32 rounds to ~1e-7
+        torch.testing.assert_close(
+            vmapped.task_losses[i], looped.task_losses[i], rtol=rtol, atol=1e-12
+        )
 
 
 # --------------------------------------------------------------------------- choosing a path

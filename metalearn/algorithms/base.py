@@ -15,8 +15,9 @@ Every algorithm is a small subclass. The training loop is the same for all of th
 and iMAML subclass `MetaLearner` and compute it their own way.
 
 A meta-batch walks down the layers: the learner plans it (`metalearn.engine.plan.plan`), runs each
-chunk in its mode (`metalearn.engine.outer.run_meta_batch`) and accumulates the chunks' gradients
-(`metalearn.engine.accumulate.ChunkedMetaGradient`).
+chunk in its mode (`metalearn.engine.outer.run_meta_batch`, or the chunk runner ``backward`` is
+given: ``--compile``'s is `metalearn.engine.compiled.CompiledChunkRunner`) and accumulates the
+chunks' gradients (`metalearn.engine.accumulate.ChunkedMetaGradient`).
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from metalearn.engine import (
     AllTasksSkippedError,
     Chunk,
     ChunkedMetaGradient,
+    ChunkRunner,
     ChunkSize,
     InnerLoop,
     LearningRate,
@@ -208,9 +210,11 @@ class MetaLearner(nn.Module, abc.ABC):
         chunk: Chunk,
         inner: InnerLoop,
         task_fn: TaskFn,
+        run_chunk: ChunkRunner = run_meta_batch,
     ) -> MetaBatch:
-        """One chunk of a plan through `metalearn.engine.outer.run_meta_batch`."""
-        return run_meta_batch(
+        """One chunk of a plan through ``run_chunk`` (`metalearn.engine.outer.run_meta_batch`
+        unless `MetaLossLearner.backward` was given another)."""
+        return run_chunk(
             self.model, theta, [tasks[i] for i in chunk.tasks], inner, chunk.mode,
             buffers=self.buffers_dict(), on_nonfinite=self.on_nonfinite, task_fn=task_fn,
             first_index=chunk.tasks.start,
@@ -232,19 +236,32 @@ class MetaLossLearner(MetaLearner):
         (chunk,) = plan(self.model, tasks, inner, self.vectorize, chunk_size=None)
         return self._run_chunk(self.theta(), tasks, chunk, inner, self.task_fn())
 
-    def backward(self, tasks: Sequence[Task]) -> StepMetrics:
-        """Accumulate the meta-gradient of a meta-batch into ``.grad``, chunk by chunk."""
+    def backward(
+        self, tasks: Sequence[Task], run_chunk: ChunkRunner = run_meta_batch
+    ) -> StepMetrics:
+        """Accumulate the meta-gradient of a meta-batch into ``.grad``, chunk by chunk.
+
+        Args:
+            tasks: the meta-batch.
+            run_chunk: runs each chunk of the plan (`metalearn.engine.outer.ChunkRunner`):
+                `metalearn.engine.outer.run_meta_batch` by default; ``--compile`` passes a
+                `metalearn.engine.compiled.CompiledChunkRunner`. Whichever runs the chunks,
+                the plan, the per-task function and the accumulation are this method's.
+
+        Returns:
+            The step's `StepMetrics`.
+        """
         inner = self.inner_loop()
         chunks = self.plan(tasks, inner)
         theta, task_fn = self.theta(), self.task_fn()
         if len(chunks) == 1:
-            result = self._run_chunk(theta, tasks, chunks[0], inner, task_fn)
+            result = self._run_chunk(theta, tasks, chunks[0], inner, task_fn, run_chunk)
             result.loss.backward()
             return _metrics(result)
         total = ChunkedMetaGradient(dict(self.named_parameters()))
         for chunk in chunks:
             try:
-                part = self._run_chunk(theta, tasks, chunk, inner, task_fn)
+                part = self._run_chunk(theta, tasks, chunk, inner, task_fn, run_chunk)
             except AllTasksSkippedError:
                 part = None
             total.add(chunk.tasks, part)

@@ -35,9 +35,8 @@ from metalearn.engine import (
     InnerLoop,
     LearningRate,
     NonFiniteLossError,
-    Regularizer,
-    StopRule,
     Task,
+    TaskCall,
     TaskFn,
     TaskResult,
     run_inner_loop,
@@ -93,111 +92,88 @@ def batch_norm_names(model: nn.Module) -> list[str]:
 def multi_step_task_loss(
     model: nn.Module,
     params: Mapping[str, Tensor],
-    support: tuple[Tensor, Tensor],
-    query: tuple[Tensor, Tensor],
-    inner: InnerLoop,
+    call: TaskCall,
     *,
     step_weights: Sequence[float] | None = None,
     step_params: StepParams = (),
-    buffers: Mapping[str, Tensor] | None = None,
-    steps: int | None = None,
-    model_kwargs: Mapping[str, Any] | None = None,
-    stop: StopRule | None = None,
-    regularizer: Regularizer | None = None,
-    check_finite: bool = False,
-    task_index: int | None = None,
 ) -> TaskResult:
     """MAML++'s meta-loss of one task: ``sum_s w_s L_query(phi_{s+1})`` (MSL, with BNWB).
 
-    Takes `metalearn.engine.outer.task_loss`'s arguments plus the two below, so it runs under
+    A `metalearn.engine.outer.TaskFn` once the two settings below are bound, so it runs under
     ``meta_batch(..., task_fn=partial(multi_step_task_loss, step_weights=..., ...))`` in
     both modes. Each inner step is one ``run_inner_loop`` call of one step with that step's
     learning rate and ``step_params``, so it is the same computation as `adapt`'s loop.
 
-    If ``stop`` ends the inner loop after t < S steps, the remaining steps count as no-ops:
-    their weights go to the query loss of ``phi_t``.
+    If ``call.stop`` ends the inner loop after t < S steps, the remaining steps count as
+    no-ops: their weights go to the query loss of ``phi_t``.
 
     Args:
+        model, params, call: as for `metalearn.engine.outer.task_loss`.
         step_weights: ``[w_0, ..., w_{S-1}]`` (Python floats: zero weights skip their query
             pass); None puts all weight on the last step (plain MAML's loss).
         step_params: per-step replacements of theta's entries (BNWB), see `StepParams`.
-        (others): as for `metalearn.engine.outer.task_loss`.
 
     Returns:
         A `TaskResult`: the weighted query loss, the final weights' query accuracy, and the
         support loss before each inner step taken, ``Tensor[steps_taken]``.
     """
-    steps = inner.steps if steps is None else steps
+    steps = call.inner.steps if call.steps is None else call.steps
     weights = [0.0] * (steps - 1) + [1.0] if step_weights is None else list(step_weights)
     if len(weights) != max(steps, 1):
         raise ValueError(
             f"step_weights has {len(weights)} entries but the task takes {steps} inner steps; "
             "give one weight per step (or leave Task.steps unset under MAML++'s MSL)"
         )
-    common = dict(buffers=buffers, model_kwargs=model_kwargs)
-    query_kwargs = dict(check_finite=check_finite, task_index=task_index, **common)
     fast, support_losses, loss = dict(params), [], None
     for s in range(steps):
-        new, losses = _one_step(model, {**fast, **_at(step_params, s)}, support, inner, s,
-                                stop=stop, regularizer=regularizer, check_finite=check_finite,
-                                task_index=task_index, **common)  # fmt: skip
+        new, losses = _one_step(model, {**fast, **_at(step_params, s)}, call, s)
         if len(losses) == 0:
             break  # `stop` ended this task's inner loop before step s
         fast = new
         support_losses.append(losses[0])
         if s < steps - 1 and weights[s] != 0.0:
-            result = _query(model, fast, _at(step_params, s), query, inner, s, **query_kwargs)
+            result = _query(model, fast, _at(step_params, s), call, s)
             loss = _add(loss, weights[s] * result.loss)
     taken = len(support_losses)
     last = max(taken - 1, 0)
-    final = _query(model, fast, _at(step_params, last), query, inner, last, **query_kwargs)
+    final = _query(model, fast, _at(step_params, last), call, last)
     loss = _add(loss, sum(weights[min(taken, steps - 1) :]) * final.loss)
     stacked = torch.stack(support_losses) if support_losses else torch.zeros(0)
     return TaskResult(loss, final.accuracy, stacked)
 
 
 def _one_step(
-    model: nn.Module,
-    params: dict[str, Tensor],
-    support: tuple[Tensor, Tensor],
-    inner: InnerLoop,
-    step: int,
-    *,
-    buffers: Mapping[str, Tensor] | None,
-    model_kwargs: Mapping[str, Any] | None,
-    regularizer: Regularizer | None = None,
-    stop: StopRule | None,
-    check_finite: bool,
-    task_index: int | None,
+    model: nn.Module, params: dict[str, Tensor], call: TaskCall, step: int
 ) -> tuple[dict[str, Tensor], Tensor]:
-    """Inner step ``step`` alone: a one-step `run_inner_loop` with that step's rate."""
+    """Inner step ``step`` of ``call``'s task alone: a one-step `run_inner_loop` with that
+    step's rate."""
+    stop = call.stop
     shifted = None if stop is None else (lambda _, value: stop(step, value))
-    one = replace(inner, steps=1, lr=_rate_at(inner.lr, step))
+    one = replace(call.inner, steps=1, lr=_rate_at(call.inner.lr, step))
     try:
         return run_inner_loop(
-            model, params, support, one, buffers=buffers, model_kwargs=model_kwargs,
-            regularizer=regularizer, stop=shifted, check_finite=check_finite,
-            task_index=task_index,
+            model, params, call.support, one, buffers=call.buffers,
+            model_kwargs=call.model_kwargs, regularizer=call.regularizer, stop=shifted,
+            check_finite=call.check_finite, task_index=call.task_index,
         )  # fmt: skip
     except NonFiniteLossError as error:  # it counted this step as step 0
-        raise NonFiniteLossError(error.kind, task_index, step, error.value) from None
+        raise NonFiniteLossError(error.kind, call.task_index, step, error.value) from None
 
 
 def _query(
     model: nn.Module,
     fast: Mapping[str, Tensor],
-    replace: Mapping[str, Tensor],
-    query: tuple[Tensor, Tensor],
-    inner: InnerLoop,
+    overrides: Mapping[str, Tensor],
+    call: TaskCall,
     step: int,
-    **kwargs: Any,
 ) -> TaskResult:
-    """Query loss and accuracy of ``fast`` after inner step ``step``.
+    """Query loss and accuracy of ``fast`` (with ``overrides``) after inner step ``step``.
 
     `task_loss` with zero inner steps is exactly that (its support set goes unused).
     """
+    query_only = replace(call, support=call.query, steps=0, stop=None, regularizer=None)
     try:
-        return task_loss(model, {**fast, **replace}, query, query, inner, steps=0, **kwargs)
+        return task_loss(model, {**fast, **overrides}, query_only)
     except NonFiniteLossError as error:
         raise NonFiniteLossError(error.kind, error.task_index, step, error.value) from None
 
@@ -336,13 +312,11 @@ class MAMLpp(MetaLossLearner):
         inner = _evaluation_loop(self.inner_loop(steps, first_order=True))
         step_params = _detached(self.step_params())
         fast = _detached(self.theta())
+        call = TaskCall(task.support, task.query, inner, buffers=self.buffers_dict(),
+                        model_kwargs=task.model_kwargs, check_finite=True)  # fmt: skip
         with torch.no_grad():  # torch.func.grad inside still differentiates the support loss
             for s in range(steps):
-                fast, _ = _one_step(
-                    self.model, {**fast, **_at(step_params, s)}, task.support, inner, s,
-                    stop=None, check_finite=True, task_index=None,
-                    buffers=self.buffers_dict(), model_kwargs=task.model_kwargs,
-                )  # fmt: skip
+                fast, _ = _one_step(self.model, {**fast, **_at(step_params, s)}, call, s)
         return {**fast, **_at(step_params, max(steps - 1, 0))}
 
     def evaluate(self, tasks: Sequence[Task], steps: int | None = None) -> tuple[Tensor, Tensor]:

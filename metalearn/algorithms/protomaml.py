@@ -32,7 +32,7 @@ from torch import Tensor, nn
 from torch.func import functional_call
 
 from metalearn.algorithms.base import MetaLossLearner, _detached, _evaluation_loop
-from metalearn.engine import Task, TaskFn, TaskResult, run_inner_loop, task_loss
+from metalearn.engine import Task, TaskCall, TaskFn, TaskResult, run_inner_loop, task_loss
 
 __all__ = ["ProtoMAML", "prototype_head", "proto_task_loss"]
 
@@ -79,21 +79,17 @@ def prototype_head(
 
 
 def proto_task_loss(
-    model: nn.Module,
-    params: Mapping[str, Tensor],
-    support: tuple[Tensor, Tensor],
-    query: tuple[Tensor, Tensor],
-    inner: Any,
-    *,
-    head: str = "head",
-    **kwargs: Any,
+    model: nn.Module, params: Mapping[str, Tensor], call: TaskCall, *, head: str = "head"
 ) -> TaskResult:
-    """`metalearn.engine.outer.task_loss` from theta with its head set by `prototype_head`."""
+    """`metalearn.engine.outer.task_loss` from theta with its head set by `prototype_head`.
+
+    A `metalearn.engine.outer.TaskFn` once ``head`` (the classifier's name) is bound.
+    """
     start = prototype_head(
-        model, params, support, head=head, buffers=kwargs.get("buffers"),
-        model_kwargs=kwargs.get("model_kwargs"),
+        model, params, call.support, head=head, buffers=call.buffers,
+        model_kwargs=call.model_kwargs,
     )  # fmt: skip
-    return task_loss(model, {**params, **start}, support, query, inner, **kwargs)
+    return task_loss(model, {**params, **start}, call)
 
 
 class ProtoMAML(MetaLossLearner):

@@ -6,9 +6,11 @@ Modules, bottom-up (each imports only those before it):
 * `task`: what flows through the engine (`Task`, `TaskResult`, `MetaBatch`, the errors);
 * `inner`: MAML's inner loop on a parameter dict (`InnerLoop`, `adapt`);
 * `plan`: the one place that decides a meta-batch's chunks and each chunk's mode;
-* `outer`: one task's meta-loss (`task_loss`) run over a chunk, under vmap or in a loop;
+* `outer`: one task's meta-loss (`task_loss`, a `TaskFn` given a `TaskCall`) run over a
+  chunk, under vmap or in a loop (`run_meta_batch`, the default `ChunkRunner`);
 * `accumulate`: the meta-gradient summed over chunks (`ChunkedMetaGradient`);
-* `compiled`: that meta-gradient with each chunk under ``torch.compile``.
+* `compiled`: a `ChunkRunner` that runs each chunk under ``torch.compile``
+  (`metalearn.engine.compiled.CompiledChunkRunner`, imported from there: it loads Dynamo).
 
 `Task` and the other names below are imported from here.
 """
@@ -24,7 +26,15 @@ from metalearn.engine.inner import (
     lr_for,
     run_inner_loop,
 )
-from metalearn.engine.outer import OnNonfinite, TaskFn, meta_batch, run_meta_batch, task_loss
+from metalearn.engine.outer import (
+    ChunkRunner,
+    OnNonfinite,
+    TaskCall,
+    TaskFn,
+    meta_batch,
+    run_meta_batch,
+    task_loss,
+)
 from metalearn.engine.plan import (
     VMAP_CHUNK_EXAMPLES,
     Chunk,
@@ -48,6 +58,7 @@ __all__ = [
     "VMAP_CHUNK_EXAMPLES",
     "AllTasksSkippedError",
     "Chunk",
+    "ChunkRunner",
     "ChunkSize",
     "ChunkedMetaGradient",
     "InnerLoop",
@@ -60,6 +71,7 @@ __all__ = [
     "Regularizer",
     "StopRule",
     "Task",
+    "TaskCall",
     "TaskFn",
     "TaskResult",
     "Vectorize",

@@ -1,24 +1,28 @@
 """The outer loop: one task's meta-loss, written once, run over a meta-batch.
 
 `task_loss` adapts theta on a task's support set and returns the query loss of the adapted
-weights (MAML's outer objective, Finn et al., 2017, Eq. 2, for one task). `run_meta_batch`
-runs it over many tasks in the mode it is given (`metalearn.engine.plan` decides it):
+weights (MAML's outer objective, Finn et al., 2017, Eq. 2, for one task). Every per-task
+meta-loss (a `TaskFn`) takes the model, theta and one `TaskCall`, the record of what else it
+needs. `run_meta_batch` runs it over many tasks in the mode it is given
+(`metalearn.engine.plan` decides it):
 
-* ``"vmap"``: under ``torch.func.vmap``, tasks bucketed by shape, each bucket one vmap call;
+* ``"vmap"``: under ``torch.func.vmap``, tasks bucketed by `vmap_buckets`, each bucket one
+  vmap call (`vmapped_task_results`);
 * ``"loop"``: a Python loop, which allows anything: per-task step counts, early stopping,
   per-task branches, checkpointing, and the finite-loss guard at every inner step.
 
 Both modes call the same `task_loss`; ``tests/test_outer.py`` asserts they agree.
-`meta_batch` plans its tasks as one chunk and runs them.
-
+`meta_batch` plans its tasks as one chunk and runs them. `run_meta_batch` is also the default
+`ChunkRunner`, what `MetaLossLearner.backward` hands each chunk of its plan to
+(`metalearn.engine.compiled.CompiledChunkRunner` is the compiled one).
 """
 
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Callable, Hashable, Mapping, Sequence
-from dataclasses import replace
-from typing import Any, Literal
+from collections.abc import Hashable, Mapping, Sequence
+from dataclasses import dataclass, replace
+from typing import Any, Literal, Protocol
 
 import torch
 from torch import Tensor, nn
@@ -37,63 +41,108 @@ from metalearn.engine.task import (
 )
 
 __all__ = [
+    "ChunkRunner",
     "OnNonfinite",
+    "TaskCall",
     "TaskFn",
     "meta_batch",
     "run_meta_batch",
+    "stack_tasks",
     "task_loss",
+    "vmap_buckets",
+    "vmapped_task_results",
 ]
 
 OnNonfinite = Literal["raise", "skip"]
-TaskFn = Callable[..., TaskResult]
-"""A per-task meta-loss with `task_loss`'s signature (MAML++'s multi-step loss is one)."""
 
 
-def task_loss(
-    model: nn.Module,
-    params: Mapping[str, Tensor],
-    support: tuple[Tensor, Tensor],
-    query: tuple[Tensor, Tensor],
-    inner: InnerLoop,
-    *,
-    buffers: Mapping[str, Tensor] | None = None,
-    steps: int | None = None,
-    model_kwargs: Mapping[str, Any] | None = None,
-    stop: StopRule | None = None,
-    regularizer: Regularizer | None = None,
-    check_finite: bool = False,
-    task_index: int | None = None,
-) -> TaskResult:
-    """The meta-loss of one task: adapt on ``support``, evaluate on ``query``.
+@dataclass(frozen=True, eq=False)
+class TaskCall:
+    """What a per-task meta-loss (`TaskFn`) is given besides the model and theta.
 
-    Args:
-        model: the network (called through ``functional_call``).
-        params: theta, name -> tensor.
+    `run_meta_batch` builds one per task (`TaskCall.of`) in the loop, and one per vmapped
+    function call from a task's slices of a bucket's stacked tensors.
+
+    Attributes:
         support: ``(x [N_s, ...], y [N_s])``.
         query: ``(x [N_q, ...], y [N_q])``.
         inner: the inner-loop settings.
-        buffers: non-adapted tensors for ``functional_call``.
-        steps: overrides ``inner.steps`` for this task.
-        model_kwargs: forward keyword arguments for this task.
+        buffers: non-adapted tensors for ``functional_call`` (None: none).
+        steps: overrides ``inner.steps`` for this task (None: ``inner.steps``).
+        model_kwargs: forward keyword arguments for this task (None: none).
         stop: early-stopping rule (loop path only).
         regularizer: added to the support loss (iMAML's proximal term).
         check_finite: raise on a non-finite support or query loss (loop path only).
         task_index: the task's place in the meta-batch, for error messages.
+    """
+
+    support: tuple[Tensor, Tensor]
+    query: tuple[Tensor, Tensor]
+    inner: InnerLoop
+    buffers: Mapping[str, Tensor] | None = None
+    steps: int | None = None
+    model_kwargs: Mapping[str, Any] | None = None
+    stop: StopRule | None = None
+    regularizer: Regularizer | None = None
+    check_finite: bool = False
+    task_index: int | None = None
+
+    @classmethod
+    def of(
+        cls,
+        task: Task,
+        inner: InnerLoop,
+        *,
+        buffers: Mapping[str, Tensor] | None = None,
+        regularizer: Regularizer | None = None,
+        check_finite: bool = False,
+        task_index: int | None = None,
+    ) -> TaskCall:
+        """The call of ``task``: its sets, step count, forward kwargs and stop rule, with
+        the settings given here."""
+        return cls(
+            task.support, task.query, inner, buffers=buffers, steps=task.steps,
+            model_kwargs=task.model_kwargs, stop=task.stop, regularizer=regularizer,
+            check_finite=check_finite, task_index=task_index,
+        )  # fmt: skip
+
+
+class TaskFn(Protocol):
+    """A per-task meta-loss: `task_loss`, or a relative such as MAML++'s
+    `metalearn.algorithms.mamlpp.multi_step_task_loss` with its own settings bound by
+    ``functools.partial``. The same function runs in the loop and under vmap."""
+
+    def __call__(
+        self, model: nn.Module, params: Mapping[str, Tensor], call: TaskCall, /
+    ) -> TaskResult:
+        """The task's `TaskResult` from theta ``params`` (name -> tensor)."""
+        ...
+
+
+def task_loss(model: nn.Module, params: Mapping[str, Tensor], call: TaskCall) -> TaskResult:
+    """The meta-loss of one task: adapt on ``call.support``, evaluate on ``call.query``.
+
+    Args:
+        model: the network (called through ``functional_call``).
+        params: theta, name -> tensor.
+        call: the task's sets and settings (a `TaskCall`).
 
     Returns:
         A `TaskResult` (query loss, query accuracy, support losses).
     """
-    if steps is not None:
-        inner = replace(inner, steps=steps)
+    inner = call.inner if call.steps is None else replace(call.inner, steps=call.steps)
     fast, support_losses = run_inner_loop(
-        model, params, support, inner, buffers=buffers, model_kwargs=model_kwargs,
-        regularizer=regularizer, stop=stop, check_finite=check_finite, task_index=task_index,
+        model, params, call.support, inner, buffers=call.buffers, model_kwargs=call.model_kwargs,
+        regularizer=call.regularizer, stop=call.stop, check_finite=call.check_finite,
+        task_index=call.task_index,
     )  # fmt: skip
-    xq, yq = query
-    out = functional_call(model, {**(buffers or {}), **fast}, (xq,), dict(model_kwargs or {}))
+    xq, yq = call.query
+    out = functional_call(
+        model, {**(call.buffers or {}), **fast}, (xq,), dict(call.model_kwargs or {})
+    )
     loss = inner.loss_fn(out, yq)
-    if check_finite and not torch.isfinite(loss):
-        raise NonFiniteLossError("query", task_index, None, float(loss))
+    if call.check_finite and not torch.isfinite(loss):
+        raise NonFiniteLossError("query", call.task_index, None, float(loss))
     return TaskResult(loss, accuracy(out, yq), support_losses)
 
 
@@ -124,8 +173,8 @@ def meta_batch(
         on_nonfinite: ``"raise"`` a `NonFiniteLossError` naming the task and inner step, or
             ``"skip"`` such tasks (listed in ``result.skipped``).
         regularizer: added to every task's support loss.
-        task_fn: the meta-loss of one task, called with `task_loss`'s arguments in both
-            modes (default `task_loss`; MAML++ passes its multi-step loss).
+        task_fn: the meta-loss of one task, called with a `TaskCall` in both modes
+            (default `task_loss`; MAML++ passes its multi-step loss).
 
     Returns:
         A `MetaBatch`.
@@ -135,6 +184,31 @@ def meta_batch(
         model, params, tasks, inner, chunk.mode, buffers=buffers, on_nonfinite=on_nonfinite,
         regularizer=regularizer, task_fn=task_fn,
     )  # fmt: skip
+
+
+class ChunkRunner(Protocol):
+    """Runs one chunk of a plan: `run_meta_batch`'s signature and results.
+
+    `MetaLossLearner.backward` hands each chunk to one; `run_meta_batch` is the default and
+    `metalearn.engine.compiled.CompiledChunkRunner` the compiled one.
+    """
+
+    def __call__(
+        self,
+        model: nn.Module,
+        params: Mapping[str, Tensor],
+        tasks: Sequence[Task],
+        inner: InnerLoop,
+        mode: Mode,
+        *,
+        buffers: Mapping[str, Tensor] | None = None,
+        on_nonfinite: OnNonfinite = "raise",
+        regularizer: Regularizer | None = None,
+        task_fn: TaskFn = task_loss,
+        first_index: int = 0,
+    ) -> MetaBatch:
+        """The chunk's `MetaBatch`, as `run_meta_batch` gives it."""
+        ...
 
 
 def run_meta_batch(
@@ -167,16 +241,18 @@ def run_meta_batch(
         raise ValueError("the meta-batch is empty; pass at least one Task")
     if on_nonfinite not in ("raise", "skip"):
         raise ValueError(f"on_nonfinite must be 'raise' or 'skip', got {on_nonfinite!r}")
-    common = dict(buffers=buffers, regularizer=regularizer)
     results: list[TaskResult | None] = [None] * len(tasks)
     skipped: set[int] = set()
     vectorized = 0
     if mode == "vmap":
-        for indices in _buckets(tasks, inner).values():
+        for indices in vmap_buckets(tasks, inner):
             if len(indices) == 1:
                 continue  # a bucket of one runs in the loop below, same function
-            bucket = _run_bucket(model, params, tasks, indices, inner, common, task_fn)
-            bad = [(i, e) for i, r in zip(indices, bucket)
+            bucket = [tasks[i] for i in indices]
+            settings = TaskCall.of(bucket[0], inner, buffers=buffers, regularizer=regularizer)
+            batched = vmapped_task_results(task_fn, model, params, settings, *stack_tasks(bucket))
+            per_task = [TaskResult(*(field[n] for field in batched)) for n in range(len(bucket))]
+            bad = [(i, e) for i, r in zip(indices, per_task)
                    if (e := _nonfinite(r, first_index + i)) is not None]  # fmt: skip
             if bad and on_nonfinite == "raise":
                 raise bad[0][1]
@@ -185,18 +261,16 @@ def run_meta_batch(
                 # the others' meta-gradient: its finite tasks rerun in the loop below.
                 skipped.update(i for i, _ in bad)
                 continue
-            for i, r in zip(indices, bucket):
+            for i, r in zip(indices, per_task):
                 results[i] = r
             vectorized += len(indices)
     for i, task in enumerate(tasks):
         if results[i] is not None or i in skipped:
             continue
+        call = TaskCall.of(task, inner, buffers=buffers, regularizer=regularizer,
+                           check_finite=True, task_index=first_index + i)  # fmt: skip
         try:
-            results[i] = task_fn(
-                model, params, task.support, task.query, inner,
-                steps=task.steps, model_kwargs=task.model_kwargs, stop=task.stop,
-                check_finite=True, task_index=first_index + i, **common,
-            )  # fmt: skip
+            results[i] = task_fn(model, params, call)
         except NonFiniteLossError:
             if on_nonfinite == "raise":
                 raise
@@ -204,18 +278,24 @@ def run_meta_batch(
     return _combine(results, sorted(skipped), vectorized, params)
 
 
-def _buckets(tasks: Sequence[Task], inner: InnerLoop) -> dict[Hashable, list[int]]:
-    """Group tasks whose vmapped computation is identical up to the data."""
+def vmap_buckets(tasks: Sequence[Task], inner: InnerLoop) -> list[list[int]]:
+    """The rule for which tasks stack into one vmap call: groups of task indices, in order.
+
+    Tasks share a bucket when their vmapped computation is identical up to the data: the
+    same shapes and dtypes of the four tensors (stacking would promote a task to another's
+    dtype, so it would not compute in its own), the same inner steps and the same forward
+    kwargs. A bucket runs with its first task's step count and kwargs.
+    """
     groups: dict[Hashable, list[int]] = defaultdict(list)
     for i, t in enumerate(tasks):
+        tensors = (*t.support, *t.query)
         key = (
-            tuple(t.support[0].shape), tuple(t.support[1].shape),
-            tuple(t.query[0].shape), tuple(t.query[1].shape),
+            tuple((tuple(x.shape), x.dtype) for x in tensors),
             inner.steps if t.steps is None else t.steps,
             tuple(sorted((k, _kwarg_key(v)) for k, v in t.model_kwargs.items())),
-        )  # fmt: skip
+        )
         groups[key].append(i)
-    return groups
+    return list(groups.values())
 
 
 def _kwarg_key(value: Any) -> Hashable:
@@ -231,27 +311,42 @@ def _kwarg_key(value: Any) -> Hashable:
     return repr(value)
 
 
-def _run_bucket(
+def stack_tasks(tasks: Sequence[Task]) -> list[Tensor]:
+    """A bucket's four stacked tensors ``[xs [T, N_s, ...], ys, xq [T, N_q, ...], yq]``."""
+    return [torch.stack(column) for column in zip(*((*t.support, *t.query) for t in tasks))]
+
+
+def vmapped_task_results(
+    task_fn: TaskFn,
     model: nn.Module,
     params: Mapping[str, Tensor],
-    tasks: Sequence[Task],
-    indices: list[int],
-    inner: InnerLoop,
-    common: dict[str, Any],
-    task_fn: TaskFn,
-) -> list[TaskResult]:
-    first = tasks[indices[0]]
+    settings: TaskCall,
+    xs: Tensor,
+    ys: Tensor,
+    xq: Tensor,
+    yq: Tensor,
+) -> TaskResult:
+    """``task_fn`` of a bucket's T tasks in one vmap call (`vmap_buckets` made the bucket).
+
+    Each vmapped call is ``task_fn(model, params, call)`` with ``call`` the bucket's
+    ``settings`` on one task's slices of the stacked sets; nothing is checked there (the
+    caller reads the losses).
+
+    Args:
+        task_fn, model, params: as for `run_meta_batch`.
+        settings: the bucket's first task's `TaskCall` (its steps, forward kwargs, buffers,
+            regularizer; its sets are replaced by each task's).
+        xs, ys: the stacked support sets, ``[T, N_s, ...]`` and ``[T, N_s]``.
+        xq, yq: the stacked query sets, ``[T, N_q, ...]`` and ``[T, N_q]``.
+
+    Returns:
+        A `TaskResult` of ``[T]`` losses and accuracies and ``[T, steps]`` support losses.
+    """
 
     def one(xs: Tensor, ys: Tensor, xq: Tensor, yq: Tensor) -> TaskResult:
-        return task_fn(
-            model, params, (xs, ys), (xq, yq), inner,
-            steps=first.steps, model_kwargs=first.model_kwargs, **common,
-        )  # fmt: skip
+        return task_fn(model, params, replace(settings, support=(xs, ys), query=(xq, yq)))
 
-    parts = [(*tasks[i].support, *tasks[i].query) for i in indices]
-    stacked = [torch.stack(column) for column in zip(*parts)]
-    batched = vmap(one, randomness="different")(*stacked)
-    return [TaskResult(*(field[n] for field in batched)) for n in range(len(indices))]
+    return vmap(one, randomness="different")(xs, ys, xq, yq)
 
 
 def _nonfinite(result: TaskResult, index: int) -> NonFiniteLossError | None:

@@ -45,7 +45,7 @@ from metalearn.algorithms import MetaLearner, MetaLossLearner, StepMetrics
 from metalearn.algorithms.build import learner_config, resolve_learner_args
 from metalearn.checkpoint import load_checkpoint, save_checkpoint
 from metalearn.runs.cli import parse_dataclass
-from metalearn.engine.compiled import CompiledMetaGradient
+from metalearn.algorithms.compiled import CompiledMetaGradient
 from metalearn.data import EpisodicSampler
 from metalearn.runs.evaluation import TEST_SEED, VAL_SEED, evaluate_tasks
 from metalearn.algorithms.curvature import PROBE_SEED, meta_curvature, support_curvature
@@ -341,7 +341,7 @@ def meta_step(
 
 def meta_gradient(args: Any, learner: MetaLearner) -> MetaGradient:
     """What fills ``.grad`` in a training step: ``learner.backward``, compiled with
-    ``--compile`` (`metalearn.engine.compiled.CompiledMetaGradient`).
+    ``--compile`` (`metalearn.algorithms.compiled.CompiledMetaGradient`).
 
     Raises:
         UserError: ``--compile`` for a learner whose meta-step cannot be compiled.
