@@ -227,8 +227,17 @@ def run_inner_loop(
         losses.append(loss)
         fast.update(new)
     if not losses:  # no step taken: an empty loss record on the task's device and dtype
-        return fast, x.new_zeros(0, dtype=torch.result_type(x, 1.0))
+        return fast, x.new_zeros(0, dtype=_float_dtype(x))
     return fast, torch.stack(losses)
+
+
+def _float_dtype(x: Tensor) -> torch.dtype:
+    """``torch.result_type(x, 1.0)``: x's dtype if floating (or complex), else the default.
+
+    Written out because Dynamo cannot put ``torch.result_type`` in a graph, which kept a
+    task with no inner step (MAML++'s query passes) from compiling as one.
+    """
+    return x.dtype if x.is_floating_point() or x.is_complex() else torch.get_default_dtype()
 
 
 def _step(
