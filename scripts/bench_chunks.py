@@ -29,16 +29,19 @@ import time
 from collections.abc import Callable
 
 import torch
-from bench_maml import (
+from benchtools import (
+    INNER_LR,
+    SHOTS,
+    WAYS,
     MetaStep,
     Setting,
     learn2learn_gradient,
-    make_model,
-    make_tasks,
     markdown_table,
+    omniglot_conv4,
+    omniglot_tasks,
     parse_setting,
+    time_round_robin,
 )
-from benchtools import time_round_robin
 
 from metalearn import tune_malloc
 from metalearn.algorithms import FOMAML, MAML
@@ -53,20 +56,20 @@ def make_steps(
     setting: Setting, max_examples: int, device: str = "cpu"
 ) -> dict[str, Callable[[list], None]]:
     """One meta-step per configuration, each on its own copy of the same network."""
-    per_task = 5 * (1 + setting.query)
+    per_task = WAYS * (SHOTS + setting.query)
     configs: dict[str, tuple[str, ChunkSize]] = {
         f"chunks of {c}": ("vmap", c) for c in CHUNKS if c * per_task <= max_examples
     }
     configs |= {"auto": ("auto", "auto"), "loop": ("loop", 1)}
     steps = {}
     for name, (vectorize, chunk) in configs.items():
-        model = make_model(torch.float32, seed=0, device=device)
+        model = omniglot_conv4(torch.float32, seed=0, device=device)
         learner = (FOMAML if setting.first_order else MAML)(
-            model, inner_lr=0.4, inner_steps=1, vectorize=vectorize, chunk_size=chunk
+            model, inner_lr=INNER_LR, inner_steps=1, vectorize=vectorize, chunk_size=chunk
         )
         steps[name] = MetaStep(model, learner.backward, torch.optim.Adam(model.parameters()))
     if importlib.util.find_spec("learn2learn") is not None:
-        model = make_model(torch.float32, seed=0, norm="fused", device=device)
+        model = omniglot_conv4(torch.float32, seed=0, norm="fused", device=device)
         gradient = learn2learn_gradient(model, setting)
         steps["learn2learn"] = MetaStep(model, gradient, torch.optim.Adam(model.parameters()))
     else:
@@ -100,13 +103,13 @@ def main() -> None:
     for name in args.settings.split(","):
         setting = parse_setting(name)
         steps = make_steps(setting, args.max_examples, args.device)
-        tasks = make_tasks(setting, 32, torch.float32, seed=0, device=args.device)
+        tasks = omniglot_tasks(setting, 32, torch.float32, seed=0, device=args.device)
         results[name] = time_steps(steps, tasks, args.repeats, args.device)
         print(f"{name}: " + ", ".join(f"{k} {1e3 * v:.0f}" for k, v in results[name].items()))
     columns = list(dict.fromkeys(k for medians in results.values() for k in medians))
     columns.sort(key=lambda k: (not k.startswith("chunks"), k.startswith("chunks") and int(k[10:])))
     rows = [
-        [name, str(5 * (1 + parse_setting(name).query))]
+        [name, str(WAYS * (SHOTS + parse_setting(name).query))]
         + [f"{1e3 * medians[k]:.0f}" if k in medians else "" for k in columns]
         for name, medians in results.items()
     ]

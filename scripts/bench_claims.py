@@ -40,8 +40,13 @@ from collections.abc import Callable, Sequence
 
 import torch
 import torch.nn.functional as F
-from bench_maml import markdown_table
-from benchtools import peak_memory_bytes, retained_bytes, run_header, time_round_robin
+from benchtools import (
+    markdown_table,
+    peak_memory_bytes,
+    retained_bytes,
+    run_header,
+    time_round_robin,
+)
 from torch import Tensor, nn
 
 from metalearn.algorithms import MAML

@@ -21,7 +21,7 @@ import argparse
 import statistics
 
 import torch
-from bench_maml import markdown_table
+from benchtools import markdown_table
 
 from metalearn.algorithms import build_learner, resolve_learner_args
 from metalearn.algorithms.curvature import PROBE_SEED

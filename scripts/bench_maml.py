@@ -54,28 +54,41 @@ import gc
 import importlib.util
 import json
 import os
-import re
 import resource
 import statistics
-import subprocess
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
 import torch
 import torch.nn.functional as F
-from benchtools import peak_step_mb, sync
+from benchtools import (
+    INNER_LR,
+    SETTINGS,
+    SHOTS,
+    WAYS,
+    MetaGradient,
+    MetaStep,
+    Setting,
+    learn2learn_gradient,
+    markdown_table,
+    omniglot_conv4,
+    omniglot_tasks,
+    parse_setting,
+    peak_step_mb,
+    run_probe,
+    sync,
+)
 from torch import Tensor, nn
 
 from metalearn import tune_malloc
 from metalearn.algorithms import FOMAML, MAML
 from metalearn.algorithms.compiled import CompiledMetaGradient
 from metalearn.engine import ChunkSize, InnerLoop, Task, plan
-from metalearn.models import Conv4
 
-WAYS, SHOTS, INNER_LR, OUTER_LR = 5, 1, 0.4, 1e-3
+OUTER_LR = 1e-3
 METHODS = ("loop", "vmap", "auto", "learn2learn", "higher")
 OPTIONAL_METHODS = ("whole", "compile")
 """Run only when named in ``--methods``: ``compile`` spends minutes compiling per setting."""
@@ -84,34 +97,8 @@ FLOAT64_TOLERANCE = 1e-9
 """Max relative difference of a float64 meta-gradient from metalearn's loop to call it equal."""
 
 
-@dataclass(frozen=True)
-class Setting:
-    """One workload: query examples per class and the order of the meta-gradient."""
-
-    query: int
-    first_order: bool
-
-    @property
-    def name(self) -> str:
-        return f"q{self.query}-{'first' if self.first_order else 'second'}"
-
-
-SETTINGS = {
-    s.name: s for s in (Setting(1, False), Setting(1, True), Setting(15, False), Setting(15, True))
-}
-"""The four workloads of the tables; `parse_setting` also takes any other ``q<N>-<order>``."""
 HEADLINE = "q1-second"
-
-
-def parse_setting(name: str) -> Setting:
-    """``"q15-second"`` -> ``Setting(15, first_order=False)``."""
-    match = re.fullmatch(r"q(\d+)-(first|second)", name)
-    if match is None or int(match.group(1)) < 1:
-        raise ValueError(
-            f"unknown setting {name!r}; write q<query per class>-<first|second>, e.g. "
-            f"{', '.join(SETTINGS)}"
-        )
-    return Setting(int(match.group(1)), match.group(2) == "first")
+"""The setting of the last line's speedup."""
 
 
 @dataclass
@@ -156,46 +143,7 @@ class BenchArgs:
     """Internal: ``METHOD:SETTING`` measured in this (fresh) process; prints one JSON line."""
 
 
-# ---------------------------------------------------------------------------- workload
-
-
-def make_model(
-    dtype: torch.dtype, seed: int, norm: Literal["meta", "fused"] = "meta", device: str = "cpu"
-) -> Conv4:
-    """MAML's Omniglot Conv4; ``norm="fused"`` swaps in ``nn.BatchNorm2d`` (same maths)."""
-    torch.manual_seed(seed)
-    model = Conv4(in_channels=1, ways=WAYS, hidden=64, pool="stride").to(device, dtype)
-    if norm == "meta":
-        return model
-    fused = Conv4(
-        in_channels=1, ways=WAYS, hidden=64, pool="stride",
-        norm_layer=lambda c: nn.BatchNorm2d(c, track_running_stats=False),
-    ).to(device, dtype)  # fmt: skip
-    fused.load_state_dict(model.state_dict())  # same names: features.i.norm.{weight,bias}
-    return fused
-
-
-def make_tasks(
-    setting: Setting, n_tasks: int, dtype: torch.dtype, seed: int, device: str = "cpu"
-) -> list[Task]:
-    """``n_tasks`` random 5-way 1-shot tasks of 1x28x28 images, ``setting.query`` per class.
-
-    Drawn on the CPU (the same tasks on every device), then moved to ``device``.
-    """
-    g = torch.Generator().manual_seed(seed + 1)
-    labels = torch.arange(WAYS)
-
-    def split(per_class: int) -> tuple[Tensor, Tensor]:
-        x = torch.rand(WAYS * per_class, 1, 28, 28, generator=g, dtype=dtype)
-        return x.to(device), labels.repeat_interleave(per_class).to(device)
-
-    return [Task(support=split(SHOTS), query=split(setting.query)) for _ in range(n_tasks)]
-
-
 # ---------------------------------------------------------------------------- methods
-
-MetaGradient = Callable[[Sequence[Task]], None]
-"""Fills ``.grad`` of the method's model parameters with the meta-gradient of the tasks."""
 
 
 def metalearn_gradient(
@@ -208,21 +156,6 @@ def metalearn_gradient(
 
     def run(tasks: Sequence[Task]) -> None:
         learner.backward(tasks)  # mean query loss over tasks, one backward per chunk
-
-    return run
-
-
-def learn2learn_gradient(model: nn.Module, setting: Setting) -> MetaGradient:
-    import learn2learn as l2l
-
-    maml = l2l.algorithms.MAML(model, lr=INNER_LR, first_order=setting.first_order)
-
-    def run(tasks: Sequence[Task]) -> None:
-        for task in tasks:
-            learner = maml.clone()
-            learner.adapt(F.cross_entropy(learner(task.support[0]), task.support[1]))
-            loss = F.cross_entropy(learner(task.query[0]), task.query[1])
-            (loss / len(tasks)).backward()
 
     return run
 
@@ -276,23 +209,9 @@ def make_gradient(method: str, model: nn.Module, setting: Setting) -> MetaGradie
     raise ValueError(f"unknown method {method!r}; choose from {names}")
 
 
-@dataclass
-class MetaStep:
-    """One method's meta-step on its own copy of the network: meta-gradient, then Adam."""
-
-    model: nn.Module
-    gradient: MetaGradient
-    opt: torch.optim.Optimizer
-
-    def __call__(self, tasks: Sequence[Task]) -> None:
-        self.opt.zero_grad(set_to_none=True)
-        self.gradient(tasks)
-        self.opt.step()
-
-
 def make_step(method: str, setting: Setting, dtype: torch.dtype, args: BenchArgs) -> MetaStep:
     norm = args.baseline_norm if method in BASELINES else "meta"
-    model = make_model(dtype, args.seed, norm, args.device)
+    model = omniglot_conv4(dtype, args.seed, norm, args.device)
     opt = torch.optim.Adam(model.parameters(), lr=OUTER_LR)
     return MetaStep(model, make_gradient(method, model, setting), opt)
 
@@ -334,7 +253,7 @@ class Timings:
 
 def time_methods(methods: Sequence[str], setting: Setting, args: BenchArgs) -> Timings:
     """Seconds and page faults per meta-step for each method, interleaved round-robin."""
-    tasks = make_tasks(setting, args.tasks, torch.float32, args.seed, args.device)
+    tasks = omniglot_tasks(setting, args.tasks, torch.float32, args.seed, args.device)
     steps = {m: make_step(m, setting, torch.float32, args) for m in methods}
     times: dict[str, list[float]] = {m: [] for m in methods}
     faults: dict[str, list[int]] = {m: [] for m in methods}
@@ -371,7 +290,7 @@ def middle_half(values: Sequence[float]) -> tuple[float, float]:
 
 def auto_plan(tasks: Sequence[Task], setting: Setting, args: BenchArgs) -> str:
     """What ``auto`` runs, e.g. ``"vmap, 4x8"`` (4 chunks of 8 tasks) or ``"loop, 32x1"``."""
-    model = make_model(torch.float32, args.seed)
+    model = omniglot_conv4(torch.float32, args.seed)
     inner = InnerLoop(steps=1, lr=INNER_LR, first_order=setting.first_order)
     chunks = plan(model, tasks, inner, "auto")
     return f"{chunks[0].mode}, {len(chunks)}x{len(chunks[0].tasks)}"
@@ -379,7 +298,7 @@ def auto_plan(tasks: Sequence[Task], setting: Setting, args: BenchArgs) -> str:
 
 def float64_gradients(method: str, setting: Setting, args: BenchArgs) -> dict[str, Tensor]:
     step = make_step(method, setting, torch.float64, args)
-    step.gradient(make_tasks(setting, args.tasks, torch.float64, args.seed, args.device))
+    step.gradient(omniglot_tasks(setting, args.tasks, torch.float64, args.seed, args.device))
     return {n: p.grad.detach().clone() for n, p in step.model.named_parameters()}
 
 
@@ -395,7 +314,7 @@ def max_relative_difference(grads: dict[str, Tensor], reference: dict[str, Tenso
 
 def probe_memory(method: str, setting: Setting, args: BenchArgs) -> float:
     """Peak memory above the start of one warmed-up meta-step, MB (this process)."""
-    tasks = make_tasks(setting, args.tasks, torch.float32, args.seed, args.device)
+    tasks = omniglot_tasks(setting, args.tasks, torch.float32, args.seed, args.device)
     step = make_step(method, setting, torch.float32, args)
     return peak_step_mb(lambda: step(tasks), args.device)
 
@@ -417,19 +336,16 @@ def memory_in_subprocess(method: str, setting: Setting, args: BenchArgs) -> floa
 
 def run_memory_probe(cmd: list[str], label: str) -> float | None:
     """Run a ``--probe-memory`` command in a fresh process; its peak MB, or None (said why)."""
-    # A fixed mmap threshold stops glibc from keeping freed tensors in its heap, so RSS
-    # follows the live memory and a warmed-up step cannot hide its peak in reused pages.
-    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536", "MALLOC_TRIM_THRESHOLD_": "0"}
-    out = subprocess.run(cmd, capture_output=True, text=True, env=env)
-    if out.returncode != 0:
+    record, out = run_probe(cmd)
+    if record is None:
         print(f"memory probe of {label} failed:\n{out.stderr[-2000:]}")
         return None
-    return json.loads(out.stdout.strip().splitlines()[-1])["peak_mb"]
+    return record["peak_mb"]
 
 
 def profile_step(method: str, setting: Setting, args: BenchArgs, rows: int = 25) -> None:
     """Print the ops that take the most self CPU time in one warmed-up meta-step."""
-    tasks = make_tasks(setting, args.tasks, torch.float32, args.seed, args.device)
+    tasks = omniglot_tasks(setting, args.tasks, torch.float32, args.seed, args.device)
     step = make_step(method, setting, torch.float32, args)
     for _ in range(max(args.warmup, 1)):
         step(tasks)
@@ -440,12 +356,6 @@ def profile_step(method: str, setting: Setting, args: BenchArgs, rows: int = 25)
 
 
 # ---------------------------------------------------------------------------- reporting
-
-
-def markdown_table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
-    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-    lines += ["| " + " | ".join(row) + " |" for row in rows]
-    return "\n".join(lines)
 
 
 def headline(medians: dict[str, dict[str, float]], methods: Sequence[str]) -> str:

@@ -43,16 +43,14 @@ import json
 import os
 import resource
 import statistics
-import subprocess
 import sys
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
-from bench_maml import markdown_table
-from benchtools import peak_step_mb, status_kb
-from torch import Tensor, nn
+from benchtools import markdown_table, peak_step_mb, random_tasks, run_probe, status_kb
+from torch import nn
 
 from metalearn.algorithms import ANIL, FOMAML, MAML, MetaLearner
 from metalearn.engine import ChunkSize, Task
@@ -121,14 +119,7 @@ def make_model(name: str) -> nn.Module:
 
 def make_tasks(work: Workload) -> list[Task]:
     """``work.tasks`` random 5-way 1-shot tasks of 3x84x84 images, ``work.query`` per class."""
-    g = torch.Generator().manual_seed(work.seed + 1)
-    labels = torch.arange(WAYS)
-
-    def split(per_class: int) -> tuple[Tensor, Tensor]:
-        x = torch.rand(WAYS * per_class, 3, IMAGE_SIZE, IMAGE_SIZE, generator=g)
-        return x, labels.repeat_interleave(per_class)
-
-    return [Task(support=split(SHOTS), query=split(work.query)) for _ in range(work.tasks)]
+    return random_tasks(work.tasks, WAYS, SHOTS, work.query, (3, IMAGE_SIZE, IMAGE_SIZE), work.seed)
 
 
 def make_learner(config: Config, work: Workload) -> MetaLearner:
@@ -183,11 +174,9 @@ def run_in_subprocess(config: Config, work: Workload) -> dict[str, object] | str
         "--tasks", str(work.tasks), "--threads", str(work.threads),
         "--repeats", str(work.repeats), "--limit-gb", str(work.limit_gb), "--seed", str(work.seed),
     ]  # fmt: skip
-    # As bench_maml's memory probe: a fixed mmap threshold makes RSS follow live memory.
-    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536", "MALLOC_TRIM_THRESHOLD_": "0"}
-    out = subprocess.run(cmd, capture_output=True, text=True, env=env)
-    if out.returncode == 0:
-        return json.loads(out.stdout.strip().splitlines()[-1])
+    record, out = run_probe(cmd)  # RSS follows live memory there (glibc's threshold pinned)
+    if record is not None:
+        return record
     if work.limit_gb and ("can't allocate memory" in out.stderr or "MemoryError" in out.stderr):
         return f"over {work.limit_gb:g} GB"
     return f"failed (exit {out.returncode}): {out.stderr.strip()[-300:]}"

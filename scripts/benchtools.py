@@ -1,7 +1,9 @@
-"""Measuring helpers the benchmark scripts share: device sync, interleaved timing, peak memory.
+"""What the benchmark scripts share: measuring (device sync, interleaved timing, peak memory),
+the MAML Omniglot workload, and reporting.
 
-``bench_hvp.py``, ``bench_maml.py`` and ``bench_chunks.py`` import this module by name: a
-script run as ``python scripts/x.py`` has ``scripts/`` first on ``sys.path``.
+The ``bench_*.py`` scripts import this module by name (a script run as ``python scripts/x.py``
+has ``scripts/`` first on ``sys.path``) and no script imports another: whatever two of them
+use lives here.
 
 Timing: `time_round_robin` interleaves the compared functions within each repeat, so drift
 on a noisy machine hits all of them alike, and every ratio is against a baseline measured
@@ -9,7 +11,13 @@ in the same run.
 
 Peak memory: `peak_memory_bytes` counts tensor memory (the CUDA allocator's peak, or on the
 CPU the same quantity rebuilt from ``torch.profiler`` memory events); `peak_step_mb` counts
-what a whole step costs the process (RSS high-water mark on the CPU).
+what a whole step costs the process (RSS high-water mark on the CPU); `run_probe` runs such
+a measurement in a fresh process whose RSS follows its live memory.
+
+Workload (``bench_maml.py``, ``bench_chunks.py``): MAML's Omniglot Conv4 on random
+1x28x28 tasks, 5-way 1-shot, one inner step at learning rate 0.4, in the settings
+``q<query per class>-<first|second>``; `random_tasks` also draws other image shapes
+(``bench_memory.py``'s 3x84x84).
 """
 
 from __future__ import annotations
@@ -17,15 +25,25 @@ from __future__ import annotations
 import contextlib
 import gc
 import itertools
+import json
 import os
 import re
 import subprocess
 import sys
 import tempfile
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Literal
 
 import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
 from torch.profiler import ProfilerActivity, profile
+
+from metalearn.engine import Task
+from metalearn.models import Conv4
+
+# ---------------------------------------------------------------------------- measuring
 
 
 def sync(device: torch.device | str) -> None:
@@ -162,6 +180,20 @@ def peak_step_mb(step: Callable[[], None], device: torch.device | str = "cpu") -
     return (status_kb("VmHWM") - start) / 1024
 
 
+def run_probe(cmd: list[str]) -> tuple[dict | None, subprocess.CompletedProcess[str]]:
+    """Run a measuring command in a fresh process: the JSON record on its last line of
+    stdout (None when it failed) and the finished process (whose stderr says why).
+
+    A fixed mmap threshold stops glibc from keeping freed tensors in its heap, so RSS
+    follows the live memory and a warmed-up step cannot hide its peak in reused pages.
+    """
+    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536", "MALLOC_TRIM_THRESHOLD_": "0"}
+    out = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    if out.returncode != 0:
+        return None, out
+    return json.loads(out.stdout.strip().splitlines()[-1]), out
+
+
 def run_header() -> str:
     """One line naming what a measurement ran on: torch, its threads, the load average
     (``os.getloadavg``: 1, 5 and 15 minutes) and the metalearn commit imported."""
@@ -185,3 +217,133 @@ def metalearn_commit() -> str:
     except (OSError, subprocess.CalledProcessError):
         return "unknown"
     return commit + ("+changes" if changed else "")
+
+
+# ---------------------------------------------------------------------------- workload
+
+WAYS, SHOTS, INNER_LR = 5, 1, 0.4
+"""MAML's Omniglot workload: 5-way 1-shot tasks, one inner step at learning rate 0.4."""
+
+
+@dataclass(frozen=True)
+class Setting:
+    """One workload: query examples per class and the order of the meta-gradient."""
+
+    query: int
+    first_order: bool
+
+    @property
+    def name(self) -> str:
+        return f"q{self.query}-{'first' if self.first_order else 'second'}"
+
+
+SETTINGS = {
+    s.name: s for s in (Setting(1, False), Setting(1, True), Setting(15, False), Setting(15, True))
+}
+"""The four workloads of the tables; `parse_setting` also takes any other ``q<N>-<order>``."""
+
+
+def parse_setting(name: str) -> Setting:
+    """``"q15-second"`` -> ``Setting(15, first_order=False)``."""
+    match = re.fullmatch(r"q(\d+)-(first|second)", name)
+    if match is None or int(match.group(1)) < 1:
+        raise ValueError(
+            f"unknown setting {name!r}; write q<query per class>-<first|second>, e.g. "
+            f"{', '.join(SETTINGS)}"
+        )
+    return Setting(int(match.group(1)), match.group(2) == "first")
+
+
+def omniglot_conv4(
+    dtype: torch.dtype, seed: int, norm: Literal["meta", "fused"] = "meta", device: str = "cpu"
+) -> Conv4:
+    """MAML's Omniglot Conv4; ``norm="fused"`` swaps in ``nn.BatchNorm2d`` (same maths)."""
+    torch.manual_seed(seed)
+    model = Conv4(in_channels=1, ways=WAYS, hidden=64, pool="stride").to(device, dtype)
+    if norm == "meta":
+        return model
+    fused = Conv4(
+        in_channels=1, ways=WAYS, hidden=64, pool="stride",
+        norm_layer=lambda c: nn.BatchNorm2d(c, track_running_stats=False),
+    ).to(device, dtype)  # fmt: skip
+    fused.load_state_dict(model.state_dict())  # same names: features.i.norm.{weight,bias}
+    return fused
+
+
+def random_tasks(
+    n_tasks: int,
+    ways: int,
+    shots: int,
+    query: int,
+    image_shape: tuple[int, ...],
+    seed: int,
+    dtype: torch.dtype = torch.float32,
+    device: str = "cpu",
+) -> list[Task]:
+    """``n_tasks`` tasks of uniform random images, ``ways``-way ``shots``-shot, ``query``
+    query examples per class.
+
+    Drawn on the CPU from a generator seeded ``seed + 1`` (the same tasks on every device),
+    then moved to ``device``. Each task's support is ``[ways * shots, *image_shape]`` images
+    with ``[ways * shots]`` labels, class by class; its query likewise with ``query``.
+    """
+    g = torch.Generator().manual_seed(seed + 1)
+    labels = torch.arange(ways)
+
+    def split(per_class: int) -> tuple[Tensor, Tensor]:
+        x = torch.rand(ways * per_class, *image_shape, generator=g, dtype=dtype)
+        return x.to(device), labels.repeat_interleave(per_class).to(device)
+
+    return [Task(support=split(shots), query=split(query)) for _ in range(n_tasks)]
+
+
+def omniglot_tasks(
+    setting: Setting, n_tasks: int, dtype: torch.dtype, seed: int, device: str = "cpu"
+) -> list[Task]:
+    """``n_tasks`` random 5-way 1-shot tasks of 1x28x28 images, ``setting.query`` per class."""
+    return random_tasks(n_tasks, WAYS, SHOTS, setting.query, (1, 28, 28), seed, dtype, device)
+
+
+MetaGradient = Callable[[Sequence[Task]], None]
+"""Fills ``.grad`` of the method's model parameters with the meta-gradient of the tasks."""
+
+
+@dataclass
+class MetaStep:
+    """One method's meta-step on its own copy of the network: meta-gradient, then Adam."""
+
+    model: nn.Module
+    gradient: MetaGradient
+    opt: torch.optim.Optimizer
+
+    def __call__(self, tasks: Sequence[Task]) -> None:
+        self.opt.zero_grad(set_to_none=True)
+        self.gradient(tasks)
+        self.opt.step()
+
+
+def learn2learn_gradient(model: nn.Module, setting: Setting) -> MetaGradient:
+    """learn2learn's MAML (``clone`` / ``adapt``), one ``backward`` per task, as in its
+    Omniglot example (learn2learn installed, see scripts/install_baselines.sh)."""
+    import learn2learn as l2l
+
+    maml = l2l.algorithms.MAML(model, lr=INNER_LR, first_order=setting.first_order)
+
+    def run(tasks: Sequence[Task]) -> None:
+        for task in tasks:
+            learner = maml.clone()
+            learner.adapt(F.cross_entropy(learner(task.support[0]), task.support[1]))
+            loss = F.cross_entropy(learner(task.query[0]), task.query[1])
+            (loss / len(tasks)).backward()
+
+    return run
+
+
+# ---------------------------------------------------------------------------- reporting
+
+
+def markdown_table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
+    """A markdown table: the header row, its rule, then one line per row (cells as given)."""
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(row) + " |" for row in rows]
+    return "\n".join(lines)

@@ -1,13 +1,16 @@
-"""scripts/benchtools.py: interleaved timing order and the CPU peak-memory count (no timings)."""
+"""scripts/benchtools.py: interleaved timing order, the CPU peak-memory count (no timings), and
+that it is the one module of scripts/ the scripts import."""
 
 from __future__ import annotations
 
+import ast
 import sys
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
+sys.path.insert(0, str(SCRIPTS))
 
 import benchtools  # noqa: E402
 
@@ -34,3 +37,31 @@ def test_cpu_peak_memory_counts_a_temporary_tensor() -> None:
 
     peak = benchtools.peak_memory_bytes(make_and_drop, "cpu")
     assert 4 * n <= peak < 4 * n + 4096
+
+
+def imported_modules(source: str) -> set[str]:
+    """The top-level names of the modules ``source`` imports (absolute imports only)."""
+    names = set()
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            names |= {alias.name.split(".")[0] for alias in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            names.add(node.module.split(".")[0])
+    return names
+
+
+def test_no_script_imports_another_only_benchtools() -> None:
+    # What two scripts share lives in benchtools; a script importing another script turns
+    # that script into a library whose changes break its importers.
+    files = sorted(SCRIPTS.glob("*.py"))
+    scripts = {f.stem for f in files}
+    assert "benchtools" in scripts and "bench_maml" in scripts
+    imports = {f.name: imported_modules(f.read_text()) & scripts for f in files}
+    others = {name: found - {"benchtools"} for name, found in imports.items()}
+    assert {name: found for name, found in others.items() if found} == {}
+    assert imports["benchtools.py"] == set() and "benchtools" in imports["bench_maml.py"]
+
+
+def test_the_import_check_sees_every_form_of_import() -> None:
+    source = "import bench_maml\nfrom bench_hvp.x import y\nimport os.path as p\nfrom . import z\n"
+    assert imported_modules(source) == {"bench_maml", "bench_hvp", "os"}
