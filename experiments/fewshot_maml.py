@@ -229,7 +229,7 @@ def make_samplers(args: Args) -> dict[str, EpisodicSampler]:
                 queries=args.query, eval_queries=args.eval_query, augment=args.augment,
                 image_size=args.image_size, channels=args.channels, device=args.device,
             )  # fmt: skip
-    except (FileNotFoundError, ValueError) as err:
+    except (FileNotFoundError, ValueError, ImportError) as err:  # ImportError: h5py absent
         raise UserError(" ".join(str(err).split())) from None
 
 

@@ -222,7 +222,7 @@ def make_samplers(args: Args) -> dict[str, EpisodicSampler]:
     try:
         with distributed.main_first():  # one process per machine fills the cache (or downloads)
             data = load_omniglot(args.data_root, download=root_is_default(args.data_root))
-    except FileNotFoundError as err:
+    except (FileNotFoundError, ValueError) as err:  # ValueError: a corrupt drawing, named
         raise UserError(" ".join(str(err).split())) from None
     common = dict(ways=args.ways, shots=args.shots, device=args.device)
     augment = standard_augmentation("character") if args.augment else None

@@ -203,7 +203,7 @@ def cli(argv: Sequence[str] | None = None) -> int:
     args = parse_dataclass(Args, argv, description=__doc__.split("\n\n")[0])
     try:
         evaluate(args)
-    except (FileNotFoundError, ValueError) as err:
+    except (FileNotFoundError, ValueError, ImportError) as err:  # ImportError: h5py absent
         print(f"evaluate.py: error: {err}", file=sys.stderr)
         return 2
     return 0

@@ -165,6 +165,34 @@ def test_cache_dir_and_data_root_from_environment(tiny, tmp_path, monkeypatch):
     assert len(data.characters) == 7 and len(list((tmp_path / "env-cache").glob("*.pt"))) == 1
 
 
+def test_an_unwritable_cache_runs_uncached_with_a_warning(tiny, tmp_path):
+    reference = _load(tiny, tmp_path / "cache")
+    (tmp_path / "a-file").write_text("")  # the cache folder's parent is a file: even root
+    cache = tmp_path / "a-file" / "cache"  # cannot create it
+    with pytest.warns(UserWarning, match=rf"cannot write the Omniglot cache {cache}/omniglot-28px"
+                      r".*\(NotADirectoryError: .*\); running uncached"):  # fmt: skip
+        data = _load(tiny, cache)
+    assert torch.equal(data.images, reference.images) and data.characters == reference.characters
+
+
+@pytest.mark.skipif(os.name != "posix", reason="file-size limits are POSIX")
+def test_a_full_disk_runs_uncached_with_a_warning(tiny, tmp_path):
+    import resource
+
+    reference = _load(tiny, tmp_path / "cache", image_size=64)
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    # Writes past 16 KiB fail as on a full disk (EFBIG; Python ignores SIGXFSZ); the cache
+    # holds 7 x 4 x 64 x 64 bytes = 115 KB.
+    resource.setrlimit(resource.RLIMIT_FSIZE, (16 * 1024, hard))
+    try:
+        with pytest.warns(UserWarning, match=r"cannot write the Omniglot cache .*running uncached"):
+            data = _load(tiny, tmp_path / "full", image_size=64)
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+    assert torch.equal(data.images, reference.images)
+    assert list((tmp_path / "full").iterdir()) == []  # no partial cache file left behind
+
+
 @pytest.mark.parametrize("workers", [0, 2])
 def test_corrupt_drawing_is_named(tiny, tmp_path, workers):
     bad = tiny / "images_background/Beta/character02/0012_01.png"

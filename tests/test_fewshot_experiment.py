@@ -17,7 +17,15 @@ from pathlib import Path
 import pytest
 import torch
 import wandb
-from image_set_fixtures import write_cifar, write_cub, write_folder, write_mini_csv, write_tiered
+from image_set_fixtures import (
+    write_cifar,
+    write_cub,
+    write_folder,
+    write_mini_cache,
+    write_mini_csv,
+    write_tiered,
+)
+from pickle_writers import payloads
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "experiments"))
@@ -178,3 +186,32 @@ def test_missing_data_is_one_line_naming_the_layout(tmp_path):
     assert done.returncode == 2
     (line,) = done.stderr.strip().splitlines()
     assert line.startswith("error: ") and "docs/datasets.md" in line and "train.csv" in line
+
+
+def test_rens_mini_imagenet_pickles_train_and_test(tmp_path):
+    """Ren et al.'s archive (the one torchmeta downloads): *-cache-{train,val,test}.pkl."""
+    root = write_mini_cache(tmp_path / "ren", validation="val")
+    assert sorted(p.name for p in root.iterdir()) == [
+        "mini-imagenet-cache-test.pkl", "mini-imagenet-cache-train.pkl",
+        "mini-imagenet-cache-val.pkl",
+    ]  # fmt: skip
+    args = fs.Args(**TINY, dataset="mini-imagenet", data_root=str(root), out_dir=str(tmp_path),
+                   run_name="r")  # fmt: skip
+    results = fs.main(args)
+    assert 0.0 <= results["test/acc"] <= 1.0
+    saved = load_checkpoint(tmp_path / "r" / "checkpoint.pt")["args"]
+    assert (saved["channels"], saved["image_size"]) == (3, 84)
+
+
+def test_a_hostile_data_file_is_one_line_and_runs_nothing(tmp_path):
+    root = write_mini_cache(tmp_path / "data", validation="val")
+    marker = tmp_path / "marker"
+    ((name, payload),) = list(payloads(str(marker), protocol=4).items())[:1]
+    (root / "mini-imagenet-cache-train.pkl").write_bytes(payload)
+    cmd = [sys.executable, str(ROOT / "experiments" / "fewshot_maml.py"), "--dataset",
+           "mini-imagenet", "--data-root", str(root), "--out-dir", str(tmp_path / "runs"),
+           "--no-track"]  # fmt: skip
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 2 and not marker.exists()
+    (line,) = done.stderr.strip().splitlines()
+    assert f"mini-imagenet-cache-train.pkl: refusing to unpickle {name}:" in line

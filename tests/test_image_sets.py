@@ -16,9 +16,12 @@ import numpy as np
 import pytest
 import torch
 from image_set_fixtures import (
+    CIFAR_FS_SPLIT,
+    FC100_SPLIT,
     FINE,
     MINI,
     RNG,
+    SUPERCLASS,
     TIERED,
     write_cub,
     write_folder,
@@ -42,7 +45,6 @@ from metalearn.data import (
     load_tiered_imagenet,
 )
 from metalearn.data import image_set as image_set_module
-from metalearn.data.cifar import CIFAR100_SUPERCLASSES
 
 
 def _pil_rgb(path: Path, size: int) -> np.ndarray:
@@ -243,13 +245,14 @@ def test_cifar_splits(cifar, load, counts, member):
     assert task.support[0].shape == (5, 3, 32, 32) and task.query[0].shape == (10, 3, 32, 32)
 
 
-def test_fc100_splits_follow_super_classes(cifar):
-    supers = {}
+def test_cifar_splits_are_the_published_ones(cifar):
+    """Against the lists typed in the fixtures (Bertinetto et al.'s and Oreshkin et al.'s)."""
     for split in ("train", "val", "test"):
+        names = _quiet(load_cifar_fs, cifar, split).class_names
+        assert names == tuple(sorted(CIFAR_FS_SPLIT[split]))
         names = _quiet(load_fc100, cifar, split).class_names
-        supers[split] = {c for c, fs in CIFAR100_SUPERCLASSES.items() if set(fs) <= set(names)}
-    assert [len(s) for s in supers.values()] == [12, 4, 4]
-    assert supers["test"] == {"aquatic_mammals", "insects", "medium_mammals", "people"}
+        assert {SUPERCLASS[c] for c in names} == set(FC100_SPLIT[split])
+        assert names == tuple(sorted(c for c in SUPERCLASS if SUPERCLASS[c] in FC100_SPLIT[split]))
 
 
 def test_cifar_refusals(tmp_path):

@@ -9,22 +9,36 @@ split the 100 classes for meta-learning:
   60 / 20 / 20 classes (the split of TADAM's supplementary material, as MetaOptNet and
   learn2learn use it).
 
-Both read CIFAR-100's own python release, extracted (``cifar-100-python.tar.gz`` from
-https://www.cs.toronto.edu/~kriz/cifar.html): ``cifar-100-python/{train,test,meta}``, in the
-root or the root itself; classes then come out in CIFAR-100's label order (alphabetical).
-Failing that, CIFAR-FS reads R2-D2's release (PNG folders and split lists) and FC100
-MetaOptNet's pickles, the files learn2learn reads.
+Both read, the first the root holds (docs/datasets.md has the file names):
+
+* CIFAR-100's own python release, extracted (``cifar-100-python.tar.gz`` from
+  https://www.cs.toronto.edu/~kriz/cifar.html): ``cifar-100-python/{train,test,meta}``, in
+  the root or the root itself;
+* for CIFAR-FS, R2-D2's release (PNG folders and split lists, the one learn2learn reads);
+* torchmeta's HDF5 conversion of CIFAR-100: ``cifar100/data.hdf5`` (a group per super-class,
+  a uint8 ``[600, 32, 32, 3]`` dataset per class), with ``cifar100/cifar-fs/`` or
+  ``cifar100/fc100/{split}_labels.json`` (needs h5py: ``pip install metalearn[h5]``);
+* MetaOptNet's pickles, ``CIFAR_FS_{split}.pickle`` and ``FC100_{split}.pickle`` (the FC100
+  ones learn2learn reads): ``data`` uint8 ``[N, 32, 32, 3]`` and ``labels``; they hold no
+  class names, so classes are named by their label ids (``"label 3"``).
+
+From the first three, classes come out in CIFAR-100's label order (alphabetical) with their
+images in the release's order (train batch, then test batch), so they give the same set;
+each is checked against the split written below, class by class. Pickles are read by
+`metalearn.data.safe_pickle.load_pickle` (no code runs from them).
 """
 
 from __future__ import annotations
 
 import os
-import pickle
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
 
+from metalearn.data.checks import image_array, integer_labels
+from metalearn.data.hdf5 import class_arrays, read_json_list
 from metalearn.data.image_set import (
     ImageSet,
     check_split,
@@ -32,6 +46,7 @@ from metalearn.data.image_set import (
     image_set_from_files,
     warn_on_counts,
 )
+from metalearn.data.safe_pickle import load_pickle
 
 __all__ = [
     "CIFAR100_SUPERCLASSES",
@@ -39,6 +54,7 @@ __all__ = [
     "FC100_SUPERCLASSES",
     "load_cifar_fs",
     "load_fc100",
+    "split_classes",
 ]
 
 # CIFAR-100's 20 super-classes and their 5 classes each, as in the release's meta file.
@@ -95,6 +111,15 @@ FC100_SUPERCLASSES = {
 }  # fmt: skip
 _PUBLISHED_CLASSES = {"cifar-fs": (64, 16, 20), "fc100": (60, 20, 20)}
 _IMAGES_PER_CLASS = 600
+_SUPERCLASS_OF = {fine: coarse for coarse, fs in CIFAR100_SUPERCLASSES.items() for fine in fs}
+_FIX = "the file is not the published one: re-download it (docs/datasets.md)"
+
+
+def split_classes(name: str, split: str) -> tuple[str, ...]:
+    """The CIFAR-100 classes of a split of ``"cifar-fs"`` or ``"fc100"``, sorted."""
+    if name == "cifar-fs":
+        return CIFAR_FS_CLASSES[split]
+    return tuple(sorted(c for s in FC100_SUPERCLASSES[split] for c in CIFAR100_SUPERCLASSES[s]))
 
 
 def load_cifar_fs(
@@ -108,26 +133,33 @@ def load_cifar_fs(
 
     Reads CIFAR-100's python release, else R2-D2's release (the one learn2learn reads):
     ``cifar100/data/<class>/*.png`` with ``cifar100/splits/bertinetto/{split}.txt``, in the
-    root or in ``cifarfs/`` inside it (PNGs decoded once and cached).
+    root or in ``cifarfs/`` inside it (32x32 PNGs decoded once and cached), else torchmeta's
+    ``cifar100/data.hdf5``, else MetaOptNet's ``CIFAR_FS_{split}.pickle``.
 
     Raises:
-        FileNotFoundError: neither release is there (the message names the files).
+        FileNotFoundError: no release is there (the message names the files).
         ValueError: the release lacks a class of the split, its split list differs from the
-            published one, or the split's class count is not the published one.
+            published one, the split's class count is not the published one, or a file
+            breaks its format (named).
+        ImportError: the HDF5 layout without h5py installed.
     """
     check_split(split)
     root = Path(root)
     if (folder := _cifar100_folder(root)) is not None:
-        keep = lambda fine, _: fine in CIFAR_FS_CLASSES[split]  # noqa: E731
-        return _load("cifar-fs", folder, split, keep)
+        return _load("cifar-fs", folder, split)
     for candidate in (root, root / "cifarfs"):
         if (candidate / "cifar100" / "splits" / "bertinetto").is_dir():
             return _from_r2d2(candidate / "cifar100", split, cache_dir, workers)
+    if (folder := _torchmeta_folder(root)) is not None:
+        return _from_hdf5("cifar-fs", folder, split)
+    if (pickled := root / f"CIFAR_FS_{split}.pickle").is_file():
+        return _from_metaoptnet("cifar-fs", pickled, split)
     raise FileNotFoundError(
         _how_to_get(
             root,
-            "or cifar100/data/<class>/*.png with cifar100/splits/bertinetto/"
-            f"{split}.txt (R2-D2's release, github.com/bertinetto/r2d2)",
+            "cifar100/data/<class>/*.png with cifar100/splits/bertinetto/"
+            f"{split}.txt (R2-D2's release, github.com/bertinetto/r2d2), cifar100/data.hdf5 "
+            f"(torchmeta's), or CIFAR_FS_{split}.pickle (MetaOptNet's)",
         )
     )
 
@@ -135,26 +167,29 @@ def load_cifar_fs(
 def load_fc100(root: str | os.PathLike, split: str) -> ImageSet:
     """One split of FC100 (12 / 4 / 4 super-classes, 60 / 20 / 20 classes) as uint8.
 
-    Reads CIFAR-100's python release, else MetaOptNet's ``FC100_{split}.pickle`` (the files
-    learn2learn reads: ``data`` uint8 ``[N, 32, 32, 3]`` and ``labels``; classes are then
-    named by their label ids).
+    Reads CIFAR-100's python release, else torchmeta's ``cifar100/data.hdf5``, else
+    MetaOptNet's ``FC100_{split}.pickle`` (the files learn2learn reads: ``data`` uint8
+    ``[N, 32, 32, 3]`` and ``labels``; classes are then named by their label ids).
 
     Raises:
-        FileNotFoundError: neither release is there (the message names the files).
-        ValueError: the release lacks a super-class of the split, or the split's class
-            count is not the published one.
+        FileNotFoundError: no release is there (the message names the files).
+        ValueError: the release lacks a class of the split, the split's class count is not
+            the published one, or a file breaks its format (named).
+        ImportError: the HDF5 layout without h5py installed.
     """
     check_split(split)
     root = Path(root)
     if (folder := _cifar100_folder(root)) is not None:
-        keep = lambda _, coarse: coarse in FC100_SUPERCLASSES[split]  # noqa: E731
-        return _load("fc100", folder, split, keep)
-    pickled = root / f"FC100_{split}.pickle"
-    if pickled.is_file():
-        return _from_fc100_pickle(pickled, split)
+        return _load("fc100", folder, split)
+    if (folder := _torchmeta_folder(root)) is not None:
+        return _from_hdf5("fc100", folder, split)
+    if (pickled := root / f"FC100_{split}.pickle").is_file():
+        return _from_metaoptnet("fc100", pickled, split)
     raise FileNotFoundError(
         _how_to_get(
-            root, f"or FC100_{split}.pickle (MetaOptNet's release, github.com/kjunelee/MetaOptNet)"
+            root,
+            f"cifar100/data.hdf5 (torchmeta's), or FC100_{split}.pickle (MetaOptNet's release, "
+            "github.com/kjunelee/MetaOptNet)",
         )
     )
 
@@ -174,54 +209,71 @@ def _from_r2d2(folder: Path, split: str, cache_dir, workers) -> ImageSet:
         )
     classes = [(n, sorted((folder / "data" / n).glob("*.png"))) for n in names]
     image_set = image_set_from_files(
-        "cifar-fs", split, folder, classes, size=32, cache_dir=cache_dir, workers=workers
-    )
+        "cifar-fs", split, folder, classes, size=32, cache_dir=cache_dir, workers=workers,
+        exact=True,
+    )  # fmt: skip
     warn_on_counts(image_set, _IMAGES_PER_CLASS)
     return image_set
 
 
-def _from_fc100_pickle(path: Path, split: str) -> ImageSet:
-    with open(path, "rb") as f:
-        archive = pickle.load(f, encoding="latin1")  # published as a pickle; trusted files only
-    data = np.asarray(archive["data"], dtype=np.uint8)
-    labels = np.asarray(archive["labels"], dtype=np.int64)
-    if data.ndim != 4 or data.shape[1:] != (32, 32, 3) or len(labels) != len(data):
-        raise ValueError(
-            f"{path}: expected data uint8 [N, 32, 32, 3] and N labels, got {data.shape} and "
-            f"{len(labels)}; re-download it"
-        )
+def _from_metaoptnet(name: str, path: Path, split: str) -> ImageSet:
+    """MetaOptNet's dict: ``data`` uint8 ``[N, 32, 32, 3]`` and ``labels [N]``."""
+    archive = load_pickle(path)
+    if not isinstance(archive, dict) or not {"data", "labels"} <= set(archive):
+        raise ValueError(f"{path}: expected a dict with data and labels; {_FIX}")
+    data = image_array(path, archive["data"], 32, "data")
+    labels = integer_labels(path, archive["labels"], "labels", len(data))
     ids = sorted(set(labels.tolist()))
-    published = _PUBLISHED_CLASSES["fc100"][("train", "val", "test").index(split)]
-    check_split_classes("fc100", split, len(ids), published, path.name)
+    published = _PUBLISHED_CLASSES[name][("train", "val", "test").index(split)]
+    check_split_classes(name, split, len(ids), published, path.name)
     relabel = torch.from_numpy(np.searchsorted(ids, labels))
     pixels = torch.from_numpy(data).permute(0, 3, 1, 2)
     names = [f"label {i}" for i in ids]
-    image_set = ImageSet.from_labels(pixels, relabel, names, name="fc100", split=split)
+    image_set = ImageSet.from_labels(pixels, relabel, names, name=name, split=split)
     warn_on_counts(image_set, _IMAGES_PER_CLASS)
     return image_set
 
 
-def _load(name: str, folder: Path, split: str, keep) -> ImageSet:
-    meta = _unpickle(folder / "meta")
-    fine_names = [n.decode() for n in meta[b"fine_label_names"]]
-    coarse_names = [n.decode() for n in meta[b"coarse_label_names"]]
-    wanted = CIFAR_FS_CLASSES[split] if name == "cifar-fs" else FC100_SUPERCLASSES[split]
-    known = fine_names if name == "cifar-fs" else coarse_names
-    if missing := [c for c in wanted if c not in known]:
+def _from_hdf5(name: str, folder: Path, split: str) -> ImageSet:
+    """torchmeta's ``data.hdf5`` (``<super-class>/<class>``), the split's classes only."""
+    wanted = split_classes(name, split)
+    listing = folder / name / f"{split}_labels.json"
+    if listing.is_file():  # torchmeta's list of [super-class, class]: must be the published
+        pairs = read_json_list(listing)
+        if not all(isinstance(p, list) and [type(x) for x in p] == [str, str] for p in pairs):
+            raise ValueError(f"{listing} must list [super-class, class] pairs; {_FIX}")
+        if sorted(tuple(p) for p in pairs) != sorted((_SUPERCLASS_OF[c], c) for c in wanted):
+            odd = sorted({str(p[1]) for p in pairs} ^ set(wanted))
+            raise ValueError(
+                f"{listing} differs from the published {name} {split} split "
+                f"({', '.join(odd[:5]) or 'super-classes'}); {_FIX}"
+            )
+    path = folder / "data.hdf5"
+    keys = [f"{_SUPERCLASS_OF[c]}/{c}" for c in wanted]
+    arrays, _ = class_arrays(path, "", keys, 32)  # names from the root
+    images = torch.from_numpy(np.concatenate(arrays)).permute(0, 3, 1, 2).contiguous()
+    counts = torch.tensor([len(a) for a in arrays], dtype=torch.long)
+    image_set = ImageSet(images, counts, wanted, name, split)
+    warn_on_counts(image_set, _IMAGES_PER_CLASS)
+    return image_set
+
+
+def _load(name: str, folder: Path, split: str) -> ImageSet:
+    """CIFAR-100's python release: the split's classes, train images then test images."""
+    fine_names, coarse_names = _meta(folder / "meta")
+    wanted = split_classes(name, split)
+    if missing := [c for c in wanted if c not in fine_names]:
         raise ValueError(
             f"{folder / 'meta'} lacks {name} {split} classes {', '.join(missing[:5])}; it is "
             "not CIFAR-100's release: re-download cifar-100-python.tar.gz"
         )
-    images, fine, coarse = [], [], []
+    images, fine = [], []
     for part in ("train", "test"):
-        batch = _unpickle(folder / part)
-        images.append(np.asarray(batch[b"data"], dtype=np.uint8).reshape(-1, 3, 32, 32))
-        fine.append(np.asarray(batch[b"fine_labels"]))
-        coarse.append(np.asarray(batch[b"coarse_labels"]))
-    fine_all, coarse_all = np.concatenate(fine), np.concatenate(coarse)
-    classes = sorted(
-        {int(f) for f, c in zip(fine_all, coarse_all) if keep(fine_names[f], coarse_names[c])}
-    )
+        pixels, labels = _batch(folder / part, fine_names, coarse_names)
+        images.append(pixels)
+        fine.append(labels)
+    fine_all = np.concatenate(fine)
+    classes = sorted({int(f) for f in np.unique(fine_all) if fine_names[f] in wanted})
     published = _PUBLISHED_CLASSES[name][("train", "val", "test").index(split)]
     check_split_classes(name, split, len(classes), published, f"{folder}")
     rows = np.isin(fine_all, classes)
@@ -235,6 +287,53 @@ def _load(name: str, folder: Path, split: str, keep) -> ImageSet:
     return image_set
 
 
+def _meta(path: Path) -> tuple[list[str], list[str]]:
+    """The 100 class and 20 super-class names of CIFAR-100's ``meta`` file."""
+    meta = load_pickle(path, encoding="bytes")
+    names = []
+    for key, count in ((b"fine_label_names", 100), (b"coarse_label_names", 20)):
+        found = meta.get(key) if isinstance(meta, dict) else None
+        if not isinstance(found, list) or len(found) != count:
+            raise ValueError(f"{path}: expected {key.decode()}, {count} names; {_FIX}")
+        names.append([_text(n) for n in found])
+    return names[0], names[1]
+
+
+def _batch(
+    path: Path, fine_names: list[str], coarse_names: list[str]
+) -> tuple[np.ndarray, np.ndarray]:
+    """One CIFAR-100 batch: uint8 ``[N, 3, 32, 32]`` and its class labels ``[N]``.
+
+    Each image's super-class label must be its class's CIFAR-100 super-class: a file that
+    says otherwise would move classes between FC100's splits.
+    """
+    batch = load_pickle(path, encoding="bytes")
+    data = batch.get(b"data") if isinstance(batch, dict) else None
+    if not isinstance(data, np.ndarray) or data.dtype != np.uint8 or data.ndim != 2 or (
+        data.shape[1] != 3072
+    ):  # fmt: skip
+        got = f"{data.dtype} {list(data.shape)}" if isinstance(data, np.ndarray) else "none"
+        raise ValueError(f"{path}: data must be uint8 [N, 3072], got {got}; {_FIX}")
+    fine = integer_labels(path, batch.get(b"fine_labels"), "fine_labels", len(data))
+    coarse = integer_labels(path, batch.get(b"coarse_labels"), "coarse_labels", len(data))
+    if fine.max(initial=0) >= 100 or coarse.max(initial=0) >= 20:
+        raise ValueError(
+            f"{path}: labels beyond CIFAR-100's 100 classes / 20 super-classes; {_FIX}"
+        )
+    for f, c in np.unique(np.stack([fine, coarse]), axis=1).T.tolist():
+        if _SUPERCLASS_OF.get(fine_names[f]) not in (None, coarse_names[c]):
+            raise ValueError(
+                f"{path}: images of {fine_names[f]!r} are labelled super-class "
+                f"{coarse_names[c]!r}, CIFAR-100 has it under {_SUPERCLASS_OF[fine_names[f]]!r}; "
+                f"{_FIX}"
+            )
+    return data.reshape(-1, 3, 32, 32), fine
+
+
+def _text(name: Any) -> str:
+    return name.decode("latin1") if isinstance(name, bytes) else str(name)
+
+
 def _cifar100_folder(root: Path) -> Path | None:
     for candidate in (root / "cifar-100-python", root):
         if all((candidate / part).is_file() for part in ("train", "test", "meta")):
@@ -242,15 +341,17 @@ def _cifar100_folder(root: Path) -> Path | None:
     return None
 
 
-def _how_to_get(root: Path, alternative: str) -> str:
+def _torchmeta_folder(root: Path) -> Path | None:
+    for candidate in (root / "cifar100", root):
+        if (candidate / "data.hdf5").is_file():
+            return candidate
+    return None
+
+
+def _how_to_get(root: Path, alternatives: str) -> str:
     return (
         f"CIFAR-100 was not found at {root}: extract cifar-100-python.tar.gz "
         "(https://www.cs.toronto.edu/~kriz/cifar.html) there, so that "
         "cifar-100-python/train, cifar-100-python/test and cifar-100-python/meta exist, "
-        f"{alternative}; see docs/datasets.md"
+        f"or put {alternatives} there; see docs/datasets.md"
     )
-
-
-def _unpickle(path: Path) -> dict:
-    with open(path, "rb") as f:
-        return pickle.load(f, encoding="bytes")  # CIFAR's published format; trusted files only

@@ -7,8 +7,9 @@ takes the species folders in sorted order (``001.Black_footed_Albatross`` ...
 (100 species), to validation when ``i % 4 == 1`` (50) and to test when ``i % 4 == 3`` (50).
 (learn2learn's ``CUBirds200`` uses Meta-Dataset's 140 / 30 / 30 split instead.)
 
-Layout: ``CUB_200_2011/images/<species>/*.jpg`` from ``CUB_200_2011.tgz`` (the root may also
-be ``CUB_200_2011/`` itself). Photos are decoded once to ``image_size`` squares and cached.
+Layout: ``CUB_200_2011/images/<species>/*.jpg`` from ``CUB_200_2011.tgz``, in the root or in
+``cubirds200/`` inside it (where learn2learn's ``CUBirds200`` extracts it); the root may also
+be ``CUB_200_2011/`` itself. Photos are decoded once to ``image_size`` squares and cached.
 """
 
 from __future__ import annotations
@@ -47,8 +48,8 @@ def load_cub(
 
     Raises:
         FileNotFoundError: no ``images/`` folder (the message says where it goes).
-        ValueError: other than 200 species folders, a species without photos, or a photo
-            that cannot be decoded.
+        ValueError: other than 200 species folders numbered 001 to 200, a species without
+            photos, or a photo that cannot be decoded.
     """
     check_split(split)
     images = _images_folder(Path(root))
@@ -57,6 +58,12 @@ def load_cub(
         raise ValueError(
             f"{images} holds {len(species)} species folders, CUB-200-2011 has {CUB_SPECIES}; the "
             "split is defined on all 200 in sorted order: re-extract CUB_200_2011.tgz"
+        )
+    if odd := [f.name for i, f in enumerate(species) if not f.name.startswith(f"{i + 1:03d}.")]:
+        raise ValueError(
+            f"{images}: species folder {odd[0]!r} breaks CUB-200-2011's numbering (001.<name> "
+            "to 200.<name>, in order), on which the split is defined; re-extract "
+            "CUB_200_2011.tgz"
         )
     classes = [
         (folder.name, sorted(p for p in folder.glob("*.jpg") if not p.name.startswith(".")))
@@ -70,11 +77,16 @@ def load_cub(
 
 
 def _images_folder(root: Path) -> Path:
-    for candidate in (root / "CUB_200_2011" / "images", root / "images"):
+    for candidate in (
+        root / "CUB_200_2011" / "images",
+        root / "cubirds200" / "CUB_200_2011" / "images",  # learn2learn's root
+        root / "images",
+    ):
         if candidate.is_dir():
             return candidate
     raise FileNotFoundError(
         f"CUB-200-2011 was not found at {root}: extract CUB_200_2011.tgz (from "
         "https://www.vision.caltech.edu/datasets/cub_200_2011/) there, so that "
-        "CUB_200_2011/images/<species>/*.jpg exist; see docs/datasets.md"
+        "CUB_200_2011/images/<species>/*.jpg exist (or cubirds200/CUB_200_2011/images/..., "
+        "learn2learn's layout); see docs/datasets.md"
     )

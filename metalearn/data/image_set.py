@@ -27,8 +27,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from metalearn.checkpoint import save_checkpoint
-from metalearn.data.omniglot import _fingerprint, _load_cache, default_cache_dir
+from metalearn.data.omniglot import _fingerprint, _load_cache, _write_cache, default_cache_dir
 from metalearn.data.sampler import Augmentation, EpisodicSampler
 
 __all__ = [
@@ -189,49 +188,83 @@ def warn_on_counts(image_set: ImageSet, expected: int) -> None:
         )
 
 
-def decode_picture(source: str | bytes, size: int, channels: int = 3) -> np.ndarray:
+def decode_picture(
+    source: str | bytes, size: int, channels: int = 3, *, exact: bool = False
+) -> np.ndarray:
     """Decode one image file (a path, or its encoded bytes) to uint8 ``[channels, size, size]``.
 
     Colour images are converted to RGB (``channels=3``) or grayscale (``1``) and resized to a
     ``size`` square with Pillow's LANCZOS filter (the preprocessing of mini-ImageNet's
     84x84 images); an image already that size is left untouched.
 
+    Args:
+        exact: refuse an image that is not already ``size`` square (sets published at one
+            size: tiered-ImageNet's PNGs, R2-D2's CIFAR-FS) instead of resizing it.
+
     Raises:
-        ValueError: the image cannot be opened or decoded (the message names it).
+        ValueError: the image cannot be opened or decoded, or ``exact`` and it has another
+            size (the message names it).
     """
     from PIL import Image
 
+    what = "an encoded image" if isinstance(source, bytes) else source
     try:
         with Image.open(io.BytesIO(source) if isinstance(source, bytes) else source) as image:
+            found = image.size
             image = image.convert("RGB" if channels == 3 else "L")
-            if image.size != (size, size):
+            if image.size != (size, size) and not exact:
                 image = image.resize((size, size), Image.Resampling.LANCZOS)
             pixels = np.asarray(image)
     except Exception as err:  # any decoder failure: name the file, then stop
-        what = "an encoded image" if isinstance(source, bytes) else source
         raise ValueError(
             f"cannot decode {what} ({type(err).__name__}: {err}); the file is corrupt: "
             "re-extract or re-download it"
         ) from None
+    if exact and found != (size, size):
+        raise ValueError(
+            f"{what} is {found[0]}x{found[1]} pixels, the published images are {size}x{size}; "
+            "the file is not the published one: re-download it"
+        )
     return pixels[None] if pixels.ndim == 2 else pixels.transpose(2, 0, 1)
 
 
-def _decode_chunk(job: tuple[Sequence[str | bytes], int, int]) -> np.ndarray:
-    sources, size, channels = job
-    return np.stack([decode_picture(source, size, channels) for source in sources])
+class _BadImage(ValueError):
+    """A source that does not decode: ``args`` are its position in the sources and why."""
+
+
+def _decode_chunk(job: tuple[Sequence[str | bytes], int, int, bool, int]) -> np.ndarray:
+    sources, size, channels, exact, first = job
+    pictures = []
+    for offset, source in enumerate(sources):
+        try:
+            pictures.append(decode_picture(source, size, channels, exact=exact))
+        except ValueError as err:  # carries the position back from a worker process
+            raise _BadImage(first + offset, str(err)) from None
+    return np.stack(pictures)
 
 
 def _decode_many(
-    sources: Sequence[str | bytes], size: int, channels: int, workers: int | None, desc: str
+    sources: Sequence[str | bytes],
+    size: int,
+    channels: int,
+    workers: int | None,
+    desc: str,
+    exact: bool = False,
 ) -> Tensor:
-    """Decode every source, in a forked process pool when there are many; ``[N, ch, S, S]``."""
+    """Decode every source, in a forked process pool when there are many; ``[N, ch, S, S]``.
+
+    Raises:
+        _BadImage: a source that does not decode, with its position in ``sources``.
+    """
     import multiprocessing
     from concurrent.futures import ProcessPoolExecutor
 
     from PIL import Image  # noqa: F401  (imported before forking, not in each child)
 
     chunk = 256
-    jobs = [(sources[i : i + chunk], size, channels) for i in range(0, len(sources), chunk)]
+    jobs = [
+        (sources[i : i + chunk], size, channels, exact, i) for i in range(0, len(sources), chunk)
+    ]
     # fork, for the reasons `metalearn.data.omniglot._decode_all` gives; elsewhere decode here.
     can_fork = sys.platform.startswith("linux")
     if workers is None:
@@ -261,8 +294,13 @@ def cached_decode(
     key: str = "",
     cache_dir: str | os.PathLike | None = None,
     workers: int | None = None,
+    exact: bool = False,
+    describe: Callable[[int], str] | None = None,
 ) -> tuple[Tensor, str]:
     """Decoded images of ``sources()``, from the cache or decoded once and cached.
+
+    A cache that cannot be written (a full disk, a read-only folder) leaves the images
+    decoded in memory: the run goes on uncached, with a warning naming the cache file.
 
     Args:
         name: the data set, in the cache file's name and in messages.
@@ -275,20 +313,35 @@ def cached_decode(
         cache_dir: where the cache lives (default: `default_cache_dir`).
         workers: decoding processes (None: the CPU count, at most 8, for 2000 images or
             more; 0: decode in this process).
+        exact: refuse images not already ``size`` square (see `decode_picture`).
+        describe: names the source at a position for messages (encoded images held in one
+            file: the file and the image's index in it); paths name themselves.
 
     Returns:
         uint8 ``[N, channels, size, size]`` (memory-mapped from the cache) and the fingerprint.
+
+    Raises:
+        ValueError: a source that does not decode (named).
+
+    Warns:
+        UserWarning: the cache could not be written.
     """
     entries = [(list(files),)]
     fingerprint = _fingerprint(root, entries, f"{_CACHE_FORMAT}|{size}|{channels}|{key}")
     cache = Path(cache_dir) if cache_dir is not None else default_cache_dir()
     path = cache / f"{name}-{size}px-{fingerprint[:20]}.pt"
     cached = _load_cache(path, fingerprint, what=name, mmap=True)
-    if cached is None:
-        images = _decode_many(sources(), size, channels, workers, name)
-        save_checkpoint(path, {"images": images, "fingerprint": fingerprint})
-        return images, fingerprint
-    return cached["images"], fingerprint
+    if cached is not None:
+        return cached["images"], fingerprint
+    try:
+        images = _decode_many(sources(), size, channels, workers, name, exact)
+    except _BadImage as bad:
+        position, message = bad.args
+        raise ValueError(
+            message if describe is None else f"{describe(position)}: {message}"
+        ) from None
+    _write_cache(path, {"images": images, "fingerprint": fingerprint}, name)
+    return images, fingerprint
 
 
 def image_set_from_files(
@@ -301,8 +354,11 @@ def image_set_from_files(
     channels: int = 3,
     cache_dir: str | os.PathLike | None = None,
     workers: int | None = None,
+    exact: bool = False,
 ) -> ImageSet:
     """An `ImageSet` of image files, ``(class name, its files)`` per class, decoded and cached.
+
+    ``exact`` refuses images not already ``size`` square (sets published at one size).
 
     Raises:
         ValueError: a class without files (named), or a file that cannot be decoded (named).
@@ -321,6 +377,7 @@ def image_set_from_files(
         key=f"{split}|" + "|".join(class_name for class_name, _ in classes),
         cache_dir=cache_dir,
         workers=workers,
+        exact=exact,
     )
     counts = torch.tensor([len(paths) for _, paths in classes])
     return ImageSet(images, counts, tuple(c for c, _ in classes), name, split, fingerprint)

@@ -455,6 +455,26 @@ def _load_cache(
     return cached
 
 
+def _write_cache(path: Path, cached: dict, what: str = "Omniglot") -> bool:
+    """Write a decoded cache; if that fails, warn and go on uncached. Returns whether written.
+
+    The decoded tensors are in memory already, so a full disk or a read-only cache folder
+    costs the next run a decode, not this run its data.
+    """
+    try:
+        save_checkpoint(path, cached)
+    except (OSError, RuntimeError) as err:  # torch.save's zip writer raises RuntimeError
+        why = " ".join(str(err).split())
+        warnings.warn(
+            f"cannot write the {what} cache {path} ({type(err).__name__}: {why}); running "
+            "uncached (the images are decoded again next time): free disk space or point "
+            "METALEARN_CACHE at a writable folder",
+            stacklevel=3,
+        )
+        return False
+    return True
+
+
 def load_omniglot(
     data_root: str | os.PathLike | None = None,
     *,
@@ -481,6 +501,9 @@ def load_omniglot(
     Raises:
         FileNotFoundError: no data and no way to download it (see `ensure_omniglot`).
         ValueError: a corrupt drawing (named), an incomplete tree, or a bad argument.
+
+    Warns:
+        UserWarning: the cache could not be written (the set is then used uncached).
     """
     if resample not in RESAMPLE_FILTERS:
         raise ValueError(f"resample={resample!r}; choose one of {RESAMPLE_FILTERS}")
@@ -501,7 +524,7 @@ def load_omniglot(
             "background": torch.tensor([c[2] for c in characters]),
             "fingerprint": fingerprint,
         }
-        save_checkpoint(path, cached)
+        _write_cache(path, cached)
     return OmniglotImages(
         images=cached["images"],
         characters=tuple(cached["characters"]),
