@@ -4,10 +4,12 @@
 # They are optional extras for scripts/bench_maml.py, never dependencies of metalearn, and
 # they pull torch/torchvision versions of their own, so they live in their own venv and the
 # core venv (.venv, torch 2.13 CPU) stays untouched. metalearn is installed editable into
-# the same venv, so the benchmark compares all methods in one process on one torch.
+# the same venv with its dev extra, so the benchmark compares all methods in one process on
+# one torch and the tests against the baselines run there (CI runs them so).
 #
 # Usage:   bash scripts/install_baselines.sh [VENV_DIR]       (default: .venv-baselines)
 # Then:    .venv-baselines/bin/python scripts/bench_maml.py
+#          .venv-baselines/bin/python -m pytest -q -m baselines
 #
 # Why the recipe is not `pip install learn2learn`:
 # * learn2learn 0.2.0 (the latest release) has no wheel for Python 3.11, and its sdist ships
@@ -44,7 +46,7 @@ SRC="$WORK/learn2learn-0.2.0"
 "${PIP[@]}" install --no-build-isolation "$SRC"
 
 "${PIP[@]}" install higher==0.2.1
-"${PIP[@]}" install -e .
+"${PIP[@]}" install -e ".[dev]"  # dev: pytest, for the baselines tests
 
 "$VENV/bin/python" - <<'EOF'
 import higher

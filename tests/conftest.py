@@ -1,9 +1,19 @@
-"""Shared test set-up: W&B stays offline, inside each test's tmp dir, and is torn down."""
+"""Shared test set-up: W&B stays offline, inside each test's tmp dir, and is torn down;
+the ``slow`` modules; the ``baselines`` marker (tests against learn2learn or higher)."""
 
 from __future__ import annotations
 
+import importlib.util
+import os
+
 import pytest
 import torch
+
+pytest_plugins = ["pytester"]  # tests/test_baselines_marker.py runs pytest on a made-up test
+
+# Set (to anything but "" or "0") where the baselines are meant to be installed, as CI does
+# for its .venv-baselines run: there a missing learn2learn or higher fails its tests.
+REQUIRE_BASELINES = "METALEARN_REQUIRE_BASELINES"
 
 # Tests use tiny models: with torch's default threads on a shared 2-core machine, small ops
 # spend most of their time in thread hand-off (measured: 0.46 s vs 8 ms for one meta-loss).
@@ -62,3 +72,47 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if item.module.__name__.rsplit(".", 1)[-1] in SLOW_MODULES:
             item.add_marker(pytest.mark.slow)
+        marker = item.get_closest_marker("baselines")
+        if marker is not None and not marker.args:
+            raise pytest.UsageError(
+                f"{item.nodeid}: @pytest.mark.baselines names the modules the test needs, "
+                "e.g. @pytest.mark.baselines('learn2learn')"
+            )
+
+
+def _missing_baselines(item: pytest.Item) -> list[str]:
+    """The modules that ``@pytest.mark.baselines(...)`` on ``item`` names and that don't import.
+
+    A find_spec check, not an import: a module that is there but broken fails the test itself.
+    """
+    marker = item.get_closest_marker("baselines")
+    if marker is None:
+        return []
+    return [name for name in marker.args if importlib.util.find_spec(name) is None]
+
+
+def _baselines_message(missing: list[str]) -> str:
+    return (
+        f"{', '.join(missing)} not installed here; the baselines live in .venv-baselines "
+        "(bash scripts/install_baselines.sh, then "
+        ".venv-baselines/bin/python -m pytest -m baselines)"
+    )
+
+
+def _baselines_required() -> bool:
+    return os.environ.get(REQUIRE_BASELINES, "") not in ("", "0")
+
+
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    """A baselines test skips where its modules are missing, unless they are required."""
+    missing = _missing_baselines(item)
+    if missing and not _baselines_required():
+        pytest.skip(_baselines_message(missing))
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_call(item: pytest.Item) -> None:
+    """Where the baselines are required (REQUIRE_BASELINES), a missing one fails the test."""
+    missing = _missing_baselines(item)
+    if missing:
+        pytest.fail(f"{REQUIRE_BASELINES} is set: {_baselines_message(missing)}", pytrace=False)

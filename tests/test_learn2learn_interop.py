@@ -4,12 +4,11 @@ The meta-gradient test runs learn2learn's own MAML (``clone()``, ``adapt()``, qu
 backward) on a twin of metalearn's Conv4 built from torch's layers (``nn.BatchNorm2d``
 without running statistics, the same maths as `metalearn.models.batch_norm`), in float64,
 on tasks drawn by a learn2learn ``Taskset``. learn2learn is installed in the baselines
-environment only: ``.venv-baselines/bin/python -m pytest -q tests/test_learn2learn_interop.py``.
+environment only (scripts/install_baselines.sh): ``.venv-baselines/bin/python -m pytest -q -m
+baselines``; elsewhere those tests skip, or fail where METALEARN_REQUIRE_BASELINES=1 (CI).
 """
 
 from __future__ import annotations
-
-import importlib.util
 
 import pytest
 import torch
@@ -20,12 +19,6 @@ from metalearn.algorithms import MAML
 from metalearn.data.interop import from_learn2learn, task_from_l2l_batch
 from metalearn.models import Conv4
 
-HAS_L2L = importlib.util.find_spec("learn2learn") is not None
-needs_l2l = pytest.mark.skipif(
-    not HAS_L2L,
-    reason="learn2learn is not installed here (it is in .venv-baselines: run this file with "
-    ".venv-baselines/bin/python -m pytest)",
-)
 WAYS, SHOTS, QUERIES = 3, 2, 2
 
 
@@ -101,7 +94,7 @@ def _taskset(seed: int):
     return l2l.data.Taskset(dataset, transforms, num_tasks=-1)
 
 
-@needs_l2l
+@pytest.mark.baselines("learn2learn")
 @pytest.mark.parametrize("steps", [1, 3])
 @pytest.mark.parametrize("vectorize", ["loop", "vmap"])
 def test_meta_gradient_equals_learn2learns_maml(steps, vectorize):
