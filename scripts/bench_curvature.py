@@ -23,10 +23,12 @@ import statistics
 import torch
 from benchtools import markdown_table
 
-from metalearn.algorithms import build_learner, resolve_learner_args
 from metalearn.algorithms.curvature import PROBE_SEED
 from metalearn.data import load_omniglot, omniglot_samplers
 from metalearn.runs import loop as experiment
+from metalearn.runs.arguments import ExperimentArgs
+from metalearn.runs.cli import flatten, replace_flat
+from metalearn.runs.recipe import build_learner, recipe_from_args, resolve_learner_args
 
 
 def main() -> None:
@@ -45,16 +47,15 @@ def main() -> None:
     torch.set_num_threads(a.threads)
     torch.manual_seed(0)
     sampler = omniglot_samplers(load_omniglot(a.data_root), ways=5, shots=1, queries=5)["train"]
-    run = {"algorithm": "maml", "ways": 5, "hidden": a.hidden, "vectorize": "auto"}
-    run = resolve_learner_args({**run, "inner_lr": None, "inner_steps": None})
-    learner = build_learner(run)
-    opt = torch.optim.Adam(learner.parameters(), lr=1e-3)
-    args = argparse.Namespace(meta_batch=a.meta_batch)
+    run = replace_flat(ExperimentArgs(), algorithm="maml", hidden=a.hidden, meta_batch=a.meta_batch)
+    recipe = recipe_from_args("omniglot_maml", resolve_learner_args(flatten(run)))
+    learner = build_learner(recipe)
+    opt = learner.outer_optimizer(recipe.training.outer_lr)
     gen = torch.Generator().manual_seed(0)
     probe = sampler.batch(a.probe_tasks, torch.Generator().manual_seed(PROBE_SEED))
 
     def steps(n: int) -> list[float]:
-        return [experiment.meta_step(args, learner, opt, sampler, gen)["perf/step_s"]
+        return [experiment.meta_step(recipe, learner, opt, sampler, gen)["perf/step_s"]
                 for _ in range(n)]  # fmt: skip
 
     steps(2)  # warm-up

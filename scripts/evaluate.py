@@ -29,6 +29,7 @@ other data sets have one published split. Bad input ends with a one-line error a
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
@@ -37,12 +38,10 @@ from typing import Any, Literal
 
 import torch
 
-from metalearn.data import image_set_samplers, load_omniglot
-from metalearn.data.omniglot import root_is_default
-from metalearn.data.within_alphabet import within_alphabet_samplers
-from metalearn.deploy import load_learner
+from metalearn.deploy import learner_from, read_run_checkpoint
 from metalearn.runs.cli import parse_dataclass
 from metalearn.runs.evaluation import TEST_SEED, TaskSource, evaluate_tasks
+from metalearn.runs.recipe import DataRecipe, Recipe, build_samplers
 from metalearn.runs.tracking import init_run, run_group
 
 
@@ -65,10 +64,10 @@ class Args:
     query: int | None = None
     """Query examples per class (default: the run's eval_query)."""
     protocol: Literal["episodic", "within-alphabet"] | None = None
-    """How tasks are drawn (default: the run's --eval-protocol, else episodic). episodic:
-    N-way K-shot from the split's test classes; within-alphabet (Omniglot's alphabet split):
-    each task's classes from one evaluation alphabet, support and query by different
-    drawers (Lake et al., 2015)."""
+    """How tasks are drawn (default: the run's --eval-protocol). episodic: N-way K-shot
+    from the split's test classes; within-alphabet (Omniglot's alphabet split): each task's
+    classes from one evaluation alphabet, support and query by different drawers (Lake et
+    al., 2015)."""
     split: Literal["maml", "alphabet"] | None = None
     """Omniglot runs only: the class split whose test classes are drawn (default: the run's)."""
     data_root: str | None = None
@@ -88,68 +87,53 @@ class Args:
     """W&B project (default: the run's)."""
 
 
-def settings(args: Args, run: Mapping[str, Any]) -> dict[str, Any]:
-    """The evaluation's settings: each flag given, else the run's value; checked.
-
-    A record without ``dataset`` is an Omniglot experiment's; a few-shot run on Omniglot
-    used MAML's split.
+def test_data(args: Args, recipe: Recipe) -> tuple[DataRecipe, int]:
+    """The data the evaluation draws from (the run's, with each flag given changed), and the
+    inner steps; checked.
 
     Raises:
-        ValueError: ways other than the head's, ``tasks < 1``, ``steps < 0``, or ``--split``
-            for a data set other than Omniglot.
+        ValueError: ways other than the head's, ``tasks < 1``, ``steps < 0``, ``--split``
+            for a data set other than Omniglot, or the within-alphabet protocol off
+            Omniglot's alphabet split.
     """
-    dataset = run.get("dataset", "omniglot")
-    protocol = args.protocol or run.get("eval_protocol", "episodic")
-    if args.split is not None and dataset != "omniglot":
-        raise ValueError(f"--split {args.split}: {dataset} has one published split (--split "
+    data = recipe.data
+    if args.split is not None and data.dataset != "omniglot":
+        raise ValueError(f"--split {args.split}: {data.dataset} has one published split (--split "
                          "chooses Omniglot's class split); drop --split")  # fmt: skip
-    given = {"ways": args.ways, "shots": args.shots, "query": args.query, "split": args.split,
-             "steps": args.steps, "data_root": args.data_root}  # fmt: skip
-    runs = {"ways": run["ways"], "shots": run["shots"], "query": run["eval_query"],
-            "split": run.get("split", "maml") if dataset == "omniglot" else None,
-            "steps": run["eval_inner_steps"], "data_root": run.get("data_root")}  # fmt: skip
-    chosen = {"dataset": dataset, **{k: runs[k] if v is None else v for k, v in given.items()}}
-    chosen["protocol"] = protocol
-    if protocol == "within-alphabet" and (dataset, chosen["split"]) != ("omniglot", "alphabet"):
+    ways = recipe.model.ways if args.ways is None else args.ways
+    if ways != recipe.model.ways:
+        raise ValueError(
+            f"--ways {ways}: this model's head has {recipe.model.ways} outputs (trained "
+            f"{recipe.model.ways}-way) and scores {recipe.model.ways}-way tasks only; drop "
+            f"--ways or pass --ways {recipe.model.ways}"
+        )
+    given = {"shots": args.shots, "eval_query": args.query, "split": args.split,
+             "eval_protocol": args.protocol, "root": args.data_root}  # fmt: skip
+    chosen = dataclasses.replace(data, **{k: v for k, v in given.items() if v is not None})
+    if chosen.eval_protocol == "within-alphabet" and (chosen.dataset, chosen.split) != (
+        "omniglot",
+        "alphabet",
+    ):
         raise ValueError(
             f"--protocol within-alphabet draws tasks from one alphabet of Omniglot's alphabet "
             f"split; this is {drawn_from(chosen)}: pass --split alphabet (Omniglot runs) or "
             "--protocol episodic"
         )
-    if chosen["ways"] != run["ways"]:
-        raise ValueError(
-            f"--ways {chosen['ways']}: this model's head has {run['ways']} outputs (trained "
-            f"{run['ways']}-way) and scores {run['ways']}-way tasks only; drop --ways or pass "
-            f"--ways {run['ways']}"
-        )
-    if args.tasks < 1 or chosen["steps"] < 0:
-        raise ValueError(
-            f"--tasks must be >= 1 and --steps >= 0, got {args.tasks} and {chosen['steps']}"
-        )
-    return chosen
+    steps = recipe.training.eval_inner_steps if args.steps is None else args.steps
+    if args.tasks < 1 or steps < 0:
+        raise ValueError(f"--tasks must be >= 1 and --steps >= 0, got {args.tasks} and {steps}")
+    return chosen, steps
 
 
-def task_source(chosen: Mapping[str, Any], run: Mapping[str, Any], device: str) -> TaskSource:
-    """Where the test tasks come from: the one place a protocol is chosen. The run's own
-    sampler factory draws them, at the image shape the run recorded."""
-    if chosen["protocol"] == "within-alphabet":
-        data = load_omniglot(chosen["data_root"], download=root_is_default(chosen["data_root"]))
-        return within_alphabet_samplers(
-            data, "alphabet", ways=chosen["ways"], shots=chosen["shots"],
-            queries=chosen["query"], device=device,
-        )["test"]  # fmt: skip
-    samplers = image_set_samplers(
-        chosen["dataset"], chosen["data_root"], ways=chosen["ways"], shots=chosen["shots"],
-        queries=chosen["query"], image_size=run.get("image_size"), channels=run.get("channels"),
-        splits=("test",), omniglot_split=chosen["split"] or "maml", device=device,
-    )  # fmt: skip
-    return samplers["test"]
+def task_source(data: DataRecipe, device: str) -> TaskSource:
+    """The test sampler of ``data``, built as the run built its own (`build_samplers`)."""
+    return build_samplers(data, device=device, splits=("test",))["test"]
 
 
-def drawn_from(chosen: Mapping[str, Any]) -> str:
+def drawn_from(data: DataRecipe) -> str:
     """Whose test classes are drawn, in words: the data set, its split, its folder."""
-    split = f" ({chosen['split']} split)" if chosen["split"] else ""
-    return f"{chosen['dataset']}{split} at {chosen['data_root'] or 'its default folder'}"
+    split = f" ({data.split} split)" if data.dataset == "omniglot" else ""
+    return f"{data.dataset}{split} at {data.root or 'its default folder'}"
 
 
 def evaluate(args: Args) -> dict[str, float]:
@@ -158,19 +142,19 @@ def evaluate(args: Args) -> dict[str, float]:
         raise ValueError("--checkpoint is required: pass runs/<run_name>/checkpoint.pt")
     if args.threads > 0:
         torch.set_num_threads(args.threads)
-    learner, run_args = load_learner(args.checkpoint, which=args.which, device=args.device)
-    chosen = settings(args, run_args)
-    source = task_source(chosen, run_args, args.device)
+    saved = read_run_checkpoint(args.checkpoint)
+    learner, recipe = learner_from(saved, args.which, args.device, source=args.checkpoint)
+    data, steps = test_data(args, recipe)
+    source = task_source(data, args.device)
     print(
-        f"{args.checkpoint} ({args.which} weights): {chosen['ways']}-way {chosen['shots']}-shot, "
-        f"{chosen['query']} queries, {chosen['steps']} inner steps, {args.tasks} tasks of the "
-        f"test classes of {drawn_from(chosen)}, seed {args.seed}, {chosen['protocol']} protocol"
+        f"{args.checkpoint} ({args.which} weights): {data.ways}-way {data.shots}-shot, "
+        f"{data.eval_query} queries, {steps} inner steps, {args.tasks} tasks of the "
+        f"test classes of {drawn_from(data)}, seed {args.seed}, {data.eval_protocol} protocol"
     )
-    wandb_run = _start_run(args, run_args, chosen) if args.track else None
+    wandb_run = _start_run(args, saved["args"], recipe, data, steps) if args.track else None
     try:
         generator = torch.Generator().manual_seed(args.seed)
-        acc, half = evaluate_tasks(learner, source, args.tasks, chosen["steps"], generator,
-                                   desc="test")  # fmt: skip
+        acc, half = evaluate_tasks(learner, source, args.tasks, steps, generator, desc="test")
         results = {"test/acc": acc, "test/acc_ci95": half}
         if wandb_run is not None:
             wandb_run.summary.update(results)
@@ -181,19 +165,23 @@ def evaluate(args: Args) -> dict[str, float]:
     return results
 
 
-def _start_run(args: Args, run_args: Mapping[str, Any], chosen: Mapping[str, Any]) -> Any:
+def _start_run(
+    args: Args, run_args: Mapping[str, Any], recipe: Recipe, data: DataRecipe, steps: int
+) -> Any:
     """An ``eval`` W&B run in the trained run's group, beside the run's own W&B folder."""
     checkpoint = Path(args.checkpoint).resolve()
-    project = args.wandb_project or run_args["wandb_project"]
+    project = args.wandb_project or run_args.get("wandb_project", f"metalearn-{recipe.experiment}")
+    chosen = {"dataset": data.dataset, "ways": data.ways, "shots": data.shots,
+              "query": data.eval_query, "split": data.split, "protocol": data.eval_protocol,
+              "steps": steps, "data_root": data.root}  # fmt: skip
     config = {**asdict(args), **chosen, "checkpoint": str(checkpoint), "wandb_project": project,
-              "run": checkpoint.parent.name, "run_args": dict(run_args)}  # fmt: skip
-    group = run_group(
-        run_args["algorithm"], run_args["ways"], run_args["shots"], run_args.get("wandb_group")
-    )
+              "run": checkpoint.parent.name, "recipe": recipe.to_dict()}  # fmt: skip
+    group = run_group(recipe.learner.algorithm, data.ways, recipe.data.shots,
+                      run_args.get("wandb_group"))  # fmt: skip
     return init_run(
         config, project=project, mode=args.wandb_mode, name=f"{checkpoint.parent.name}-eval",
-        group=group, tags=["eval", run_args["algorithm"], chosen["dataset"],
-                           f"{chosen['ways']}w{chosen['shots']}s"],
+        group=group, tags=["eval", recipe.learner.algorithm, data.dataset,
+                           f"{data.ways}w{data.shots}s"],
         dir=checkpoint.parent.parent, job_type="eval",
     )  # fmt: skip
 

@@ -1,9 +1,11 @@
 """Adapt a trained learner to a support folder and export it with ``torch.export``.
 
-What: loads an Omniglot experiment checkpoint (``runs/<run>/checkpoint.pt``), adapts it on
-the images of a support folder (one sub-folder per class, images decoded like the training
-data), exports the adapted network to a ``.pt2`` file, reloads it and prints the largest
-logit difference between the exported program and the eager model on the support set.
+What: loads a run's checkpoint (``runs/<run>/checkpoint.pt``, of either experiment), adapts it
+on the images of a support folder (one sub-folder per class, each image decoded as the run's
+training images were: its recipe's image size, channels and decoding), exports the adapted
+network to a ``.pt2`` file, reloads it and prints the largest logit difference between the
+exported program and the eager model on the support set. Support images of different
+sizes are refused unless ``--mixed-sizes`` (recorded in the program's metadata).
 
 Command:
     python scripts/export_adapted.py --checkpoint runs/maml-5w1s-seed0/checkpoint.pt \\
@@ -22,7 +24,7 @@ Bad input ends with a one-line error and exit code 2, with nothing on disk chang
 Then, anywhere with torch (see docs/deploy.md)::
 
     program = torch.export.load("adapted.pt2")
-    logits = program.module()(images)          # images [B, 1, 28, 28], ink 1 on 0
+    logits = program.module()(images)          # images as the run's: e.g. [B, 1, 28, 28], ink 1
     package = torch._inductor.aoti_load_package("adapted.aoti.pt2")    # --aot
     logits = package(images)
 """
@@ -60,8 +62,8 @@ class Args:
     call's batch statistics (then classify a whole balanced query set per call)."""
     dynamic_batch: bool = True
     """Export for any batch size (--no-dynamic-batch: the support set's size only)."""
-    resample: Literal["lanczos", "bilinear", "nearest"] = "lanczos"
-    """Image resizing filter; the one the model was trained with."""
+    mixed_sizes: bool = False
+    """Resize support images of different sizes instead of refusing them (recorded)."""
     device: str = "cpu"
     """Where to adapt; the program is exported for this device."""
     aot: bool = False
@@ -79,7 +81,7 @@ def main(args: Args) -> ExportReport:
     out = args.out or str(Path(args.checkpoint).parent / "adapted.pt2")
     report = export_from_checkpoint(
         args.checkpoint, args.support, out, which=args.which, steps=args.steps, norm=args.norm,
-        dynamic_batch=args.dynamic_batch, resample=args.resample, device=args.device,
+        dynamic_batch=args.dynamic_batch, mixed_sizes=args.mixed_sizes, device=args.device,
         overwrite=args.overwrite, aot=args.aot, tensorrt=args.tensorrt,
         latency_repeats=args.latency_repeats,
     )  # fmt: skip

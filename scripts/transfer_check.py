@@ -1,11 +1,12 @@
-"""A trained Omniglot checkpoint, deployed, on Lake et al.'s within-alphabet tasks.
+"""A trained checkpoint, deployed on its own test tasks written as image files.
 
-What: draws within-alphabet test tasks (`metalearn.data.within_alphabet`, one query per
-class by default, as Lake et al.'s runs), and for each writes the task as a user would hold
-it: a support folder of the original PNG drawings (one sub-folder per class) and a folder
-of query drawings. The model is then adapted through `metalearn.deploy` exactly as a
-deployed model is (`load_support_folder`, `adapt_to_support`, `adapted_model`) and the
-queries are classified two ways:
+What: draws test tasks the way the run's test draws them (its recipe's data set, split and
+protocol: Lake et al.'s within-alphabet tasks for a ``--preset cpu-20w1s`` run), and writes
+each as a user would hold it: a support folder of image files (one sub-folder per class)
+and a folder of query files, in the file convention of the run's data (Omniglot: dark ink
+on white, which its decoding inverts). The model is then adapted through `metalearn.deploy`
+exactly as a deployed model is (`load_support_folder` with the run's image format,
+`adapt_to_support`, `adapted_model`) and the queries are classified two ways:
 
 * ``one at a time`` (``norm="support"``): batch norm frozen at the support set's
   statistics, each query image in its own call, as a deployed model sees them;
@@ -13,8 +14,10 @@ queries are classified two ways:
   its statistics, which is what the experiment's test measures.
 
 It prints both accuracies with their 95% intervals over tasks, and the experiment's own
-evaluation (`MetaLearner.evaluate`) of the same tasks from the cached tensors, which the
-all-at-once number must equal: the files, decoding and deploy path change nothing.
+evaluation (`MetaLearner.evaluate`) of the same tasks from the sampler's tensors. The files,
+their decoding and the deploy path must change nothing: the last line is
+``deploy_matches_evaluate: true`` when every task's all-at-once accuracy equals its
+evaluation, else ``false`` and the exit code is 1.
 
 Command:
     python scripts/transfer_check.py --checkpoint runs/NAME/checkpoint.pt --tasks 400
@@ -22,7 +25,7 @@ Command:
 
 from __future__ import annotations
 
-import shutil
+import dataclasses
 import sys
 import tempfile
 from collections.abc import Sequence
@@ -30,16 +33,23 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
+import numpy as np
 import torch
 from torch import Tensor
 from tqdm import tqdm
 
-from metalearn.data import decode_image, load_omniglot, omniglot_splits
-from metalearn.data.omniglot import SUBSETS, resolve_data_root
-from metalearn.data.within_alphabet import within_alphabet_samplers
-from metalearn.deploy import adapt_to_support, adapted_model, load_learner, load_support_folder
+from metalearn.data import ImageFormat, load_images
+from metalearn.deploy import (
+    adapt_to_support,
+    adapted_model,
+    learner_from,
+    load_support_folder,
+    read_run_checkpoint,
+)
+from metalearn.engine import Task
 from metalearn.runs.cli import parse_dataclass
 from metalearn.runs.evaluation import TEST_SEED, accuracy_interval
+from metalearn.runs.recipe import build_samplers
 
 
 @dataclass
@@ -47,87 +57,84 @@ class Args:
     """Arguments of transfer_check.py (each is a --flag; see --help)."""
 
     checkpoint: str | None = None
-    """An Omniglot run's checkpoint on the alphabet split, runs/<run_name>/checkpoint.pt."""
+    """A run's checkpoint (either experiment, any data set), runs/<run_name>/checkpoint.pt."""
     which: Literal["best", "last"] = "best"
     """best (the best-validation weights) or last."""
     tasks: int = 400
-    """Within-alphabet test tasks."""
+    """Test tasks, drawn by the run's protocol."""
     query: int = 1
-    """Query drawings per class (Lake et al.: 1), each by a drawer other than the support's."""
+    """Query images per class (Lake et al.: 1)."""
     steps: int | None = None
     """Inner steps on each support folder (default: the run's eval_inner_steps)."""
     data_root: str | None = None
-    """The Omniglot folder (default: the run's, else $METALEARN_DATA)."""
+    """The data set's folder (default: the run's; Omniglot: else $METALEARN_DATA)."""
     seed: int = TEST_SEED
     """Seeds the task draw."""
     threads: int = 1
     """Torch CPU threads (0: torch's default)."""
 
 
-def drawing_path(root: Path, character: str, background: bool, drawer: int) -> Path:
-    """The PNG of ``character`` (``"<Alphabet>/characterNN"``) by drawer ``drawer`` (1-based)."""
-    folder = root / SUBSETS[0 if background else 1] / character
-    (path,) = folder.glob(f"*_{drawer:02d}.png")
-    return path
+def write_images(images: Tensor, paths: Sequence[Path], image: ImageFormat) -> None:
+    """Save images ``[B, ch, S, S]`` in [0, 1] as PNG files that ``image`` decodes back to
+    them exactly (8-bit, lossless; inverted back to dark ink for an inverted format)."""
+    from PIL import Image
+
+    pixels = (images.detach().cpu() * 255).round().to(torch.uint8).numpy()
+    for array, path in zip(pixels, paths):
+        if image.invert:
+            array = 255 - array
+        mode = "L" if array.shape[0] == 1 else "RGB"
+        picture = array[0] if mode == "L" else np.ascontiguousarray(array.transpose(1, 2, 0))
+        path.parent.mkdir(parents=True, exist_ok=True)
+        Image.fromarray(picture, mode).save(path)
 
 
-def write_task(root: Path, files: Sequence[Sequence[Path]], shots: int, out: Path) -> list[Path]:
-    """Copy a task's drawings into ``out/support/classNN/`` and ``out/query/``.
+def write_task(task: Task, ways: int, out: Path, image: ImageFormat) -> list[Path]:
+    """``task`` as ``out/support/classNN/III.png`` and ``out/query/classNN-III.png`` files,
+    named so that sorted names give the sampler's class-major order; returns the query
+    files in that order."""
+    (xs, ys), (xq, yq) = task.support, task.query
 
-    Args:
-        files: per class ``j``, its drawings: the first ``shots`` support, the rest queries.
+    def names(labels: Tensor, folder: Path, nested: bool) -> list[Path]:
+        counts = [0] * ways
+        paths = []
+        for label in labels.tolist():
+            stem = f"{counts[label]:03d}.png"
+            counts[label] += 1
+            paths.append(folder / f"class{label:02d}" / stem if nested
+                         else folder / f"class{label:02d}-{stem}")  # fmt: skip
+        return paths
 
-    Returns:
-        The query files, class-major (query ``i`` of class ``j`` at ``j * Q + i``).
-    """
-    queries = []
-    (out / "query").mkdir(parents=True)
-    for j, paths in enumerate(files):
-        (out / "support" / f"class{j:02d}").mkdir(parents=True)
-        for path in paths[:shots]:
-            shutil.copy(path, out / "support" / f"class{j:02d}" / path.name)
-        for path in paths[shots:]:
-            queries.append(Path(shutil.copy(path, out / "query" / path.name)))
+    write_images(xs, names(ys, out / "support", nested=True), image)
+    queries = names(yq, out / "query", nested=False)
+    write_images(xq, queries, image)
     return queries
 
 
-def load_images(paths: Sequence[Path]) -> Tensor:
-    """Query drawings ``[B, 1, 28, 28]``, decoded as the support folder is."""
-    return torch.stack(
-        [torch.from_numpy(decode_image(str(p), 28, "lanczos")) for p in paths]
-    ).unsqueeze(1).float().div_(255)  # fmt: skip
-
-
 def check(args: Args) -> dict[str, float]:
-    """Run the check; returns the three accuracies and their half-widths."""
+    """Run the check; returns the three accuracies, their half-widths and whether the
+    deployed all-at-once accuracy equals the evaluation task by task."""
     if args.checkpoint is None:
         raise ValueError("--checkpoint is required: pass runs/<run_name>/checkpoint.pt")
+    if args.tasks < 1 or args.query < 1:
+        raise ValueError(f"--tasks and --query must be >= 1, got {args.tasks} and {args.query}")
     if args.threads > 0:
         torch.set_num_threads(args.threads)
-    learner, run = load_learner(args.checkpoint, which=args.which)
-    if run.get("dataset", "omniglot") != "omniglot" or run.get("split") != "alphabet":
-        raise ValueError(f"{args.checkpoint} is not an Omniglot alphabet-split run; train "
-                         "with --split alphabet (e.g. --preset cpu-20w1s)")  # fmt: skip
-    steps = run["eval_inner_steps"] if args.steps is None else args.steps
-    data_root = args.data_root or run.get("data_root")
-    data = load_omniglot(data_root, progress=False)
-    root = resolve_data_root(data_root)
-    sampler = within_alphabet_samplers(data, ways=run["ways"], shots=run["shots"],
-                                       queries=args.query)["test"]  # fmt: skip
-    test = omniglot_splits(data, "alphabet")["test"].tolist()
-    classes, drawers = sampler.sample_indices(torch.Generator().manual_seed(args.seed), args.tasks)
+    learner, recipe = learner_from(read_run_checkpoint(args.checkpoint), args.which,
+                                   source=args.checkpoint)  # fmt: skip
+    data = dataclasses.replace(recipe.data, eval_query=args.query,
+                               root=args.data_root or recipe.data.root)  # fmt: skip
+    steps = recipe.training.eval_inner_steps if args.steps is None else args.steps
+    sampler = build_samplers(data, splits=("test",))["test"]
+    classes, examples = sampler.sample_indices(torch.Generator().manual_seed(args.seed), args.tasks)
     alone, together, reference = [], [], []
     for t in tqdm(range(args.tasks), desc="transfer", unit="task"):
-        chars = [test[c] for c in classes[t].tolist()]
-        files = [[drawing_path(root, data.characters[c], bool(data.background[c]), d + 1)
-                  for d in drawers[t, 0].tolist()] for c in chars]  # fmt: skip
+        task = sampler.tasks_from_indices(classes[t : t + 1], examples[t : t + 1])[0]
         with tempfile.TemporaryDirectory() as tmp:
-            query_files = write_task(root, files, run["shots"], Path(tmp))
-            support = load_support_folder(Path(tmp) / "support", ways=run["ways"])
-            queries, labels = (
-                load_images(query_files),
-                torch.arange(run["ways"]).repeat_interleave(args.query),
-            )
+            query_files = write_task(task, data.ways, Path(tmp), data.image)
+            support = load_support_folder(Path(tmp) / "support", image=data.image, ways=data.ways)
+            queries = load_images(query_files, data.image)
+        labels = task.query[1]
         params = adapt_to_support(learner, support.x, support.y, steps=steps)
         frozen = adapted_model(learner, params, norm="support", support_x=support.x)
         batch = adapted_model(learner, params, norm="transductive")
@@ -135,34 +142,37 @@ def check(args: Args) -> dict[str, float]:
             one = torch.cat([frozen(q[None]) for q in queries]).argmax(1)
             alone.append((one == labels).double().mean())
             together.append((batch(queries).argmax(1) == labels).double().mean())
-        task = sampler.tasks_from_indices(classes[t : t + 1], drawers[t : t + 1])
-        reference.append(learner.evaluate(task, steps=steps)[1][0].double())
-    results = {}
-    for name, accs in (
-        ("one_at_a_time", alone),
-        ("all_at_once", together),
-        ("evaluate", reference),
-    ):
+        reference.append(learner.evaluate([task], steps=steps)[1][0].double())
+    results: dict[str, float] = {}
+    for name, accs in (("one_at_a_time", alone), ("all_at_once", together),
+                       ("evaluate", reference)):  # fmt: skip
         acc = torch.stack(accs)
         results[name], results[f"{name}_ci95"] = acc.mean().item(), accuracy_interval(acc)
+    # Compared as numbers of right answers per task: evaluate's accuracy is a float32 mean.
+    answers = len(labels)
+    right = [(torch.stack(accs) * answers).round() for accs in (together, reference)]
+    results["deploy_matches_evaluate"] = bool(torch.equal(*right))
     print(
-        f"{args.checkpoint}: {args.tasks} within-alphabet {run['ways']}-way {run['shots']}-shot "
-        f"tasks, {args.query} query per class, {steps} inner steps, seed {args.seed}"
+        f"{args.checkpoint}: {args.tasks} {data.eval_protocol} {data.ways}-way {data.shots}-shot "
+        f"test tasks of {data.dataset}, {args.query} query per class, {steps} inner steps, "
+        f"seed {args.seed}"
     )
     for name in ("one_at_a_time", "all_at_once", "evaluate"):
         print(f"{name}: {results[name]:.4f} ± {results[name + '_ci95']:.4f}")
+    print(f"deploy_matches_evaluate: {str(results['deploy_matches_evaluate']).lower()}")
     return results
 
 
 def cli(argv: Sequence[str] | None = None) -> int:
-    """Parse, check, and turn a user error into one line on stderr and exit status 2."""
+    """Parse, check, and turn a user error into one line on stderr and exit status 2; exit
+    1 when the deployed accuracy differs from the evaluation."""
     args = parse_dataclass(Args, argv, description=__doc__.split("\n\n")[0])
     try:
-        check(args)
+        results = check(args)
     except (FileNotFoundError, ValueError) as err:
         print(f"transfer_check.py: error: {err}", file=sys.stderr)
         return 2
-    return 0
+    return 0 if results["deploy_matches_evaluate"] else 1
 
 
 if __name__ == "__main__":

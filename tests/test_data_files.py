@@ -572,11 +572,8 @@ def test_a_full_disk_runs_uncached_with_a_warning(tmp_path):
 
 
 def test_a_corrupt_omniglot_drawing_is_one_line_in_the_experiment(tmp_path):
-    sys.path.insert(0, str(ROOT / "experiments"))
-    try:
-        import omniglot_maml as om
-    finally:
-        sys.path.remove(str(ROOT / "experiments"))
+    from run_helpers import make, om, samplers_of
+
     from metalearn.runs.lifecycle import UserError
 
     drawing = tmp_path / "omniglot" / "images_background" / "A" / "character01" / "0001_01.png"
@@ -586,5 +583,5 @@ def test_a_corrupt_omniglot_drawing_is_one_line_in_the_experiment(tmp_path):
     other.parent.mkdir(parents=True)
     Image.fromarray(np.zeros((105, 105), bool)).save(other)
     with pytest.raises(UserError) as info:
-        om.make_samplers(om.Args(data_root=str(tmp_path / "omniglot")))
+        samplers_of(om, make(om, data_root=str(tmp_path / "omniglot")))
     assert re.match(rf"cannot decode {re.escape(str(drawing))} \(", _one_line(info))

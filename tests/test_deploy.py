@@ -5,19 +5,18 @@ the eager adapted model's outputs; bad inputs fail with messages that name the f
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import shutil
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 from PIL import Image
+from run_helpers import checkpoint_of, learner_of, make, om, recipe_of
 
 import metalearn.data
-from metalearn.algorithms import ANIL, FOMAML, IMAML, MAML, MAMLpp, MetaSGD, Reptile, build_learner
+from metalearn.algorithms import ANIL, FOMAML, IMAML, MAML, MAMLpp, MetaSGD, Reptile
 from metalearn.checkpoint import save_checkpoint
 from metalearn.deploy import (
     FrozenBatchNorm,
@@ -31,11 +30,9 @@ from metalearn.deploy import (
     predict,
 )
 from metalearn.models import MetaBatchNorm
+from metalearn.runs.recipe import build_learner
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "experiments"))
-import omniglot_maml as om  # noqa: E402
-
 DATA = Path(os.environ.get("METALEARN_DATA", ROOT.parent / "shared" / "data" / "omniglot"))
 needs_data = pytest.mark.skipif(
     not (DATA / "images_evaluation").is_dir(),
@@ -46,19 +43,12 @@ CHARACTERS = DATA / "images_evaluation" / "Angelic"
 
 def _args(**overrides) -> om.Args:
     """The experiment's arguments, resolved as it records them in a checkpoint."""
-    return om.resolve_args(dataclasses.replace(om.Args(hidden=8, device="cpu"), **overrides))
+    return om.resolve_args(make(om, hidden=8, device="cpu", **overrides))
 
 
 def experiment_checkpoint(path: Path, args: om.Args, best: bool = True) -> Path:
-    """A checkpoint in the experiment's format, weights from its own make_learner."""
-    learner = om.make_learner(args)
-    with torch.no_grad():  # move the weights off their initial values, so loading shows
-        for p in learner.parameters():
-            p.add_(0.01 * torch.randn_like(p))
-    state = {k: v.detach().clone() for k, v in learner.state_dict().items()}
-    saved = {"args": dataclasses.asdict(args), "learner": state, "iteration": 2,
-             "best_learner": state if best else None, "best_val": 0.5}  # fmt: skip
-    return save_checkpoint(path / "run" / "checkpoint.pt", saved)
+    """A checkpoint in the experiment's format, weights from its own learner."""
+    return checkpoint_of(path, om, args, best=best)
 
 
 def make_support_folder(path: Path, shots: int = 2, ways: int = 5, offset: int = 0) -> Path:
@@ -80,13 +70,13 @@ def make_support_folder(path: Path, shots: int = 2, ways: int = 5, offset: int =
 )  # fmt: skip
 def test_build_learner_builds_what_the_experiment_trains(algorithm, cls, steps, lr) -> None:
     args = _args(algorithm=algorithm)
-    learner = build_learner(dataclasses.asdict(args))
+    learner = build_learner(recipe_of(om, args))
     assert type(learner) is cls
     assert (learner.inner_lr, learner.inner_steps) == (lr, steps)  # iMAML/Reptile: 5 steps
     if cls is IMAML:
         assert learner.cg_damping == 10.0
-    # A state the experiment trained (its make_learner, seeded) loads strictly.
-    learner.load_state_dict(om.make_learner(args).state_dict())
+    # A state the experiment trained (its learner, seeded) loads strictly.
+    learner.load_state_dict(learner_of(om, args).state_dict())
 
 
 def test_load_learner_restores_the_chosen_weights(tmp_path) -> None:
@@ -96,8 +86,8 @@ def test_load_learner_restores_the_chosen_weights(tmp_path) -> None:
     saved["learner"] = {k: v + 1 for k, v in saved["learner"].items()}
     save_checkpoint(path, saved)
     for which in ("best", "last"):
-        learner, loaded_args = load_learner(path, which=which)
-        assert loaded_args == dataclasses.asdict(args)
+        learner, recipe = load_learner(path, which=which)
+        assert recipe == recipe_of(om, args)
         for key, value in learner.state_dict().items():
             assert torch.equal(
                 value, saved[f"{which}_learner" if which == "best" else "learner"][key]
@@ -114,9 +104,9 @@ def test_load_learner_errors(tmp_path) -> None:
     with pytest.raises(ValueError, match="which='newest'; choose 'best'"):
         load_learner(path, which="newest")
     saved = torch.load(path, weights_only=True)
-    saved["args"]["hidden"] = 16
+    saved["recipe"]["model"]["hidden"] = 16
     save_checkpoint(path, saved)
-    with pytest.raises(ValueError, match="do not fit the maml learner.*hidden=16"):
+    with pytest.raises(ValueError, match="do not fit the protomaml learner.*hidden=16"):
         load_learner(path, which="last")
 
 
@@ -191,8 +181,8 @@ def adapted(tmp_path_factory):
     if not CHARACTERS.is_dir():
         pytest.skip("Omniglot not found")
     tmp = tmp_path_factory.mktemp("deploy")
-    learner, args = load_learner(experiment_checkpoint(tmp, _args()))
-    support = load_support_folder(make_support_folder(tmp), ways=args["ways"])
+    learner, recipe = load_learner(experiment_checkpoint(tmp, _args(algorithm="maml")))
+    support = load_support_folder(make_support_folder(tmp), ways=recipe.model.ways)
     params = adapt_to_support(learner, support.x, support.y, steps=3)
     query = load_support_folder(make_support_folder(tmp, shots=3, offset=5)).x  # 15 other images
     return learner, support, params, query, tmp

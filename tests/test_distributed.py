@@ -222,14 +222,15 @@ def test_a_killed_rank_ends_the_job_and_it_resumes_from_the_checkpoint(tmp_path)
 
 def single_process_test_accuracy(checkpoint: dict) -> float:
     """The experiment's test accuracy of the checkpoint's best weights, in this process."""
-    sys.path.insert(0, str(ROOT / "experiments"))
-    import omniglot_maml as om
+    from metalearn.runs.recipe import build_learner, read_recipe
 
-    args = om.Args(**{**checkpoint["args"], "device": "cpu"})
-    samplers = omniglot_samplers(load_omniglot(DATA), args.split, ways=args.ways,
-                                 shots=args.shots, queries=args.eval_query)  # fmt: skip
-    learner = om.make_learner(args)
+    recipe = read_recipe(checkpoint)
+    data = recipe.data
+    samplers = omniglot_samplers(load_omniglot(DATA), data.split, ways=data.ways,
+                                 shots=data.shots, queries=data.eval_query)  # fmt: skip
+    learner = build_learner(recipe)
     learner.load_state_dict(checkpoint["best_learner"])
     gen = torch.Generator().manual_seed(TEST_SEED)
-    acc, _ = evaluate_tasks(learner, samplers["test"], args.test_tasks, args.eval_inner_steps, gen)
+    t = recipe.training
+    acc, _ = evaluate_tasks(learner, samplers["test"], t.test_tasks, t.eval_inner_steps, gen)
     return acc

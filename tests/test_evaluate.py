@@ -20,6 +20,7 @@ import pytest
 import torch
 import wandb
 from image_set_fixtures import write_folder
+from run_helpers import fs, make, om
 
 from metalearn.checkpoint import save_checkpoint
 from metalearn.data import load_image_set, load_omniglot, omniglot_samplers
@@ -28,11 +29,8 @@ from metalearn.runs.evaluation import accuracy_interval, evaluate_tasks
 from metalearn.runs.records import read_offline_run
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "experiments"))
 sys.path.insert(0, str(ROOT / "scripts"))
 import evaluate as script  # noqa: E402
-import fewshot_maml as fs  # noqa: E402
-import omniglot_maml as om  # noqa: E402
 
 DATA = Path(os.environ.get("METALEARN_DATA", ROOT.parent / "shared" / "data" / "omniglot"))
 RESULT = re.compile(r"test/acc: (\d\.\d{4}) ± (\d\.\d{4}|nan)")
@@ -44,8 +42,9 @@ def checkpoint(tmp_path_factory) -> Path:
     if not (DATA / "images_background").is_dir():
         pytest.skip("full Omniglot not found: set METALEARN_DATA or put it at ../shared/data/")
     tmp = tmp_path_factory.mktemp("runs")
-    args = om.Args(
-        iterations=2, meta_batch=2, query=1, eval_query=2, hidden=8, val_every=1, val_tasks=3,
+    args = make(
+        om, algorithm="maml", iterations=2, meta_batch=2, query=1, eval_query=2, hidden=8,
+        val_every=1, val_tasks=3,
         test_tasks=4, eval_inner_steps=2, checkpoint_every=1, data_root=str(DATA),
         out_dir=str(tmp), track=True, wandb_mode="offline", device="cpu",
     )  # fmt: skip
@@ -60,9 +59,10 @@ def checkpoint(tmp_path_factory) -> Path:
 
 def _by_hand(path: Path, *, steps: int, tasks: int, seed: int, shots: int, query: int):
     """The reference: the pieces called directly, every task drawn in one batch."""
-    learner, run = load_learner(path, which="best")
-    sampler = omniglot_samplers(load_omniglot(run["data_root"]), run["split"], ways=run["ways"],
-                                shots=shots, queries=query)["test"]  # fmt: skip
+    learner, recipe = load_learner(path, which="best")
+    data = recipe.data
+    sampler = omniglot_samplers(load_omniglot(data.root), data.split, ways=data.ways, shots=shots,
+                                queries=query)["test"]  # fmt: skip
     drawn = sampler.batch(tasks, torch.Generator().manual_seed(seed))
     acc = learner.evaluate(drawn, steps=steps)[1].double().numpy()
     return acc.mean(), 1.96 * acc.std(ddof=1) / math.sqrt(tasks)
@@ -86,8 +86,8 @@ def test_the_printed_accuracy_is_the_evaluation_by_hand(checkpoint, capsys, step
 
 
 def test_the_result_does_not_depend_on_the_chunk_size(checkpoint) -> None:
-    learner, run = load_learner(checkpoint)
-    sampler = omniglot_samplers(load_omniglot(run["data_root"]), "maml", ways=5, shots=1,
+    learner, recipe = load_learner(checkpoint)
+    sampler = omniglot_samplers(load_omniglot(recipe.data.root), "maml", ways=5, shots=1,
                                 queries=2)["test"]  # fmt: skip
     results = {
         chunk: evaluate_tasks(
@@ -211,8 +211,8 @@ def fewshot_checkpoint(tmp_path_factory) -> Path:
     """Two meta-steps of the few-shot experiment on a folder of 3 classes of grayscale images,
     read at 16x16 on one channel: a data set, root and image shape other than Omniglot's."""
     tmp = tmp_path_factory.mktemp("fewshot")
-    args = fs.Args(
-        dataset="folder", data_root=str(write_folder(tmp / "folder")), image_size=16,
+    args = make(
+        fs, dataset="folder", data_root=str(write_folder(tmp / "folder")), image_size=16,
         channels=1, ways=3, iterations=2, meta_batch=2, query=1, eval_query=1, hidden=4,
         inner_steps=1, val_every=1, val_tasks=2, test_tasks=3, eval_inner_steps=1,
         checkpoint_every=1, out_dir=str(tmp / "runs"), run_name="r", track=False, device="cpu",
@@ -223,8 +223,9 @@ def fewshot_checkpoint(tmp_path_factory) -> Path:
 
 def _folder_by_hand(path: Path, root: Path, *, steps: int, tasks: int, seed: int, query: int):
     """The reference: the folder's test split loaded alone at 16x16 gray, sampled directly."""
-    learner, run = load_learner(path, which="best")
-    assert (run["dataset"], run["image_size"], run["channels"]) == ("folder", 16, 1)
+    learner, recipe = load_learner(path, which="best")
+    image = recipe.data.image
+    assert (recipe.data.dataset, image.size, image.channels) == ("folder", 16, 1)
     test = load_image_set("folder", root, "test", image_size=16, channels=1)
     drawn = test.sampler(ways=3, shots=1, queries=query).batch(
         tasks, torch.Generator().manual_seed(seed)
@@ -237,7 +238,7 @@ def _folder_by_hand(path: Path, root: Path, *, steps: int, tasks: int, seed: int
 @pytest.mark.parametrize(("steps", "query"), [(0, 1), (2, 2)])
 def test_a_fewshot_checkpoint_is_evaluated_on_its_own_data(fewshot_checkpoint, capsys, steps,
                                                            query):  # fmt: skip
-    root = Path(load_learner(fewshot_checkpoint)[1]["data_root"])
+    root = Path(load_learner(fewshot_checkpoint)[1].data.root)
     argv = ["--checkpoint", str(fewshot_checkpoint), "--tasks", "7", "--steps", str(steps),
             "--seed", "5", "--query", str(query), "--no-track"]  # fmt: skip
     assert script.cli(argv) == 0
@@ -251,7 +252,7 @@ def test_a_fewshot_checkpoint_is_evaluated_on_its_own_data(fewshot_checkpoint, c
 
 
 def test_data_root_overrides_the_recorded_folder(fewshot_checkpoint, tmp_path, capsys) -> None:
-    recorded = Path(load_learner(fewshot_checkpoint)[1]["data_root"])
+    recorded = Path(load_learner(fewshot_checkpoint)[1].data.root)
     moved = Path(shutil.copytree(recorded, tmp_path / "moved"))
     shutil.rmtree(moved / "test" / "emu")  # 2 test classes left: a 3-way task cannot be drawn
     argv = ["--checkpoint", str(fewshot_checkpoint), "--tasks", "3", "--no-track"]
@@ -276,8 +277,8 @@ def lake_checkpoint(tmp_path_factory) -> Path:
     if not (DATA / "images_background").is_dir():
         pytest.skip("full Omniglot not found: set METALEARN_DATA or put it at ../shared/data/")
     tmp = tmp_path_factory.mktemp("lake")
-    args = om.Args(
-        algorithm="protomaml", ways=4, split="alphabet", eval_protocol="within-alphabet",
+    args = make(
+        om, algorithm="protomaml", ways=4, split="alphabet", eval_protocol="within-alphabet",
         train_tasks="within-alphabet", augment=True, iterations=2, meta_batch=2, query=1,
         eval_query=2, hidden=8, val_every=1, val_tasks=3, test_tasks=4, eval_inner_steps=1,
         data_root=str(DATA), out_dir=str(tmp), track=False, device="cpu",
@@ -293,8 +294,8 @@ def test_within_alphabet_is_the_runs_protocol_and_matches_by_hand(lake_checkpoin
     argv = ["--checkpoint", str(lake_checkpoint), "--tasks", "9", "--seed", "4", "--no-track"]
     assert script.cli(argv) == 0
     printed = _last_line(capsys)
-    learner, run = load_learner(lake_checkpoint, which="best")
-    sampler = within_alphabet_samplers(load_omniglot(run["data_root"]), ways=4, shots=1,
+    learner, recipe = load_learner(lake_checkpoint, which="best")
+    sampler = within_alphabet_samplers(load_omniglot(recipe.data.root), ways=4, shots=1,
                                        queries=2)["test"]  # fmt: skip
     drawn = sampler.batch(9, torch.Generator().manual_seed(4))
     acc = learner.evaluate(drawn, steps=1)[1].double()

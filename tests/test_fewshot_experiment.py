@@ -11,7 +11,6 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -26,19 +25,20 @@ from image_set_fixtures import (
     write_tiered,
 )
 from pickle_writers import payloads
+from run_helpers import fs, learner_of, make, samplers_of
+
+from metalearn.algorithms import FOMAML, MAML
+from metalearn.checkpoint import load_checkpoint
+from metalearn.data import load_image_set, load_omniglot, omniglot_samplers
+from metalearn.deploy import load_learner
+from metalearn.models import Conv4, ResNet12
+from metalearn.runs.cli import flatten, replace_flat
+from metalearn.runs.evaluation import TEST_SEED, evaluate_tasks
+from metalearn.runs.lifecycle import UserError
+from metalearn.runs.loop import make_samplers
+from metalearn.runs.records import read_offline_run
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "experiments"))
-import fewshot_maml as fs  # noqa: E402
-
-from metalearn.algorithms import FOMAML, MAML  # noqa: E402
-from metalearn.checkpoint import load_checkpoint  # noqa: E402
-from metalearn.data import load_image_set, load_omniglot, omniglot_samplers  # noqa: E402
-from metalearn.deploy import load_learner  # noqa: E402
-from metalearn.models import Conv4, ResNet12  # noqa: E402
-from metalearn.runs.evaluation import TEST_SEED, evaluate_tasks  # noqa: E402
-from metalearn.runs.lifecycle import UserError  # noqa: E402
-from metalearn.runs.records import read_offline_run  # noqa: E402
 
 OMNIGLOT = Path(os.environ.get("METALEARN_DATA", ROOT.parent / "shared" / "data" / "omniglot"))
 # The fixtures hold 2 images per class (CIFAR 3, CUB 2 or 3): 1 shot + 1 query.
@@ -73,7 +73,7 @@ CASES = {
     "fc100": ({"backbone": "resnet12", "hidden": 2, "head": "mean"}, (3, 32)),
     "cub": ({"image_size": 16, "augment": True}, (3, 16)),
     "folder": ({"image_size": 16, "channels": 1, "ways": 3}, (1, 16)),
-    "omniglot": ({"checkpoint": True, "chunk_size": 1, "first_order": True}, (1, 28)),
+    "omniglot": ({"gradient_checkpointing": True, "chunk_size": 1, "first_order": True}, (1, 28)),
 }
 
 
@@ -82,8 +82,8 @@ def test_two_meta_steps_and_a_test_on_every_data_set(dataset, roots, tmp_path):
     if dataset == "omniglot" and not (OMNIGLOT / "images_background").is_dir():
         pytest.skip("full Omniglot not found: set METALEARN_DATA")
     overrides, (channels, side) = CASES[dataset]
-    args = fs.Args(**{**TINY, **overrides}, dataset=dataset, data_root=str(roots[dataset]),
-                   out_dir=str(tmp_path), run_name="r")  # fmt: skip
+    args = make(fs, **{**TINY, **overrides}, dataset=dataset, data_root=str(roots[dataset]),
+                out_dir=str(tmp_path), run_name="r")  # fmt: skip
     results = fs.main(args)
     (run_dir,) = (tmp_path / "wandb").glob("offline-run-*")
     wandb.teardown()  # finish() may return before the .wandb file is complete
@@ -95,19 +95,20 @@ def test_two_meta_steps_and_a_test_on_every_data_set(dataset, roots, tmp_path):
     assert (saved["channels"], saved["image_size"]) == (channels, side)
     # The recorded arguments alone rebuild the network; its best weights, evaluated again on
     # the same test tasks, give the accuracy the run reported.
-    learner, run_args = load_learner(tmp_path / "r" / "checkpoint.pt")
+    learner, recipe = load_learner(tmp_path / "r" / "checkpoint.pt")
+    assert (recipe.data.image.channels, recipe.data.image.size) == (channels, side)
     backbone = {"conv4": Conv4, "resnet12": ResNet12}[overrides.get("backbone", "conv4")]
     assert type(learner.model) is backbone
     assert learner.first_order == overrides.get("first_order", False)
-    assert learner.checkpoint == overrides.get("checkpoint", False)
+    assert learner.checkpoint == overrides.get("gradient_checkpointing", False)
     assert learner.chunk_size == overrides.get("chunk_size", "auto")
-    samplers = fs.make_samplers(fs.Args(**run_args))
+    samplers = make_samplers(recipe, "cpu")
     assert (samplers["train"].augment is not None) == overrides.get("augment", False)
     assert samplers["val"].augment is None and samplers["test"].augment is None
     test = samplers["test"]
     task = test.sample(torch.Generator().manual_seed(0))
     assert task.query[0].shape[1:] == (channels, side, side)
-    acc, _ = evaluate_tasks(learner, test, args.test_tasks, args.eval_inner_steps,
+    acc, _ = evaluate_tasks(learner, test, TINY["test_tasks"], TINY["eval_inner_steps"],
                             torch.Generator().manual_seed(TEST_SEED), progress=False)  # fmt: skip
     assert acc == pytest.approx(results["test/acc"])
 
@@ -119,9 +120,9 @@ def _same_tasks(one, two, seed: int = 0) -> bool:
 
 
 def test_train_draws_training_queries_and_val_test_the_evaluation_ones(roots):
-    args = fs.Args(**{**TINY, "query": 2, "eval_query": 1, "ways": 3, "image_size": 16,
-                      "channels": 1}, dataset="folder", data_root=str(roots["folder"]))  # fmt: skip
-    samplers = fs.make_samplers(args)
+    shape = {"query": 2, "eval_query": 1, "ways": 3, "image_size": 16, "channels": 1}
+    args = make(fs, **{**TINY, **shape}, dataset="folder", data_root=str(roots["folder"]))
+    samplers = samplers_of(fs, args)
     for split, queries in (("train", 2), ("val", 1), ("test", 1)):
         # The reference: the split loaded alone, at the run's shape, sampled directly.
         alone = load_image_set("folder", roots["folder"], split, image_size=16, channels=1)
@@ -133,9 +134,9 @@ def test_train_draws_training_queries_and_val_test_the_evaluation_ones(roots):
 def test_omniglot_keeps_its_tasks(roots):
     if not (OMNIGLOT / "images_background").is_dir():
         pytest.skip("full Omniglot not found: set METALEARN_DATA")
-    args = fs.Args(**{**TINY, "query": 1, "eval_query": 3}, dataset="omniglot",
-                   data_root=str(OMNIGLOT))  # fmt: skip
-    samplers = fs.make_samplers(fs.resolve_args(args))
+    args = make(fs, **{**TINY, "query": 1, "eval_query": 3}, dataset="omniglot",
+                data_root=str(OMNIGLOT))  # fmt: skip
+    samplers = samplers_of(fs, args)
     data = load_omniglot(OMNIGLOT, download=False, progress=False)
     for split, queries in (("train", 1), ("val", 3), ("test", 3)):
         reference = omniglot_samplers(data, "maml", ways=5, shots=1, queries=queries)[split]
@@ -145,18 +146,21 @@ def test_omniglot_keeps_its_tasks(roots):
 def test_paper_presets_build_the_papers_network():
     one = fs.resolve_args(fs.parse_args(["--preset", "paper-miniimagenet-5w1s",
                                          "--data-root", str(ROOT)]))  # fmt: skip
-    assert (one.meta_batch, one.inner_lr, one.inner_steps, one.eval_inner_steps) == (4, 0.01, 5, 10)
-    assert (one.query, one.iterations, one.outer_lr, one.hidden) == (15, 60_000, 1e-3, 32)
-    assert (one.channels, one.image_size, one.head, one.pool) == (3, 84, "flatten", "max")
-    five = fs.parse_args(["--preset", "paper-miniimagenet-5w5s"])
-    assert (five.shots, five.meta_batch) == (5, 2)
-    assert fs.parse_args(["--preset", "paper-miniimagenet-5w1s-fo"]).algorithm == "fomaml"
-    learner = fs.make_learner(replace(one, device="cpu"))
+    a = flatten(one)
+    assert (a["meta_batch"], a["inner_lr"], a["inner_steps"], a["eval_inner_steps"]) == (
+        4, 0.01, 5, 10,
+    )  # fmt: skip
+    assert (a["query"], a["iterations"], a["outer_lr"], a["hidden"]) == (15, 60_000, 1e-3, 32)
+    assert (a["channels"], a["image_size"], a["head"], a["pool"]) == (3, 84, "flatten", "max")
+    five = flatten(fs.parse_args(["--preset", "paper-miniimagenet-5w5s"]))
+    assert (five["shots"], five["meta_batch"]) == (5, 2)
+    assert fs.parse_args(["--preset", "paper-miniimagenet-5w1s-fo"]).learner.algorithm == "fomaml"
+    learner = learner_of(fs, replace_flat(one, device="cpu"))
     assert type(learner) is MAML and not learner.first_order
     # 3->32, then 3 x 32->32 3x3 convs with biases, 4 norms of 32 weights and 32 biases, and
     # a head on the 5x5x32 = 800 flattened features: 896 + 3 * 9248 + 256 + 4005.
     assert sum(p.numel() for p in learner.parameters()) == 32_901
-    first = fs.make_learner(replace(one, device="cpu", algorithm="fomaml"))
+    first = learner_of(fs, replace_flat(one, device="cpu", algorithm="fomaml"))
     assert type(first) is FOMAML
 
 
@@ -168,12 +172,14 @@ def test_paper_presets_build_the_papers_network():
       "image_size 32: tiered-imagenet holds 84x84 images"),
      ({"dataset": "cub", "data_root": ".", "channels": 1}, "channels 1: cub gives 3"),
      ({"dataset": "cub", "data_root": ".", "chunk_size": 0}, "--chunk-size 0: must be at least"),
-     ({"dataset": "cub", "data_root": ".", "algorithm": "imaml", "first_order": True},
-      "drop --first-order for imaml")],
+     ({"dataset": "cub", "data_root": ".", "algorithm": "mamlpp", "first_order": True},
+      "mamlpp sets its own derivative order .*--first-order-steps.*; drop --first-order"),
+     ({"dataset": "cub", "data_root": ".", "algorithm": "reptile", "first_order": True},
+      "reptile sets its own derivative order; drop --first-order")],
 )  # fmt: skip
 def test_bad_values_are_refused_before_anything_runs(tmp_path, overrides, message):
     with pytest.raises(UserError, match=message):
-        fs.main(fs.Args(**{**TINY, **overrides}, out_dir=str(tmp_path)))
+        fs.main(make(fs, **{**TINY, **overrides}, out_dir=str(tmp_path)))
     assert list(tmp_path.iterdir()) == []
 
 
@@ -195,8 +201,8 @@ def test_rens_mini_imagenet_pickles_train_and_test(tmp_path):
         "mini-imagenet-cache-test.pkl", "mini-imagenet-cache-train.pkl",
         "mini-imagenet-cache-val.pkl",
     ]  # fmt: skip
-    args = fs.Args(**TINY, dataset="mini-imagenet", data_root=str(root), out_dir=str(tmp_path),
-                   run_name="r")  # fmt: skip
+    args = make(fs, **TINY, dataset="mini-imagenet", data_root=str(root), out_dir=str(tmp_path),
+                run_name="r")  # fmt: skip
     results = fs.main(args)
     assert 0.0 <= results["test/acc"] <= 1.0
     saved = load_checkpoint(tmp_path / "r" / "checkpoint.pt")["args"]

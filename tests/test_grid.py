@@ -16,6 +16,7 @@ import grid  # noqa: E402
 import omniglot_maml as om  # noqa: E402
 
 from metalearn.checkpoint import load_checkpoint  # noqa: E402
+from metalearn.runs.cli import flatten  # noqa: E402
 from metalearn.runs.records import read_offline_run  # noqa: E402
 
 DATA = Path(os.environ.get("METALEARN_DATA", ROOT.parent / "shared" / "data" / "omniglot"))
@@ -62,6 +63,6 @@ def test_sweep_file_is_a_wandb_sweep_the_experiment_accepts():
     # What `wandb agent` passes: --name=value for each parameter.
     argv = [f"--{name}={(spec.get('values') or [spec.get('value')])[-1]}"
             for name, spec in sweep["parameters"].items()]  # fmt: skip
-    args = om.parse_args(argv)
+    args = flatten(om.parse_args(argv))
     for name, spec in sweep["parameters"].items():
-        assert getattr(args, name) == (spec.get("values") or [spec.get("value")])[-1]
+        assert args[name] == (spec.get("values") or [spec.get("value")])[-1]

@@ -6,29 +6,27 @@ hand-written second-order MAML over the same adapted set and against finite diff
 
 from __future__ import annotations
 
-import dataclasses
 import os
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
+from run_helpers import checkpoint_of, learner_of, make, om, recipe_of
 from torch import Tensor, nn
 from torch.func import functional_call
 
 from metalearn.algorithms import LoRAMAML
-from metalearn.algorithms.build import build_learner, learner_config, resolve_learner_args
 from metalearn.checkpoint import save_checkpoint
 from metalearn.deploy import load_learner
 from metalearn.engine import Task, adapt
 from metalearn.models import Conv4
 from metalearn.models.lora import LoRAConv2d, LoRALinear, add_lora, lora_keys
+from metalearn.runs.cli import flatten
 from metalearn.runs.lifecycle import UserError
+from metalearn.runs.recipe import build_learner, read_recipe
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "experiments"))
-import omniglot_maml as om  # noqa: E402
 
 F64 = torch.float64
 DATA = Path(os.environ.get("METALEARN_DATA", ROOT.parent / "shared" / "data" / "omniglot"))
@@ -252,50 +250,46 @@ def test_lora_maml_refuses_bad_arguments_in_one_line() -> None:
 
 
 def _args(**overrides) -> om.Args:
-    return om.resolve_args(dataclasses.replace(om.Args(hidden=8, device="cpu"), **overrides))
+    return om.resolve_args(make(om, hidden=8, device="cpu", **overrides))
 
 
 def test_the_record_rebuilds_the_learner_and_old_records_still_load(tmp_path) -> None:
     args = _args(algorithm="lora", lora_rank=2)
-    assert args.lora_rank == 2 and (args.inner_lr, args.inner_steps) == (0.4, 1)
-    assert learner_config(dataclasses.asdict(args))["rank"] == 2
-    assert _args(algorithm="lora").lora_rank == 4  # the table's
-    assert _args(algorithm="maml").lora_rank is None  # recorded as doing nothing
+    flat = flatten(args)
+    assert flat["lora_rank"] == 2 and (flat["inner_lr"], flat["inner_steps"]) == (0.4, 1)
+    assert recipe_of(om, args).learner.arguments["rank"] == 2
+    assert flatten(_args(algorithm="lora"))["lora_rank"] == 4  # the learner's default
+    assert flatten(_args(algorithm="maml"))["lora_rank"] is None  # recorded as doing nothing
 
-    trained = om.make_learner(args)
-    with torch.no_grad():
-        for p in trained.parameters():
-            p.add_(0.01 * torch.randn_like(p))
-    state = {k: v.detach().clone() for k, v in trained.state_dict().items()}
-    best = {k: v + 1 for k, v in state.items()}
-    path = save_checkpoint(tmp_path / "run" / "checkpoint.pt",
-                           {"args": dataclasses.asdict(args), "learner": state,
-                            "best_learner": best})  # fmt: skip
-    for which, weights in (("best", best), ("last", state)):
-        learner, loaded = load_learner(path, which=which)
-        assert type(learner) is LoRAMAML and learner.rank == 2 and loaded["lora_rank"] == 2
+    path = checkpoint_of(tmp_path, om, args)
+    saved = torch.load(path, weights_only=True)
+    best = {k: v + 1 for k, v in saved["learner"].items()}
+    save_checkpoint(path, {**saved, "best_learner": best})
+    for which, weights in (("best", best), ("last", saved["learner"])):
+        learner, recipe = load_learner(path, which=which)
+        assert type(learner) is LoRAMAML and learner.rank == 2
+        assert recipe.learner.arguments["rank"] == 2
         assert learner.state_dict().keys() == weights.keys()
         assert all(torch.equal(learner.state_dict()[k], weights[k]) for k in weights)
 
-    # A record written before lora_rank existed (no such key) still builds its learner.
-    old = {k: v for k, v in dataclasses.asdict(_args(algorithm="anil")).items()
-           if k != "lora_rank"}  # fmt: skip
-    assert "lora_rank" not in resolve_learner_args(old)
-    build_learner(old).load_state_dict(om.make_learner(_args(algorithm="anil")).state_dict())
-    lora_without_rank = {k: v for k, v in dataclasses.asdict(args).items() if k != "lora_rank"}
-    with pytest.raises(ValueError, match=r"lack \['lora_rank'\]"):
-        build_learner(lora_without_rank)
+    # A record written before lora_rank existed (flat args, no such key, no recipe) builds.
+    old = {k: v for k, v in flatten(_args(algorithm="anil")).items() if k != "lora_rank"}
+    recipe = read_recipe({"args": old})
+    assert recipe.learner.algorithm == "anil" and "rank" not in recipe.learner.arguments
+    build_learner(recipe).load_state_dict(learner_of(om, _args(algorithm="anil")).state_dict())
+    lora_without_rank = {k: v for k, v in flat.items() if k != "lora_rank"}
+    assert read_recipe({"args": lora_without_rank}).learner.arguments["rank"] == 4
 
 
 @pytest.mark.parametrize(
     ("overrides", "message"),
-    [({"algorithm": "lora", "lora_rank": 0}, "lora_rank=0: the adapters' rank must be an int >= 1"),
-     ({"algorithm": "lora", "lora_rank": -3}, "lora_rank=-3: the adapters' rank must be"),
-     ({"algorithm": "maml", "lora_rank": 2}, "lora_rank=2 is a LoRA setting; drop --lora-rank"),
-     ({"algorithm": "lora", "cg_damping": 1.0}, "cg_damping=1.0 is an iMAML setting")],
+    [({"algorithm": "lora", "lora_rank": 0}, "--lora-rank 0: must be at least 1"),
+     ({"algorithm": "lora", "lora_rank": -3}, "--lora-rank -3: must be at least 1"),
+     ({"algorithm": "maml", "lora_rank": 2}, "--lora-rank is a setting of lora; drop it for maml"),
+     ({"algorithm": "lora", "cg_damping": 1.0}, "--cg-damping is a setting of imaml")],
 )  # fmt: skip
 def test_bad_ranks_are_refused_in_one_line_before_anything_runs(tmp_path, overrides, message):
-    args = dataclasses.replace(om.Args(hidden=8, device="cpu", out_dir=str(tmp_path)), **overrides)
+    args = make(om, hidden=8, device="cpu", out_dir=str(tmp_path), **overrides)
     with pytest.raises(UserError, match=message) as err:
         om.main(args)
     assert "\n" not in str(err.value)
@@ -304,12 +298,12 @@ def test_bad_ranks_are_refused_in_one_line_before_anything_runs(tmp_path, overri
 
 @pytest.mark.skipif(not (DATA / "images_background").is_dir(), reason="Omniglot not found")
 def test_a_tiny_lora_run_trains_tests_and_records_its_rank(tmp_path) -> None:
-    args = om.Args(algorithm="lora", lora_rank=3, iterations=2, meta_batch=2, query=1,
-                   eval_query=2, hidden=8, val_every=1, val_tasks=3, test_tasks=4,
-                   eval_inner_steps=2, data_root=str(DATA), track=False, device="cpu",
-                   out_dir=str(tmp_path), run_name="lora")  # fmt: skip
+    args = make(om, algorithm="lora", lora_rank=3, iterations=2, meta_batch=2, query=1,
+                eval_query=2, hidden=8, val_every=1, val_tasks=3, test_tasks=4,
+                eval_inner_steps=2, data_root=str(DATA), track=False, device="cpu",
+                out_dir=str(tmp_path), run_name="lora")  # fmt: skip
     results = om.main(args)
     assert 0.0 <= results["test/acc"] <= 1.0
-    learner, saved = load_learner(tmp_path / "lora" / "checkpoint.pt", which="last")
-    assert saved["lora_rank"] == 3 and learner.rank == 3
+    learner, recipe = load_learner(tmp_path / "lora" / "checkpoint.pt", which="last")
+    assert recipe.learner.arguments["rank"] == 3 and learner.rank == 3
     assert learner.model.features[0].conv.lora_A.shape == (3, 9)

@@ -11,7 +11,6 @@ from __future__ import annotations
 import math
 import os
 import sys
-from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -31,7 +30,7 @@ from metalearn.runs.records import read_offline_run
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "experiments"))
-import omniglot_maml as om  # noqa: E402
+from run_helpers import make, om  # noqa: E402
 
 F64 = torch.float64
 ALPHA = 0.3
@@ -192,11 +191,11 @@ CURV_KEYS = {
 
 def tiny_run(tmp_path: Path, **overrides) -> om.Args:
     """Two meta-steps of a small conv4 on Omniglot."""
-    return replace(om.Args(
-        iterations=2, meta_batch=2, query=1, eval_query=2, hidden=8, val_every=2, val_tasks=2,
-        test_tasks=2, eval_inner_steps=1, data_root=str(DATA), track=False, device="cpu",
-        out_dir=str(tmp_path), curvature_tasks=2,
-    ), **overrides)  # fmt: skip
+    return make(om, **{**dict(
+        algorithm="maml", iterations=2, meta_batch=2, query=1, eval_query=2, hidden=8,
+        val_every=2, val_tasks=2, test_tasks=2, eval_inner_steps=1, data_root=str(DATA),
+        track=False, device="cpu", out_dir=str(tmp_path), curvature_tasks=2,
+    ), **overrides})  # fmt: skip
 
 
 @needs_omniglot

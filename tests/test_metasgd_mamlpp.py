@@ -170,7 +170,7 @@ def test_metasgd_vmap_and_loop_agree():
 
 
 def mamlpp(model: nn.Module, **kwargs) -> MAMLpp:
-    settings = dict(inner_lr=0.3, inner_steps=2, msl_epochs=10, first_order_epochs=0)
+    settings = dict(inner_lr=0.3, inner_steps=2, msl_steps=10, first_order_steps=0)
     return MAMLpp(model, **{**settings, **kwargs})
 
 
@@ -192,26 +192,26 @@ def test_msl_weights_follow_the_papers_schedule():
         assert msl_weights(5, epoch, 10) == pytest.approx(weights, abs=1e-15)
     assert msl_weights(1, 7, 3) == [1.0]
     for steps in range(1, 7):
-        for msl_epochs in (1, 4, 15):
+        for msl_steps in (1, 4, 15):
             for epoch in range(0, 40):
-                weights = msl_weights(steps, epoch, msl_epochs)
-                assert abs(sum(weights) - 1.0) < 1e-12, (steps, msl_epochs, epoch)
+                weights = msl_weights(steps, epoch, msl_steps)
+                assert abs(sum(weights) - 1.0) < 1e-12, (steps, msl_steps, epoch)
                 assert min(weights) > 0
 
 
 def test_learner_step_weights_switch_to_the_last_step_after_msl():
-    learner = mamlpp(mlp(), inner_steps=3, msl_epochs=4)
+    learner = mamlpp(mlp(), inner_steps=3, msl_steps=4)
     for epoch in range(4):
-        learner.set_epoch(epoch)
+        learner.schedule(epoch, 100)
         assert learner.step_weights() == msl_weights(3, epoch, 4)
-    learner.set_epoch(4)
+    learner.schedule(4, 100)
     assert learner.step_weights() == [0.0, 0.0, 1.0]
-    assert mamlpp(mlp(), inner_steps=3, msl_epochs=0).step_weights() == [0.0, 0.0, 1.0]
+    assert mamlpp(mlp(), inner_steps=3, msl_steps=0).step_weights() == [0.0, 0.0, 1.0]
 
 
 def test_mamlpp_with_last_step_loss_and_one_rate_is_maml():
     maml = MAML(conv(), inner_lr=0.3, inner_steps=2)
-    learner = mamlpp(copy.deepcopy(maml.model), msl_epochs=0, per_step_bn=False)
+    learner = mamlpp(copy.deepcopy(maml.model), msl_steps=0, per_step_bn=False)
     ts = tasks(IMAGES)
     loss_maml, g_maml = grads(maml, ts)
     loss_pp, g_pp = grads(learner, ts)
@@ -221,8 +221,8 @@ def test_mamlpp_with_last_step_loss_and_one_rate_is_maml():
 
 def test_msl_loss_is_the_weighted_sum_of_maml_losses_after_each_step():
     model = mlp()
-    learner = mamlpp(model, inner_steps=3, msl_epochs=10, per_step_bn=False)
-    learner.set_epoch(4)
+    learner = mamlpp(model, inner_steps=3, msl_steps=10, per_step_bn=False)
+    learner.schedule(4, 100)
     weights = learner.step_weights()
     assert len(set(weights)) == 2
     ts = tasks(VECTORS, n=3)
@@ -242,7 +242,7 @@ def test_bnwb_at_initialisation_is_maml_without_adapting_batch_norm():
     assert len(bn) == 8
     maml = MAML(model, inner_lr=0.3, inner_steps=2,
                 adapt_keys=[n for n, _ in model.named_parameters() if n not in bn])  # fmt: skip
-    learner = mamlpp(copy.deepcopy(model), msl_epochs=0)
+    learner = mamlpp(copy.deepcopy(model), msl_steps=0)
     assert learner.bn["features__0__norm__weight"].shape == (2, 2)  # [steps, channels]
     ts = tasks(IMAGES)
     loss_maml, g_maml = grads(maml, ts)
@@ -261,8 +261,8 @@ def test_bnwb_at_initialisation_is_maml_without_adapting_batch_norm():
 
 def test_mamlpp_gradients_match_finite_differences():
     """LSLR rates, per-step batch-norm copies and some theta entries, with MSL on."""
-    learner = perturbed(mamlpp(conv(), msl_epochs=10))
-    learner.set_epoch(3)
+    learner = perturbed(mamlpp(conv(), msl_steps=10))
+    learner.schedule(3, 100)
     entries = all_entries(learner, "lrs.") + all_entries(learner, "bn.")[::2]
     entries += [("model.head.weight", i) for i in range(6)]
     entries += [("model.features.0.conv.weight", i) for i in range(0, 18, 3)]
@@ -276,17 +276,17 @@ def test_derivative_order_annealing_switches_from_fomaml_to_maml():
     _, g_so = grads(MAML(model, inner_lr=0.3, inner_steps=2), ts)
     gap = max(float((g_fo[k] - g_so[k]).abs().max()) for k in g_fo)
     assert gap > 1e-4, "first and second order should differ on this problem"
-    learner = mamlpp(model, msl_epochs=0, first_order_epochs=2, per_step_bn=False)
+    learner = mamlpp(model, msl_steps=0, first_order_steps=2, per_step_bn=False)
     for epoch, reference in ((0, g_fo), (1, g_fo), (2, g_so), (7, g_so)):
-        learner.set_epoch(epoch)
+        learner.schedule(epoch, 100)
         _, g = grads(learner, ts)
         assert_close(theta_grads(reference), theta_grads(g), EXACT)
 
 
 def test_mamlpp_vmap_and_loop_agree():
     ts = tasks(IMAGES, n=3)
-    learner = perturbed(mamlpp(conv(), msl_epochs=10))
-    learner.set_epoch(2)
+    learner = perturbed(mamlpp(conv(), msl_steps=10))
+    learner.schedule(2, 100)
     learner.vectorize = "loop"
     loss_loop, g_loop = grads(learner, ts)
     learner.vectorize = "vmap"
@@ -298,8 +298,8 @@ def test_mamlpp_vmap_and_loop_agree():
 
 def test_early_stop_gives_the_remaining_weight_to_the_last_adapted_weights():
     model = mlp()
-    learner = mamlpp(model, inner_steps=3, msl_epochs=10, per_step_bn=False)
-    learner.set_epoch(2)
+    learner = mamlpp(model, inner_steps=3, msl_steps=10, per_step_bn=False)
+    learner.schedule(2, 100)
     w = learner.step_weights()
     ts = tasks(VECTORS, n=2)
     stopped = [Task(t.support, t.query, stop=lambda step, _: step >= 2) for t in ts]
@@ -310,32 +310,32 @@ def test_early_stop_gives_the_remaining_weight_to_the_last_adapted_weights():
 
 
 def test_adapt_and_evaluate_use_the_learned_rates_and_final_batch_norm():
-    learner = perturbed(mamlpp(conv(), msl_epochs=10))
+    learner = perturbed(mamlpp(conv(), msl_steps=10))
     ts = tasks(IMAGES, n=2)
     losses, accs = learner.evaluate(ts)
     for task, loss in zip(ts, losses):
         fast = learner.adapt(task)
         out = functional_call(learner.model, fast, (task.query[0],))
         assert abs(float(F.cross_entropy(out, task.query[1])) - float(loss)) <= EXACT
-    learner.set_epoch(10)  # MSL over: the meta-loss is the final step's loss, as evaluated
+    learner.schedule(10, 100)  # MSL over: the meta-loss is the final step's loss, as evaluated
     assert float((learner.meta_loss(ts).task_losses - losses).abs().max()) <= EXACT
     assert accs.shape == (2,)
 
 
 def test_bad_settings_raise_with_the_fix():
-    with pytest.raises(ValueError, match="first_order_epochs"):
+    with pytest.raises(ValueError, match="first_order_steps"):
         MAMLpp(conv(), first_order=True)
     with pytest.raises(ValueError, match="inner_steps >= 1"):
         MAMLpp(conv(), inner_steps=0)
     with pytest.raises(ValueError, match=">= 0"):
-        MAMLpp(conv(), msl_epochs=-1)
+        MAMLpp(conv(), msl_steps=-1)
     with pytest.raises(ValueError, match="per_step_bn=False"):
         MAMLpp(conv(), adapt_keys=["features.0.norm.weight", "head.weight"])
-    with pytest.raises(ValueError, match="epoch must be >= 0"):
-        MAMLpp(conv()).set_epoch(-1)
-    with pytest.raises(ValueError, match="msl_epochs >= 1"):
+    with pytest.raises(ValueError, match="step must be >= 0"):
+        MAMLpp(conv()).schedule(-1, 100)
+    with pytest.raises(ValueError, match="msl_steps >= 1"):
         msl_weights(3, 0, 0)
-    learner = MAMLpp(mlp(), inner_steps=2, msl_epochs=5)
+    learner = MAMLpp(mlp(), inner_steps=2, msl_steps=5)
     odd = tasks(VECTORS, n=1)[0]
     with pytest.raises(ValueError, match="one weight per step"):
         learner.meta_loss([Task(odd.support, odd.query, steps=3)])
@@ -344,8 +344,8 @@ def test_bad_settings_raise_with_the_fix():
 
 
 def test_mamlpp_checkpointed_inner_steps_give_the_same_gradients():
-    learner = perturbed(mamlpp(conv(), msl_epochs=10))
-    learner.set_epoch(2)
+    learner = perturbed(mamlpp(conv(), msl_steps=10))
+    learner.schedule(2, 100)
     checkpointed = copy.deepcopy(learner)
     checkpointed.checkpoint = True
     ts = tasks(IMAGES)

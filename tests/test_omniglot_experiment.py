@@ -12,22 +12,22 @@ import signal
 import subprocess
 import sys
 import time
-from dataclasses import replace
 from pathlib import Path
 
 import pytest
 import torch
 import wandb
+from run_helpers import make, om
+
+from metalearn.algorithms import IMAML, Reptile
+from metalearn.checkpoint import load_checkpoint
+from metalearn.runs import loop as experiment
+from metalearn.runs.cli import flatten, replace_flat
+from metalearn.runs.lifecycle import UserError, latest_segment
+from metalearn.runs.recipe import build_learner, read_recipe
+from metalearn.runs.records import read_offline_run
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "experiments"))
-import omniglot_maml as om  # noqa: E402
-
-from metalearn.algorithms import IMAML, Reptile  # noqa: E402
-from metalearn.checkpoint import load_checkpoint  # noqa: E402
-from metalearn.runs import loop as experiment  # noqa: E402
-from metalearn.runs.lifecycle import UserError, latest_segment  # noqa: E402
-from metalearn.runs.records import read_offline_run  # noqa: E402
 
 DATA = Path(os.environ.get("METALEARN_DATA", ROOT.parent / "shared" / "data" / "omniglot"))
 pytestmark = pytest.mark.skipif(
@@ -43,7 +43,7 @@ TINY = dict(  # MAML given explicitly: the command line's default preset trains 
 
 def tiny_args(tmp_path: Path, **overrides) -> om.Args:
     """Two meta-steps of a small conv4: the real code path, sized for a test."""
-    return replace(om.Args(**TINY, out_dir=str(tmp_path)), **overrides)
+    return make(om, **{**TINY, "out_dir": str(tmp_path), **overrides})
 
 
 def _flags(tmp_path: Path, **overrides) -> list[str]:
@@ -94,8 +94,9 @@ def test_two_meta_steps_log_to_wandb_and_report_test_accuracy(tmp_path, capsys):
      ("reptile", Reptile, {"inner_steps": 5, "inner_lr": 0.4, "cg_damping": None})],
 )  # fmt: skip
 def test_what_runs_is_what_is_recorded(tmp_path, monkeypatch, algorithm, cls, expected):
-    built, build = [], om.build_learner  # keep what the experiment builds, to inspect it
-    monkeypatch.setattr(om, "build_learner", lambda a: built.append(build(a)) or built[-1])
+    built, build = [], experiment.build_learner  # keep what the experiment builds
+    monkeypatch.setattr(experiment, "build_learner",
+                        lambda *a: built.append(build(*a)) or built[-1])  # fmt: skip
     args = tiny_args(tmp_path, algorithm=algorithm, iterations=1, track=True, run_name="r",
                      wandb_mode="offline", eval_inner_steps=1)  # fmt: skip
     om.main(args)
@@ -107,19 +108,26 @@ def test_what_runs_is_what_is_recorded(tmp_path, monkeypatch, algorithm, cls, ex
     )
     if cls is IMAML:
         assert learner.cg_damping == expected["cg_damping"]
-    saved = _checkpoint(tmp_path, "r")["args"]
+    checkpoint = _checkpoint(tmp_path, "r")
+    saved = checkpoint["args"]
     wandb.teardown()  # finish() may return before the .wandb file is complete
     config = read_offline_run(next((tmp_path / "wandb").glob("offline-run-*"))).config
     for key, value in expected.items():
         assert saved[key] == value and config[key] == value, key
-    assert config["learner"]["class"] == cls.__name__
+    # The recipe in the checkpoint and in W&B is the learner that ran, every argument of it.
+    assert config["recipe"] == checkpoint["recipe"]
+    recipe = read_recipe(checkpoint)
+    assert recipe.learner.algorithm == algorithm
+    rebuilt = build_learner(recipe)
+    assert type(rebuilt) is cls and rebuilt.inner_steps == learner.inner_steps
+    assert rebuilt.inner_lr == learner.inner_lr
 
 
 def test_default_run_names_differ_by_lr_and_steps(tmp_path):
     a = om.resolve_args(tiny_args(tmp_path, inner_lr=0.1, inner_steps=1))
     b = om.resolve_args(tiny_args(tmp_path, inner_lr=0.4, inner_steps=5))
-    assert a.run_name == "maml-5w1s-lr0.1-steps1-seed0"
-    assert b.run_name == "maml-5w1s-lr0.4-steps5-seed0"
+    assert a.tracking.run_name == "maml-5w1s-lr0.1-steps1-seed0"
+    assert b.tracking.run_name == "maml-5w1s-lr0.4-steps5-seed0"
 
 
 # --------------------------------------------------------------------------- resume
@@ -166,7 +174,10 @@ def test_resume_continues_the_saved_run_and_refuses_changes(tmp_path):
     # The saved algorithm and lr hold without repeating them; --iterations may grow.
     args = om.parse_args(["--resume", "--run-name", "f", "--out-dir", str(tmp_path),
                           "--iterations", "3"])  # fmt: skip
-    assert (args.algorithm, args.inner_lr, args.hidden, args.iterations) == ("fomaml", 0.3, 8, 3)
+    flat = flatten(args)
+    assert (flat["algorithm"], flat["inner_lr"], flat["hidden"], flat["iterations"]) == (
+        "fomaml", 0.3, 8, 3,
+    )  # fmt: skip
     before = path.read_bytes()
     for flags, message in [
         (["--algorithm", "maml"], "--algorithm maml differs from the resumed run's fomaml"),
@@ -177,7 +188,7 @@ def test_resume_continues_the_saved_run_and_refuses_changes(tmp_path):
         with pytest.raises(UserError, match=message):
             om.main(changed)
     with pytest.raises(UserError, match="--iterations 1 is below the 2 steps"):
-        om.main(replace(args, iterations=1))
+        om.main(replace_flat(args, iterations=1))
     assert path.read_bytes() == before and sorted(p.name for p in path.parent.iterdir()) == [
         "checkpoint.pt"
     ]
@@ -203,11 +214,12 @@ def test_clear_errors_for_resume_mistakes(tmp_path):
      ({"checkpoint_every": 0}, "--checkpoint-every 0"),
      ({"test_tasks": 0}, "--test-tasks 0"),
      ({"iterations": -1}, "--iterations -1"),
-     ({"inner_lr": -5.0}, "--inner-lr -5.0: must be positive"),
+     ({"inner_lr": -5.0}, "--inner-lr -5.0: must be a positive finite number"),
+     ({"outer_lr": float("inf")}, "--outer-lr inf: must be a positive finite number"),
      ({"threads": -2}, "--threads -2"),
      ({"shots": 0}, "--shots 0"),
      ({"ways": 1}, "--ways 1"),
-     ({"cg_damping": 1.0}, "cg_damping=1.0 is an iMAML setting")],
+     ({"cg_damping": 1.0}, "--cg-damping is a setting of imaml")],
 )  # fmt: skip
 def test_bad_values_are_refused_before_anything_runs(tmp_path, overrides, message):
     with pytest.raises(UserError, match=message):
@@ -235,11 +247,19 @@ def test_user_errors_exit_2_with_one_line(tmp_path):
 
 
 def test_command_line_forms(tmp_path):
-    args = om.parse_args(["--inner_lr=0.3", "--inner-steps", "2", "--no-track"])
-    assert (args.inner_lr, args.inner_steps, args.track) == (0.3, 2, False)
-    preset = om.parse_args(["--preset", "paper-20w1s", "--iterations", "5"])
-    assert (preset.ways, preset.meta_batch, preset.inner_lr, preset.inner_steps) == (20, 16, 0.1, 5)
-    assert preset.iterations == 5  # an explicit flag wins over the preset
+    args = flatten(om.parse_args(["--inner_lr=0.3", "--inner-steps", "2", "--no-track"]))
+    assert (args["inner_lr"], args["inner_steps"], args["track"]) == (0.3, 2, False)
+    preset = flatten(om.parse_args(["--preset", "paper-20w1s", "--iterations", "5"]))
+    assert (preset["ways"], preset["meta_batch"], preset["inner_lr"]) == (20, 16, 0.1)
+    assert (preset["inner_steps"], preset["algorithm"]) == (5, "maml")
+    assert preset["iterations"] == 5  # an explicit flag wins over the preset
+    assert flatten(om.parse_args(["--augment=True"]))["augment"] is True
+
+
+def test_defaults_are_the_default_preset():
+    """Args() and the command line with no flags agree on every field (one source)."""
+    assert om.parse_args([]) == om.Args()
+    assert flatten(om.Args())["algorithm"] == "protomaml"
 
 
 def test_help_shows_the_chosen_preset(capsys):
@@ -337,3 +357,43 @@ def test_every_algorithm_learns_above_chance(tmp_path, algorithm):
     results = om.main(tiny_args(tmp_path, algorithm=algorithm, iterations=30, hidden=16,
                                 val_every=30, test_tasks=50, eval_inner_steps=10))  # fmt: skip
     assert results["test/acc"] >= 0.28
+
+
+# --------------------------------------------------------------------------- schedules
+
+
+def test_mamlpp_switches_to_second_order_at_the_recorded_step(tmp_path, monkeypatch):
+    """The loop hands MAML++ each meta-step: --first-order-steps 3 of 6 logs
+    train/second_order 0, 0, 0, 1, 1, 1, and the meta-gradients of the first three steps
+    are first order (inner gradients detached) while the last three are not."""
+    orders = []
+    original = experiment.meta_step
+
+    def recording_step(recipe, learner, *args, **kwargs):
+        row = original(recipe, learner, *args, **kwargs)
+        orders.append(learner.inner_loop().first_order)
+        return row
+
+    monkeypatch.setattr(experiment, "meta_step", recording_step)
+    args = tiny_args(tmp_path, algorithm="mamlpp", first_order_steps=3, msl_steps=4,
+                     inner_steps=2, iterations=6, val_every=6, run_name="pp")  # fmt: skip
+    om.main(args)
+    saved = _checkpoint(tmp_path, "pp")
+    history = saved["history"]
+    assert [row["train/second_order"] for row in history] == [0, 0, 0, 1, 1, 1]
+    assert orders == [True, True, True, False, False, False]
+    # MSL: the last inner step's weight grows from 1/2 over the 4 recorded steps, then is 1.
+    assert [row["train/msl_last_weight"] for row in history] == pytest.approx(
+        [0.5, 0.625, 0.75, 0.875, 1.0, 1.0]
+    )
+    assert saved["args"]["first_order_steps"] == 3 and saved["args"]["msl_steps"] == 4
+    arguments = saved["recipe"]["learner"]["arguments"]
+    assert arguments["first_order_steps"] == 3 and arguments["msl_steps"] == 4
+
+
+def test_reptile_anneals_its_outer_step_as_the_paper(tmp_path):
+    om.main(tiny_args(tmp_path, algorithm="reptile", iterations=4, val_every=4, run_name="rp"))
+    saved = _checkpoint(tmp_path, "rp")
+    assert [row["train/outer_lr"] for row in saved["history"]] == [1.0, 0.75, 0.5, 0.25]
+    assert saved["args"]["outer_lr"] == 1.0
+    assert saved["recipe"]["learner"]["arguments"]["anneal"] is True

@@ -13,8 +13,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.func import functional_call
 
-from metalearn.algorithms import ProtoMAML, prototype_head
-from metalearn.algorithms.build import build_learner, resolve_learner_args
+from metalearn.algorithms import ProtoMAML, make_learner, prototype_head
 from metalearn.engine import Task
 from metalearn.models import Conv4
 
@@ -119,9 +118,7 @@ def test_adapt_equals_evaluate_path():
 
 
 def test_built_by_name_and_needs_a_linear_head():
-    args = resolve_learner_args({"algorithm": "protomaml", "ways": 5, "hidden": 8,
-                                 "vectorize": "auto"})  # fmt: skip
-    learner = build_learner(args)
+    learner = make_learner("protomaml", Conv4(hidden=8), {})
     assert isinstance(learner, ProtoMAML) and learner.inner_lr == 0.4
     with pytest.raises(ValueError, match="no 2-d parameter 'classifier.weight'"):
         ProtoMAML(conv(), head="classifier")

@@ -2,20 +2,23 @@
 
 from __future__ import annotations
 
+import inspect
 import random
 
 import numpy as np
 import pytest
 import torch
 
-from metalearn.algorithms import FOMAML, IMAML, Reptile
-from metalearn.algorithms.build import build_learner, learner_config, resolve_learner_args
+from metalearn.algorithms import FOMAML, IMAML, LEARNERS, MetaLearner, Reptile
+from metalearn.algorithms.registry import complete_arguments, make_learner
 from metalearn.checkpoint import load_checkpoint, save_checkpoint
+from metalearn.models import Conv4
 from metalearn.runs.lifecycle import RunState, UserError, merge_resumed_args
+from metalearn.runs.recipe import learner_recipe, resolve_learner_args
 from metalearn.runs.seeding import seed_everything
 
 ARGS = {"algorithm": "maml", "ways": 5, "hidden": 8, "vectorize": "auto", "inner_lr": None,
-        "inner_steps": None, "cg_damping": None}  # fmt: skip
+        "inner_steps": None, "cg_damping": None, "outer_lr": None}  # fmt: skip
 
 
 def test_merge_keeps_the_saved_run_and_names_both_values():
@@ -71,22 +74,36 @@ def test_open_values_come_from_one_table_and_are_built_as_resolved(
         steps,
         damping,
     )
-    learner = build_learner(resolved)
+    learner = make_learner(algorithm, Conv4(hidden=8), learner_recipe(resolved).arguments)
     assert type(learner) is cls and (learner.inner_lr, learner.inner_steps) == (lr, steps)
-    assert learner_config(resolved)["class"] == cls.__name__
     # Given values win, and are built exactly (no hidden floor or cap).
-    given = resolve_learner_args(
-        {**ARGS, "algorithm": algorithm, "inner_lr": 0.3, "inner_steps": 2}
-    )
-    assert (build_learner(given).inner_lr, build_learner(given).inner_steps) == (0.3, 2)
+    given = learner_recipe(resolve_learner_args({**ARGS, "algorithm": algorithm,
+                                                 "inner_lr": 0.3, "inner_steps": 2}))  # fmt: skip
+    built = make_learner(algorithm, Conv4(hidden=8), given.arguments)
+    assert (built.inner_lr, built.inner_steps) == (0.3, 2)
 
 
-def test_build_learner_refuses_missing_or_open_keys():
-    with pytest.raises(ValueError, match=r"lack \['hidden'\]"):
-        build_learner({k: v for k, v in resolve_learner_args(ARGS).items() if k != "hidden"})
-    with pytest.raises(ValueError, match="are None; pass the args through"):
-        build_learner(ARGS)
-    with pytest.raises(ValueError, match="cg_damping=1.0 is an iMAML setting"):
+def test_the_record_names_every_argument_the_learner_takes():
+    """Every keyword of the learner's signature (its own and MetaLearner's it passes on) is
+    in the record, at its default unless given, and the learner is built with exactly it."""
+    for algorithm, cls in LEARNERS.items():
+        record = learner_recipe(resolve_learner_args({**ARGS, "algorithm": algorithm}))
+        own = inspect.signature(cls.__init__).parameters
+        names = {n for n, p in own.items() if n not in ("self", "model") and p.kind in
+                 (p.KEYWORD_ONLY, p.POSITIONAL_OR_KEYWORD)}  # fmt: skip
+        if any(p.kind is p.VAR_KEYWORD for p in own.values()):
+            base = inspect.signature(MetaLearner.__init__).parameters
+            names |= {n for n in base if n not in ("self", "model")}
+        assert set(record.arguments) == names - set(cls.fixed_arguments), algorithm
+        assert record.arguments["loss_fn"] == "cross_entropy"
+
+
+def test_flags_of_another_algorithm_and_unknown_algorithms_are_refused():
+    with pytest.raises(ValueError, match="--cg-damping is a setting of imaml; drop it for maml"):
         resolve_learner_args({**ARGS, "cg_damping": 1.0})
     with pytest.raises(ValueError, match="unknown algorithm 'mamI'"):
         resolve_learner_args({**ARGS, "algorithm": "mamI"})
+    with pytest.raises(ValueError, match="mamlpp sets its own derivative order"):
+        resolve_learner_args({**ARGS, "algorithm": "mamlpp", "first_order": True})
+    with pytest.raises(ValueError, match="maml takes no argument rank"):
+        complete_arguments("maml", {"rank": 4})

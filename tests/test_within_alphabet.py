@@ -146,12 +146,16 @@ def test_the_presets_parse_to_their_recipes():
     sys.path.insert(0, str(ROOT / "experiments"))
     import omniglot_maml as om
 
-    lake = om.parse_args(["--preset", "cpu-20w1s", "--no-track"])
-    assert (lake.algorithm, lake.ways, lake.shots, lake.split) == ("protomaml", 20, 1, "alphabet")
-    assert (lake.eval_protocol, lake.train_tasks, lake.augment) == (
+    from metalearn.runs.cli import flatten
+
+    lake = flatten(om.parse_args(["--preset", "cpu-20w1s", "--no-track"]))
+    assert (lake["algorithm"], lake["ways"], lake["shots"], lake["split"]) == (
+        "protomaml", 20, 1, "alphabet",
+    )  # fmt: skip
+    assert (lake["eval_protocol"], lake["train_tasks"], lake["augment"]) == (
         "within-alphabet", "within-alphabet", True,
     )  # fmt: skip
-    assert (lake.meta_batch, lake.query, lake.iterations) == (8, 3, 3000)
-    default = om.parse_args(["--no-track"])
-    assert (default.algorithm, default.ways, default.split) == ("protomaml", 5, "maml")
-    assert om.parse_args(["--algorithm", "maml", "--no-track"]).algorithm == "maml"
+    assert (lake["meta_batch"], lake["query"], lake["iterations"]) == (8, 3, 3000)
+    default = flatten(om.parse_args(["--no-track"]))
+    assert (default["algorithm"], default["ways"], default["split"]) == ("protomaml", 5, "maml")
+    assert om.parse_args(["--algorithm", "maml", "--no-track"]).learner.algorithm == "maml"

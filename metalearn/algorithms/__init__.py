@@ -1,26 +1,29 @@
-"""The MAML family on `metalearn.engine.outer`: each algorithm a small `MetaLearner` subclass."""
+"""The MAML family on `metalearn.engine`: each algorithm a small `MetaLearner` subclass, and
+the registry of them by name (`metalearn.algorithms.registry`)."""
 
 from metalearn.algorithms.base import MetaLearner, MetaLossLearner, StepMetrics
-from metalearn.algorithms.build import (
-    ALGORITHM_DEFAULTS,
-    build_learner,
-    learner_config,
-    resolve_learner_args,
-)
 from metalearn.algorithms.imaml import IMAML, IMAMLMetrics, implicit_meta_gradient
 from metalearn.algorithms.lora_maml import LoRAMAML
 from metalearn.algorithms.maml import ANIL, FOMAML, MAML
 from metalearn.algorithms.mamlpp import MAMLpp, msl_weights, multi_step_task_loss
 from metalearn.algorithms.metasgd import MetaSGD
 from metalearn.algorithms.protomaml import ProtoMAML, prototype_head
+from metalearn.algorithms.registry import (
+    ALGORITHMS,
+    LEARNERS,
+    complete_arguments,
+    learner_arguments,
+    make_learner,
+)
 from metalearn.algorithms.reptile import Reptile
 
 __all__ = [
-    "ALGORITHM_DEFAULTS",
+    "ALGORITHMS",
     "ANIL",
     "FOMAML",
     "IMAML",
     "IMAMLMetrics",
+    "LEARNERS",
     "LoRAMAML",
     "MAML",
     "MAMLpp",
@@ -30,11 +33,11 @@ __all__ = [
     "ProtoMAML",
     "Reptile",
     "StepMetrics",
-    "build_learner",
+    "complete_arguments",
     "implicit_meta_gradient",
-    "learner_config",
+    "learner_arguments",
+    "make_learner",
     "msl_weights",
     "multi_step_task_loss",
     "prototype_head",
-    "resolve_learner_args",
 ]

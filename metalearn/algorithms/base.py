@@ -25,6 +25,7 @@ from __future__ import annotations
 import abc
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, replace
+from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -91,7 +92,16 @@ class MetaLearner(nn.Module, abc.ABC):
             differentiated and freed in turn (same meta-gradient, less memory; on a CPU
             also faster, see `metalearn.engine.plan`). ``"auto"`` (default) picks by workload,
             None runs the whole meta-batch as one graph.
+
+    Class attributes:
+        fixed_arguments: `MetaLearner` arguments the subclass decides itself (FOMAML's
+            ``first_order``, ANIL's ``adapt_keys``), so a record of its arguments leaves them
+            out (`metalearn.algorithms.registry`).
+        default_outer_lr: the outer step size `outer_optimizer` takes when given none.
     """
+
+    fixed_arguments: ClassVar[tuple[str, ...]] = ()
+    default_outer_lr: ClassVar[float] = 1e-3
 
     def __init__(
         self,
@@ -162,6 +172,31 @@ class MetaLearner(nn.Module, abc.ABC):
     def plan(self, tasks: Sequence[Task], inner: InnerLoop) -> list[Chunk]:
         """How `backward` and `evaluate` split ``tasks`` and run each chunk."""
         return plan(self.model, tasks, inner, self.vectorize, self.chunk_size)
+
+    # ------------------------------------------------------------------ the outer loop
+
+    def outer_optimizer(self, lr: float | None = None) -> torch.optim.Optimizer:
+        """The optimiser of theta that `backward`'s ``.grad`` is meant for: Adam (Finn et al.,
+        2017, Sec. 5.2), step ``lr`` (None: `default_outer_lr`)."""
+        return torch.optim.Adam(self.parameters(), lr=self.default_outer_lr if lr is None else lr)
+
+    def outer_lr_factor(self, step: int, total: int) -> float:
+        """The outer step size at meta-step ``step`` of ``total``, as a factor of its start.
+
+        Constant (1.0) unless the algorithm anneals it (Reptile). A function of the step
+        alone, so a resumed run continues the schedule where it stopped.
+        """
+        return 1.0
+
+    def schedule(self, step: int, total: int) -> dict[str, float]:
+        """Set what depends on training progress for meta-step ``step`` (0-based) of ``total``.
+
+        The training loop calls it before each meta-step; the learner's state after the call
+        is a function of ``step`` alone (MAML++'s loss weights and derivative order), so a
+        resumed run is where an uninterrupted one would be. Returns the values to log with
+        the step (``{}`` for algorithms with no schedule).
+        """
+        return {}
 
     # ------------------------------------------------------------------ using a learner
 

@@ -250,6 +250,8 @@ class IMAML(MetaLearner):
             not supported; ``vectorize`` must be ``"auto"`` or ``"loop"``.
     """
 
+    fixed_arguments = ("adapt_keys",)
+
     def __init__(
         self,
         model: nn.Module,

@@ -55,6 +55,8 @@ class LoRAMAML(MetaLossLearner):
             is named ``head`` or starts with ``head + "."``.
     """
 
+    fixed_arguments = ("adapt_keys",)
+
     def __init__(
         self,
         model: nn.Module,

@@ -18,6 +18,8 @@ class MAML(MetaLossLearner):
 class FOMAML(MetaLossLearner):
     """First-order MAML (Finn et al., 2017, Sec. 5.2): inner gradients treated as constants."""
 
+    fixed_arguments = ("first_order",)
+
     def __init__(self, model: nn.Module, **kwargs: Any) -> None:
         if kwargs.pop("first_order", True) is not True:
             raise ValueError("FOMAML is first order by definition; use MAML for second order")
@@ -32,6 +34,8 @@ class ANIL(MetaLossLearner):
         head: the prefix of the adapted parameters' names (``"head"`` for `Conv4`).
         **kwargs: as for `metalearn.algorithms.base.MetaLearner`.
     """
+
+    fixed_arguments = ("adapt_keys",)
 
     def __init__(self, model: nn.Module, head: str = "head", **kwargs: Any) -> None:
         keys = [n for n, _ in model.named_parameters() if n == head or n.startswith(head + ".")]

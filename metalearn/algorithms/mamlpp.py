@@ -3,17 +3,24 @@
 What is here, by the paper's names (Sec. 4):
 
 * **MSL**, multi-step loss: the meta-loss of a task is ``sum_s w_s L_query(phi_{s+1})``
-  over the inner steps, with weights annealed from uniform to the last step (`msl_weights`).
+  over the inner steps, with weights annealed from uniform to the last step over the first
+  ``msl_steps`` meta-steps (`msl_weights`).
   `multi_step_task_loss` computes it one inner step at a time; `metalearn.engine.outer` runs it in
   the vmap and loop modes alike (`MAMLpp.task_fn`).
-* **DA**, derivative-order annealing: first order for the first ``first_order_epochs``
-  epochs, exact second order after.
+* **DA**, derivative-order annealing: first order for the first ``first_order_steps``
+  meta-steps, exact second order after.
 * **LSLR**, per-layer per-step learning rates: a learnable ``Tensor[S]`` per adapted
   parameter tensor.
 * **BNWB**, per-step batch-norm weights and biases: each inner step s uses its own copy of
   every `MetaBatchNorm` weight and bias (meta-learned, not adapted in the inner loop).
 * **CA**, cosine annealing of the meta-optimiser's learning rate, is the trainer's business:
   ``torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=epochs, eta_min=...)``.
+
+The schedules are counted in meta-steps, which the training loop hands the learner
+(`MAMLpp.schedule`). The paper's reference code counts epochs of 500 meta-steps and moves
+the weights once per epoch; here they move a little every step, so the weights at step
+``500 e`` are the reference's at epoch ``e``. The defaults are the reference's: 10 epochs of
+MSL (5,000 steps) and 50 of first order (25,000 steps).
 
 **BNRS** (per-step running statistics) does not apply: `MetaBatchNorm` is transductive and
 keeps no running statistics (see `metalearn.models.batch_norm`).
@@ -52,31 +59,32 @@ it (BNWB); an index past the end uses the last entry, an empty sequence replaces
 Give the replaced entries no learning rate: they are meta-learned, not adapted."""
 
 
-def msl_weights(steps: int, epoch: float, msl_epochs: int) -> list[float]:
-    """The multi-step-loss weights of Antoniou et al. (2019, Sec. 4, MSL) at ``epoch``.
+def msl_weights(steps: int, progress: float, msl_steps: int) -> list[float]:
+    """The multi-step-loss weights of Antoniou et al. (2019, Sec. 4, MSL) at ``progress``.
 
-    Uniform ``1/S`` at epoch 0; every non-final weight then falls by ``1/(S * msl_epochs)``
-    per epoch to a floor of ``0.03/S``, and the final weight rises by as much as they lose
+    Uniform ``1/S`` at 0; every non-final weight then falls by ``1/(S * msl_steps)`` per
+    meta-step to a floor of ``0.03/S``, and the final weight rises by as much as they lose
     (to at most ``1 - (S-1) * 0.03/S``), so the weights always sum to 1. This is the
-    reference code's ``get_per_step_loss_importance_vector``.
+    reference code's ``get_per_step_loss_importance_vector`` with its epochs as
+    ``msl_steps`` meta-steps (it is the same function of ``progress / msl_steps``).
 
     Args:
         steps: number of inner steps S (>= 1).
-        epoch: the current epoch (>= 0).
-        msl_epochs: epochs over which the non-final weights decay (>= 1).
+        progress: meta-steps taken (>= 0).
+        msl_steps: meta-steps over which the non-final weights decay (>= 1).
 
     Returns:
         ``[w_0, ..., w_{S-1}]``, the weight of the query loss after each inner step.
     """
-    if steps < 1 or msl_epochs < 1 or epoch < 0:
+    if steps < 1 or msl_steps < 1 or progress < 0:
         raise ValueError(
-            f"msl_weights needs steps >= 1, msl_epochs >= 1 and epoch >= 0, got steps={steps}, "
-            f"msl_epochs={msl_epochs}, epoch={epoch}"
+            f"msl_weights needs steps >= 1, msl_steps >= 1 and progress >= 0, got "
+            f"steps={steps}, msl_steps={msl_steps}, progress={progress}"
         )
-    decay = 1.0 / steps / msl_epochs
+    decay = 1.0 / steps / msl_steps
     floor = 0.03 / steps
-    non_final = max(1.0 / steps - epoch * decay, floor)
-    final = min(1.0 / steps + epoch * (steps - 1) * decay, 1.0 - (steps - 1) * floor)
+    non_final = max(1.0 / steps - progress * decay, floor)
+    final = min(1.0 / steps + progress * (steps - 1) * decay, 1.0 - (steps - 1) * floor)
     return [non_final] * (steps - 1) + [final]
 
 
@@ -198,49 +206,54 @@ def _at(step_params: StepParams, step: int) -> Mapping[str, Tensor]:
 class MAMLpp(MetaLossLearner):
     """MAML++ (Antoniou et al., 2019): MAML with MSL, DA, LSLR and BNWB (see the module).
 
-    The trainer calls ``learner.set_epoch(epoch)`` at the start of every epoch; it drives the
-    MSL weights and the switch from first to second order. Evaluation (`adapt`, `evaluate`)
-    uses the learned per-step rates and batch-norm copies and reports the final step only.
+    The trainer calls ``learner.schedule(step, total)`` before every meta-step; the step
+    drives the MSL weights and the switch from first to second order. Evaluation (`adapt`,
+    `evaluate`) uses the learned per-step rates and batch-norm copies and reports the final
+    step only.
 
     Args:
         model: the network; its parameters are theta.
-        msl_epochs: epochs of multi-step loss; from this epoch on the meta-loss is the last
-            step's query loss alone (as in the reference code). 0: no MSL.
-        first_order_epochs: epochs of first-order meta-gradients before exact second order
-            (DA). 0: second order from the start.
+        msl_steps: meta-steps of multi-step loss; from this step on the meta-loss is the
+            last inner step's query loss alone (as in the reference code). 0: no MSL.
+        first_order_steps: meta-steps of first-order meta-gradients before exact second
+            order (DA). 0: second order from the start.
         per_step_bn: give every inner step its own copy of each `MetaBatchNorm` weight and
             bias (BNWB), initialised from the model's. The copies are meta-learned and not
             adapted in the inner loop; the model's own batch-norm parameters then go unused.
             No effect on a model without `MetaBatchNorm`.
         **kwargs: as for `metalearn.algorithms.base.MetaLearner` (``inner_steps`` S >= 1,
             ``inner_lr`` the initial rate of every layer and step, ``adapt_keys``, ...).
-            ``first_order`` is not accepted: DA decides it from the epoch.
+            ``first_order`` is not accepted: DA decides it from the meta-step.
     """
+
+    fixed_arguments = ("first_order",)
 
     def __init__(
         self,
         model: nn.Module,
         *,
-        msl_epochs: int = 10,
-        first_order_epochs: int = 50,
+        msl_steps: int = 5000,
+        first_order_steps: int = 25000,
         per_step_bn: bool = True,
         **kwargs: Any,
     ) -> None:
         if "first_order" in kwargs:
             raise ValueError(
-                "MAML++ sets the derivative order from the epoch (DA); pass first_order_epochs "
-                "(a large number for first order throughout, 0 for second order) instead"
+                "MAML++ sets the derivative order from the meta-step (DA); pass "
+                "first_order_steps (a large number for first order throughout, 0 for second "
+                "order) instead"
             )
         super().__init__(model, **kwargs)
         if self.inner_steps < 1:
             raise ValueError(f"MAML++ needs inner_steps >= 1, got {self.inner_steps}")
-        if msl_epochs < 0 or first_order_epochs < 0:
+        if msl_steps < 0 or first_order_steps < 0:
             raise ValueError(
-                f"msl_epochs and first_order_epochs must be >= 0, got {msl_epochs} and "
-                f"{first_order_epochs}"
+                f"msl_steps and first_order_steps must be >= 0, got {msl_steps} and "
+                f"{first_order_steps}"
             )
-        self.msl_epochs, self.first_order_epochs = msl_epochs, first_order_epochs
-        self.epoch = 0
+        self.msl_steps, self.first_order_steps = msl_steps, first_order_steps
+        self.per_step_bn = per_step_bn
+        self.step = 0
         params = dict(model.named_parameters())
         bn = batch_norm_names(model) if per_step_bn else []
         if self.adapt_keys is not None and (both := sorted(set(bn) & set(self.adapt_keys))):
@@ -261,21 +274,25 @@ class MAMLpp(MetaLossLearner):
             for n, key in self._bn_keys.items()
         })  # fmt: skip
 
-    def set_epoch(self, epoch: int) -> None:
-        """Set the epoch that drives MSL's weights and DA's derivative order."""
-        if epoch < 0:
-            raise ValueError(f"epoch must be >= 0, got {epoch}")
-        self.epoch = epoch
+    def schedule(self, step: int, total: int) -> dict[str, float]:
+        """Set the meta-step that drives MSL's weights and DA's derivative order; returns
+        ``train/second_order`` (1.0 from ``first_order_steps`` on, else 0.0) and
+        ``train/msl_last_weight`` (the final inner step's weight in the meta-loss)."""
+        if step < 0:
+            raise ValueError(f"step must be >= 0, got {step}")
+        self.step = step
+        return {"train/second_order": float(self.second_order),
+                "train/msl_last_weight": self.step_weights()[-1]}  # fmt: skip
 
     @property
     def second_order(self) -> bool:
-        """Whether the current epoch uses exact second-order meta-gradients (DA)."""
-        return self.epoch >= self.first_order_epochs
+        """Whether the current meta-step uses exact second-order meta-gradients (DA)."""
+        return self.step >= self.first_order_steps
 
     def step_weights(self) -> list[float]:
         """MSL's per-step weights now: `msl_weights`, or all on the last step after MSL."""
-        if self.epoch < self.msl_epochs:
-            return msl_weights(self.inner_steps, self.epoch, self.msl_epochs)
+        if self.step < self.msl_steps:
+            return msl_weights(self.inner_steps, self.step, self.msl_steps)
         return [0.0] * (self.inner_steps - 1) + [1.0]
 
     def learning_rate(self) -> list[dict[str, Tensor]]:

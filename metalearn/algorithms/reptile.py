@@ -7,8 +7,10 @@ paper's Algorithm 2 is::
     theta <- theta + epsilon * mean_i (phi_i - theta)
 
 `Reptile.backward` writes ``mean_i (theta - phi_i)`` into ``.grad``, so that
-``torch.optim.SGD(lr=epsilon).step()`` is exactly that update; any other optimiser (the
-paper mentions Adam) takes the Reptile direction as its gradient.
+``torch.optim.SGD(lr=epsilon).step()`` is exactly that update (`Reptile.outer_optimizer`);
+any other optimiser (the paper mentions Adam) takes the Reptile direction as its gradient.
+The paper's Omniglot and Mini-ImageNet runs (Sec. 6 and Appendix A) start at epsilon = 1.0
+and anneal it linearly to 0 over training (`Reptile.outer_lr_factor`).
 No graph to theta is built: the inner loop is first order by construction.
 """
 
@@ -53,6 +55,8 @@ class Reptile(MetaLearner):
             as the paper notes; meta-learning needs k > 1.
         train_on_query: train the inner loop on support + query (concatenated along dim 0)
             instead of the support set only.
+        anneal: anneal the outer step size linearly to 0 over training (the paper's runs);
+            False keeps it constant.
         **kwargs: as for `MetaLearner` (``adapt_keys``, ``loss_fn``, ``on_nonfinite``).
             ``vectorize`` must be ``"auto"`` or ``"loop"``.
     """
@@ -64,6 +68,7 @@ class Reptile(MetaLearner):
         inner_lr: float = 0.4,
         inner_steps: int = 5,
         train_on_query: bool = False,
+        anneal: bool = True,
         **kwargs: Any,
     ) -> None:
         if kwargs.pop("first_order", True) is not True:
@@ -76,6 +81,20 @@ class Reptile(MetaLearner):
         )
         check_loop_only(self, "Reptile")
         self.train_on_query = train_on_query
+        self.anneal = anneal
+
+    fixed_arguments = ("first_order",)
+    default_outer_lr = 1.0  # the paper's initial outer step size epsilon (Appendix A)
+
+    def outer_optimizer(self, lr: float | None = None) -> torch.optim.Optimizer:
+        """Plain SGD with step epsilon (None: 1.0): exactly Alg. 2's update on `backward`'s
+        ``.grad``."""
+        return torch.optim.SGD(self.parameters(), lr=self.default_outer_lr if lr is None else lr)
+
+    def outer_lr_factor(self, step: int, total: int) -> float:
+        """``1 - step / total`` (epsilon annealed linearly to 0, as in the paper's runs), or
+        1.0 without ``anneal``."""
+        return 1.0 - step / total if self.anneal else 1.0
 
     def backward(self, tasks: Sequence[Task]) -> StepMetrics:
         """Accumulate ``mean_i (theta - phi_i)`` into ``.grad`` of theta.

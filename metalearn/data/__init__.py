@@ -22,12 +22,20 @@ from metalearn.data.augment import (
 from metalearn.data.benchmarks import (
     IMAGE_SET_NAMES,
     IMAGE_SETS,
+    image_format,
     image_set_samplers,
     load_image_set,
 )
 from metalearn.data.cifar import load_cifar_fs, load_fc100
 from metalearn.data.cub import load_cub
-from metalearn.data.folders import IMAGE_SUFFIXES, SupportSet, load_support_folder
+from metalearn.data.decoding import ImageFormat
+from metalearn.data.folders import (
+    IMAGE_SUFFIXES,
+    OMNIGLOT_FORMAT,
+    SupportSet,
+    load_images,
+    load_support_folder,
+)
 from metalearn.data.image_folder import load_image_folder
 from metalearn.data.image_set import IMAGE_SPLITS, ImageSet
 from metalearn.data.interop import from_learn2learn, task_from_l2l_batch
@@ -65,6 +73,7 @@ __all__ = [
     "standard_augmentation",
     "IMAGE_SET_NAMES",
     "IMAGE_SETS",
+    "image_format",
     "image_set_samplers",
     "load_image_set",
     "load_cifar_fs",
@@ -79,6 +88,8 @@ __all__ = [
     "Augmentation",
     "load_tiered_imagenet",
     "IMAGE_SUFFIXES",
+    "ImageFormat",
+    "OMNIGLOT_FORMAT",
     "OMNIGLOT_ZIPS",
     "RESAMPLE_FILTERS",
     "SPLITS",
@@ -95,6 +106,7 @@ __all__ = [
     "download_omniglot",
     "ensure_omniglot",
     "load_omniglot",
+    "load_images",
     "load_support_folder",
     "omniglot_samplers",
     "omniglot_splits",

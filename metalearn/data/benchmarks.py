@@ -28,6 +28,7 @@ import torch
 from metalearn.data.augment import standard_augmentation
 from metalearn.data.cifar import load_cifar_fs, load_fc100
 from metalearn.data.cub import load_cub
+from metalearn.data.decoding import ImageFormat
 from metalearn.data.image_folder import load_image_folder
 from metalearn.data.image_set import IMAGE_SPLITS, ImageSet, check_split
 from metalearn.data.mini_imagenet import load_mini_imagenet
@@ -39,6 +40,7 @@ __all__ = [
     "IMAGE_SETS",
     "IMAGE_SET_NAMES",
     "ImageSetEntry",
+    "image_format",
     "image_options",
     "image_set_samplers",
     "image_shape",
@@ -58,6 +60,7 @@ class ImageSetEntry:
             the others hold fixed arrays (pickles, npz, CIFAR batches).
         grayscale: the loader also reads the images as one channel (its ``channels`` option).
         padding: of the pad-crop augmentation.
+        invert: the images are ink on paper, stored inverted (Omniglot).
     """
 
     load: Callable[..., ImageSet]
@@ -66,6 +69,7 @@ class ImageSetEntry:
     resizable: bool = False
     grayscale: bool = False
     padding: int = 8
+    invert: bool = False
 
 
 def _load_omniglot(root: str | os.PathLike | None, split: str, **options) -> ImageSet:
@@ -86,7 +90,7 @@ IMAGE_SETS: Mapping[str, ImageSetEntry] = {
     "cub": ImageSetEntry(load_cub, "resized-crop", (3, 84), resizable=True),
     "folder": ImageSetEntry(load_image_folder, "resized-crop", (3, 84), resizable=True,
                             grayscale=True),
-    "omniglot": ImageSetEntry(_load_omniglot, "character", (1, 28), resizable=True),
+    "omniglot": ImageSetEntry(_load_omniglot, "character", (1, 28), resizable=True, invert=True),
 }  # fmt: skip
 IMAGE_SET_NAMES = tuple(IMAGE_SETS)
 
@@ -112,6 +116,18 @@ def image_shape(name: str, image_size: int | None = None, channels: int | None =
     """``(channels, side)`` of the images: each one given, else the data set's default."""
     default_channels, side = _entry(name).shape
     return channels or default_channels, image_size or side
+
+
+def image_format(name: str, image_size: int | None = None, channels: int | None = None
+                 ) -> ImageFormat:  # fmt: skip
+    """How data set ``name``'s images are decoded at that shape (None: the set's own).
+
+    Raises:
+        ValueError: an unknown name, or a shape the data set cannot give (`image_options`).
+    """
+    image_options(name, image_size, channels)
+    channels, side = image_shape(name, image_size, channels)
+    return ImageFormat(side, channels, invert=_entry(name).invert)
 
 
 def image_options(name: str, image_size: int | None = None, channels: int | None = None

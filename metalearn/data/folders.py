@@ -1,9 +1,9 @@
 """Image folders as labelled sets: one sub-folder per class, images inside.
 
-A folder laid out as ``folder/<class>/<image>`` becomes a `SupportSet`: the images decoded
-exactly as the Omniglot training cache decodes its PNGs (`decode_image`: grayscale,
-resized, inverted so ink is 1), and one class index per sub-folder in sorted order. It is
-how a deployed learner gets the support set it adapts to (`metalearn.deploy`).
+A folder laid out as ``folder/<class>/<image>`` becomes a `SupportSet`: each image decoded
+by the run's `ImageFormat` (`metalearn.data.decoding`), the code that made its training
+images, and one class index per sub-folder in sorted order. It is how a deployed learner
+gets the support set it adapts to (`metalearn.deploy`).
 """
 
 from __future__ import annotations
@@ -15,56 +15,68 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-from metalearn.data.omniglot import RESAMPLE_FILTERS, decode_image
+from metalearn.data.decoding import ImageFormat
 
-__all__ = ["IMAGE_SUFFIXES", "SupportSet", "class_folders", "load_support_folder"]
+__all__ = [
+    "IMAGE_SUFFIXES",
+    "OMNIGLOT_FORMAT",
+    "SupportSet",
+    "class_folders",
+    "load_support_folder",
+]
 
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".bmp", ".gif", ".tif", ".tiff", ".webp")
+OMNIGLOT_FORMAT = ImageFormat(28, 1, invert=True)
+"""The Omniglot experiments' images: 28 px, grayscale, ink 1 on 0."""
 
 
 class SupportSet(NamedTuple):
     """Labelled images read from a folder (see `load_support_folder`)."""
 
     x: Tensor
-    """Images ``[N, 1, S, S]``, float32 in [0, 1], strokes 1 (Omniglot's convention)."""
+    """Images ``[N, ch, S, S]``, float32 in [0, 1], decoded by the run's `ImageFormat`."""
     y: Tensor
     """Class indices ``[N]`` (int64): ``y == i`` for images of ``class_names[i]``."""
     class_names: tuple[str, ...]
     """The class sub-folders' names, sorted; the class index is the position here."""
+    source_sizes: tuple[tuple[int, int], ...]
+    """Each image's ``(width, height)`` in its file, in the order of ``x``."""
 
 
 def load_support_folder(
     folder: str | os.PathLike,
     *,
-    image_size: int = 28,
-    resample: str = "lanczos",
+    image: ImageFormat = OMNIGLOT_FORMAT,
     ways: int | None = None,
+    mixed_sizes: bool = False,
 ) -> SupportSet:
     """Read a support set: one sub-folder per class, images inside, decoded as in training.
 
-    Each image is converted to grayscale, resized to ``image_size`` square with
-    ``resample`` and inverted (ink 1, paper 0) by the same code that builds the Omniglot
+    Each image is decoded by ``image`` (`ImageFormat.decode`): for the Omniglot format,
+    grayscale, resized and inverted (ink 1, paper 0) by the code that builds the Omniglot
     training cache, so dark strokes on a light background look like Omniglot. Classes are
     the sub-folders in sorted order. Hidden files (``.DS_Store``) are skipped.
+
+    Images whose files differ in size would be squashed to one square by different factors
+    (a 400x60 strip and a 12x12 icon both become ``S x S``), which no training image was:
+    they are refused unless ``mixed_sizes`` says to resize them anyway.
 
     Args:
         folder: ``folder/<class>/<image>``; any image format Pillow reads (see
             `IMAGE_SUFFIXES`).
-        image_size: side in pixels (28 for the Omniglot experiments).
-        resample: ``"lanczos"`` (the training default), ``"bilinear"`` or ``"nearest"``;
-            use what the model was trained with.
+        image: the run's image format (its recipe's ``data.image``).
         ways: the number of classes the model predicts; checked against the sub-folders.
+        mixed_sizes: resize images of different sizes instead of refusing them.
 
     Returns:
-        A `SupportSet`: ``x [N, 1, S, S]``, ``y [N]``, the class names.
+        A `SupportSet`: ``x [N, ch, S, S]``, ``y [N]``, the class names, the files' sizes.
 
     Raises:
         FileNotFoundError: ``folder`` does not exist or is not a folder.
         ValueError: no class sub-folders, files beside them, an empty class, a file that
-            is not an image or cannot be decoded (named), or ``ways`` classes expected.
+            is not an image or cannot be decoded (named), ``ways`` classes expected, or
+            images of different sizes without ``mixed_sizes`` (two of them named).
     """
-    if resample not in RESAMPLE_FILTERS:
-        raise ValueError(f"resample={resample!r}; choose one of {RESAMPLE_FILTERS}")
     root = Path(folder)
     if not root.is_dir():
         raise FileNotFoundError(
@@ -77,12 +89,51 @@ def load_support_folder(
             f"{root} holds {len(entries)} class folders ({', '.join(n for n, _ in entries)}) "
             f"but the model predicts {ways} classes; give exactly {ways} class folders"
         )
-    images, labels = [], []
-    for label, (_, paths) in enumerate(entries):
-        images += [torch.from_numpy(decode_image(str(p), image_size, resample)) for p in paths]
-        labels += [label] * len(paths)
-    x = torch.stack(images).unsqueeze(1).float().div_(255)
-    return SupportSet(x, torch.tensor(labels), tuple(name for name, _ in entries))
+    paths = [path for _, files in entries for path in files]
+    sizes = image_sizes(paths)
+    if not mixed_sizes and len(set(sizes)) > 1:
+        first = paths[0]
+        other = next(p for p, s in zip(paths, sizes) if s != sizes[0])
+        raise ValueError(
+            f"{root} holds images of different sizes ({first.name} is "
+            f"{sizes[0][0]}x{sizes[0][1]}, {other.relative_to(root)} is "
+            f"{sizes[paths.index(other)][0]}x{sizes[paths.index(other)][1]}); each would be "
+            f"squashed to {image.size}x{image.size} differently: crop them to one size, or "
+            "pass mixed_sizes=True (--mixed-sizes) to resize them anyway"
+        )
+    x = load_images(paths, image)
+    labels = [label for label, (_, files) in enumerate(entries) for _ in files]
+    return SupportSet(x, torch.tensor(labels), tuple(name for name, _ in entries), tuple(sizes))
+
+
+def load_images(paths: list[Path], image: ImageFormat = OMNIGLOT_FORMAT) -> Tensor:
+    """Image files decoded by ``image`` as a batch: float32 ``[B, ch, S, S]`` in [0, 1].
+
+    Raises:
+        ValueError: a file that cannot be decoded (named).
+    """
+    return torch.stack([torch.from_numpy(image.decode(p)) for p in paths]).float().div_(255)
+
+
+def image_sizes(paths: list[Path]) -> list[tuple[int, int]]:
+    """Each file's ``(width, height)``, read from its header.
+
+    Raises:
+        ValueError: a file Pillow cannot open (named).
+    """
+    from PIL import Image
+
+    sizes = []
+    for path in paths:
+        try:
+            with Image.open(path) as img:
+                sizes.append(img.size)
+        except Exception as err:  # any reader failure: name the file
+            raise ValueError(
+                f"cannot decode {path} ({type(err).__name__}: {err}); the file is corrupt or "
+                "not an image: replace or remove it"
+            ) from None
+    return sizes
 
 
 def class_folders(folder: Path) -> list[tuple[str, list[Path]]]:

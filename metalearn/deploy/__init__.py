@@ -2,9 +2,11 @@
 
 The pipeline, one function per step (``scripts/export_adapted.py`` is the command line)::
 
-    learner, args = load_learner("runs/maml-5w1s-seed0/checkpoint.pt", which="best")
-    support = load_support_folder("my_support/", ways=args["ways"])   # one folder per class
-    params = adapt_to_support(learner, support.x, support.y, steps=args["eval_inner_steps"])
+    learner, recipe = load_learner("runs/maml-5w1s-seed0/checkpoint.pt", which="best")
+    support = load_support_folder("my_support/", image=recipe.data.image,  # as in training
+                                  ways=recipe.model.ways)                  # a folder per class
+    params = adapt_to_support(learner, support.x, support.y,
+                              steps=recipe.training.eval_inner_steps)
     model = adapted_model(learner, params, support_x=support.x)   # an ordinary nn.Module
     export_adapted(model, support.x, "adapted.pt2", metadata={"classes": support.class_names})
     program, meta = load_exported("adapted.pt2")
@@ -41,7 +43,12 @@ from metalearn.deploy.latency import latency_table, latency_table_path, measure_
 from metalearn.deploy.model import FrozenBatchNorm, adapted_model
 from metalearn.deploy.pipeline import ExportReport, export_from_checkpoint
 from metalearn.deploy.predict import Prediction, predict
-from metalearn.deploy.run_checkpoint import is_run_checkpoint, load_learner, read_run_checkpoint
+from metalearn.deploy.run_checkpoint import (
+    is_run_checkpoint,
+    learner_from,
+    load_learner,
+    read_run_checkpoint,
+)
 from metalearn.deploy.tensorrt import check_tensorrt, compile_tensorrt
 
 __all__ = [
@@ -62,6 +69,7 @@ __all__ = [
     "is_aot_package",
     "is_run_checkpoint",
     "latency_table",
+    "learner_from",
     "latency_table_path",
     "load_aot",
     "load_exported",

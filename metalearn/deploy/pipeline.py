@@ -78,7 +78,7 @@ def export_from_checkpoint(
     steps: int | None = None,
     norm: Literal["support", "transductive"] = "support",
     dynamic_batch: bool = True,
-    resample: str = "lanczos",
+    mixed_sizes: bool = False,
     device: torch.device | str = "cpu",
     overwrite: bool = False,
     aot: bool = False,
@@ -88,14 +88,16 @@ def export_from_checkpoint(
     """Load, adapt on a support folder, export, reload and compare: the whole pipeline.
 
     Args:
-        checkpoint: an Omniglot experiment checkpoint (see `load_learner`).
-        support_folder: one sub-folder of images per class (see `load_support_folder`).
+        checkpoint: a run's checkpoint, of either experiment (see `load_learner`).
+        support_folder: one sub-folder of images per class (see `load_support_folder`),
+            decoded as the run's training images were (its recipe's ``data.image``).
         out: the ``.pt2`` to write.
         which: ``"best"`` or ``"last"`` weights.
         steps: inner steps (None: the run's ``eval_inner_steps``, as its test used).
         norm: batch norm at inference, see `adapted_model`.
         dynamic_batch: the program takes any batch size.
-        resample: image resizing filter (the experiment trains with ``"lanczos"``).
+        mixed_sizes: resize support images of different sizes instead of refusing them
+            (recorded in the program's metadata).
         device: where to adapt (the program is exported for it).
         overwrite: replace existing outputs (never a training checkpoint).
         aot: also compile the program with AOTInductor (`aot_package_path` of ``out``).
@@ -113,15 +115,19 @@ def export_from_checkpoint(
     """
     aot_path, latency_path = _check_outputs(checkpoint, out, aot, tensorrt, latency_repeats,
                                             overwrite)  # fmt: skip
-    learner, args = load_learner(checkpoint, which=which, device=device)
-    support = load_support_folder(support_folder, resample=resample, ways=args["ways"])
+    learner, recipe = load_learner(checkpoint, which=which, device=device)
+    image = recipe.data.image
+    support = load_support_folder(support_folder, image=image, ways=recipe.model.ways,
+                                  mixed_sizes=mixed_sizes)  # fmt: skip
     x, y = support.x.to(device), support.y.to(device)
-    steps = args.get("eval_inner_steps", learner.inner_steps) if steps is None else steps
+    steps = recipe.training.eval_inner_steps if steps is None else steps
     params = adapt_to_support(learner, x, y, steps=steps)
     model = adapted_model(learner, params, norm=norm, support_x=x)
     meta = {"class_names": list(support.class_names), "norm": norm, "steps": steps,
-            "algorithm": args["algorithm"], "which": which, "checkpoint": str(checkpoint),
-            "image_size": int(x.shape[-1]), "resample": resample}  # fmt: skip
+            "algorithm": recipe.learner.algorithm, "which": which, "checkpoint": str(checkpoint),
+            "dataset": recipe.data.dataset, "image_size": image.size, "channels": image.channels,
+            "invert": image.invert, "resample": image.resample,
+            "mixed_sizes": mixed_sizes}  # fmt: skip
     path = export_adapted(
         model, x, out, dynamic_batch=dynamic_batch, metadata=meta, overwrite=overwrite
     )

@@ -13,12 +13,14 @@ dict, batched over tasks with `torch.func.vmap` and differentiated to second ord
   ANIL adapts ``head.*`` only by passing those keys.
 """
 
+from metalearn.models.backbones import BACKBONES, build_backbone
 from metalearn.models.conv4 import Conv4, ConvBlock
 from metalearn.models.mlp import MLP
 from metalearn.models.norm import MetaBatchNorm, batch_norm
 from metalearn.models.resnet12 import ResidualBlock, ResNet12
 
 __all__ = [
+    "BACKBONES",
     "MLP",
     "Conv4",
     "ConvBlock",
@@ -26,4 +28,5 @@ __all__ = [
     "ResNet12",
     "ResidualBlock",
     "batch_norm",
+    "build_backbone",
 ]

@@ -1,88 +1,118 @@
-"""A typed command line from an experiment's argument dataclass.
+"""A typed command line from an argument dataclass, parsed by tyro.
 
-Each field becomes ``--field-name`` (``--field_name`` too, the form ``wandb agent`` passes:
-``--inner_lr=0.3``); its type drives parsing (``bool`` fields become
-``--flag`` / ``--no-flag``, ``Literal`` fields get choices, ``X | None`` accepts ``none``),
-and the string literal under each field is its ``--help`` text, so the dataclass stays the
-one place an argument is documented. A mistyped flag is answered with the closest ones.
+Each leaf field of the dataclass is a flag named after it, ``--field-name`` (``--field_name``
+too, the form ``wandb agent`` passes: ``--inner_lr=0.3``), whatever group it sits in: an
+experiment's arguments are nested dataclasses (data, model, learner, training, tracking,
+system), which ``--help`` shows as groups, and every leaf name is unique, so the flags stay
+flat (tyro's ``OmitArgPrefixes``). The string literal under each field is its help text.
+Types drive parsing: ``bool`` fields are ``--flag`` / ``--no-flag`` and also take
+``--flag=True`` / ``--flag=False`` (what a W&B sweep passes), ``Literal`` fields take their
+choices, ``X | None`` takes ``None`` (or ``none``).
 
-Why not tyro (measured with tyro 1.0.17): it parses ``--inner_lr=0.3`` and suggests flags
-for typos too, but its preset helper, ``tyro.extras.overridable_config_cli``, takes the
-preset as a positional subcommand (``omniglot_maml.py paper-5w1s``) and refuses the
-``--preset paper-5w1s`` form every documented command line uses, and a resumed run needs
-the saved arguments as the defaults (``base=``), which this module does in one line.
+Defaults come from an instance: a preset applied to the dataclass's defaults (``--preset
+NAME``, read from the command line first so ``--preset X --help`` shows X's values), or a
+resumed run's saved arguments (``base=``). A mistake is one line on stderr and exit code 2:
+an unknown flag is answered with the closest known ones.
+
+Flat names are also how the rest of a run speaks of its arguments: presets, checkpoints, the
+W&B config, ``--resume`` and ``scripts/grid.py`` use `flatten` / `unflatten`.
 """
 
 from __future__ import annotations
 
-import argparse
-import ast
+import contextlib
 import dataclasses
 import difflib
-import inspect
+import io
+import sys
 import types
 import typing
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any, TypeVar
 
-__all__ = ["field_docs", "parse_dataclass"]
+__all__ = ["flag", "flat_fields", "flatten", "parse_dataclass", "replace_flat", "unflatten"]
 
 T = TypeVar("T")
 
 
-def field_docs(cls: type) -> dict[str, str]:
-    """The docstring written under each field of a dataclass, read from its source."""
-    try:
-        body = ast.parse(inspect.getsource(cls)).body[0].body
-    except (OSError, TypeError, IndexError):
-        return {}
-    docs = {}
-    for node, nxt in zip(body, body[1:]):
-        if (
-            isinstance(node, ast.AnnAssign)
-            and isinstance(node.target, ast.Name)
-            and isinstance(nxt, ast.Expr)
-            and isinstance(nxt.value, ast.Constant)
-            and isinstance(nxt.value.value, str)
-        ):
-            docs[node.target.id] = " ".join(nxt.value.value.split())
-    return docs
+def flat_fields(cls: type) -> dict[str, tuple[str, ...]]:
+    """Each leaf field's name -> its path through the nested dataclasses of ``cls``.
+
+    Raises:
+        TypeError: two leaves share a name (flags would be ambiguous).
+    """
+    paths: dict[str, tuple[str, ...]] = {}
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        tp = hints[f.name]
+        if dataclasses.is_dataclass(tp):
+            for name, path in flat_fields(tp).items():
+                _add(paths, name, (f.name, *path))
+        else:
+            _add(paths, f.name, (f.name,))
+    return paths
 
 
-def _converter(tp: Any) -> tuple[Any, list[Any] | None]:
-    """(parse function, choices) for a field's resolved type."""
-    origin, args = typing.get_origin(tp), typing.get_args(tp)
-    if origin in (typing.Union, types.UnionType) and type(None) in args:
-        inner = next(a for a in args if a is not type(None))
-        parse, choices = _converter(inner)
-
-        def optional(text: str) -> Any:
-            return None if text.lower() == "none" else parse(text)
-
-        optional.__name__ = getattr(parse, "__name__", "value")  # argparse's error names it
-
-        return optional, choices
-    if origin is typing.Literal:
-        return type(args[0]), list(args)
-    if tp in (int, float, str):
-        return tp, None
-    raise TypeError(f"unsupported argument type {tp!r}; use int, float, str, bool, Literal")
+def _add(paths: dict[str, tuple[str, ...]], name: str, path: tuple[str, ...]) -> None:
+    if name in paths:
+        raise TypeError(f"argument {name!r} appears twice ({paths[name]} and {path})")
+    paths[name] = path
 
 
-class _Parser(argparse.ArgumentParser):
-    """argparse that answers an unknown flag with the closest known ones."""
+def flatten(obj: Any) -> dict[str, Any]:
+    """A (nested) argument dataclass instance as ``{leaf name: value}``."""
+    flat: dict[str, Any] = {}
+    for f in dataclasses.fields(obj):
+        value = getattr(obj, f.name)
+        if dataclasses.is_dataclass(value) and not isinstance(value, type):
+            flat.update(flatten(value))
+        else:
+            flat[f.name] = value
+    return flat
 
-    def error(self, message: str) -> None:  # type: ignore[override]
-        if message.startswith("unrecognized arguments:"):
-            known = [s for a in self._actions for s in a.option_strings if "_" not in s]
-            hints = []
-            for word in message.split(":", 1)[1].split():
-                flag = word.split("=", 1)[0].replace("_", "-")
-                if flag.startswith("--"):
-                    close = difflib.get_close_matches(flag, known, n=3, cutoff=0.6)
-                    hints += [f"{flag}: did you mean {' or '.join(close)}?"] if close else []
-            message = "; ".join([message, *hints])
-        super().error(message)
+
+def unflatten(cls: type[T], flat: Mapping[str, Any], base: T | None = None) -> T:
+    """An instance of ``cls`` with the leaves in ``flat`` set, the rest from ``base`` (or the
+    dataclass defaults).
+
+    Raises:
+        ValueError: a name that is not a leaf of ``cls`` (named, with the closest ones).
+    """
+    paths = flat_fields(cls)
+    if unknown := [k for k in flat if k not in paths]:
+        hints = [f"did you mean {' or '.join(c)}?" for k in unknown
+                 if (c := difflib.get_close_matches(k, list(paths), n=2))]  # fmt: skip
+        raise ValueError(f"unknown argument {', '.join(unknown)}; {' '.join(hints)}".strip("; "))
+    return _build(cls, {k: flat[k] for k in flat}, paths, base)
+
+
+def _build(cls: type, flat: Mapping[str, Any], paths: Mapping, base: Any) -> Any:
+    hints = typing.get_type_hints(cls)
+    values = {}
+    for f in dataclasses.fields(cls):
+        tp = hints[f.name]
+        inner_base = getattr(base, f.name) if base is not None else None
+        if dataclasses.is_dataclass(tp):
+            values[f.name] = _build(tp, flat, paths, inner_base)
+        elif f.name in flat:
+            values[f.name] = flat[f.name]
+        elif base is not None:
+            values[f.name] = inner_base
+    if base is None:
+        defaults = cls()
+        for f in dataclasses.fields(cls):
+            values.setdefault(f.name, getattr(defaults, f.name))
+    return cls(**values)
+
+
+def replace_flat(obj: T, **changes: Any) -> T:
+    """``obj`` with the named leaves changed (`dataclasses.replace` through the groups)."""
+    return unflatten(type(obj), changes, base=obj)
+
+
+def flag(name: str) -> str:
+    """The flag of a leaf field: ``inner_lr`` -> ``--inner-lr``."""
+    return "--" + name.replace("_", "-")
 
 
 def parse_dataclass(
@@ -93,56 +123,133 @@ def parse_dataclass(
     presets: Mapping[str, Mapping[str, Any]] | None = None,
     base: T | None = None,
 ) -> T:
-    """Parse ``argv`` into an instance of the dataclass ``cls``.
+    """Parse ``argv`` into an instance of the (nested) dataclass ``cls``.
 
     Args:
-        cls: a dataclass whose fields all have defaults.
+        cls: a dataclass whose fields all have defaults; nested dataclasses are groups.
         argv: the arguments (``sys.argv[1:]`` when None).
         description: ``--help``'s opening text.
-        presets: named groups of field values, applied when ``cls`` has a ``preset`` field
+        presets: named groups of leaf values, applied when ``cls`` has a ``preset`` leaf
             naming one (``--preset NAME``); flags given on the command line win over it.
         base: an instance whose values stand in for the defaults (a resumed run's saved
             arguments): only the flags given change it, and no preset is applied.
 
     Returns:
-        The dataclass instance.
+        The dataclass instance. A bad command line prints one line and exits with code 2.
     """
+    import tyro
+
+    argv = list(sys.argv[1:] if argv is None else argv)
+    default = base if base is not None else _preset_default(cls, argv, presets)
+    argv = _normalised(cls, argv)
+    if not {"-h", "--help"} & set(argv):
+        _check_flags(cls, argv)
+    captured = io.StringIO()
+    try:
+        with _redirect_errors(captured, argv):
+            return tyro.cli(tyro.conf.OmitArgPrefixes[cls], args=argv, default=default,
+                            description=description)  # fmt: skip
+    except SystemExit as stop:
+        if stop.code not in (0, None):
+            _fail(_one_line(captured.getvalue()))
+        raise
+
+
+@contextlib.contextmanager
+def _redirect_errors(buffer: io.StringIO, argv: Sequence[str]) -> Iterator[None]:
+    """Collect tyro's error panel (``--help`` still prints)."""
+    if {"-h", "--help"} & set(argv):
+        yield
+        return
+    with contextlib.redirect_stderr(buffer), contextlib.redirect_stdout(buffer):
+        yield
+
+
+def _preset_default(cls: type, argv: Sequence[str], presets: Mapping | None) -> Any:
+    """The defaults under the preset named on the command line (or the field's default)."""
+    default = cls()
+    paths = flat_fields(cls)
+    if not presets or "preset" not in paths:
+        return default
+    name = flatten(default)["preset"]
+    for i, arg in enumerate(argv):
+        if arg == "--preset" and i + 1 < len(argv):
+            name = argv[i + 1]
+        elif arg.startswith("--preset="):
+            name = arg.split("=", 1)[1]
+    if name not in presets:  # refused by the parser's choices
+        return default
+    return unflatten(cls, {**presets[name], "preset": name}, base=default)
+
+
+def _leaf_types(cls: type) -> dict[str, Any]:
+    types_: dict[str, Any] = {}
     hints = typing.get_type_hints(cls)
-    docs = field_docs(cls)
-    defaults = _defaults(cls, argv, presets, base)
-    parser = _Parser(description=description)
     for f in dataclasses.fields(cls):
-        flags = ["--" + f.name.replace("_", "-")] + (["--" + f.name] if "_" in f.name else [])
-        # argparse %-formats help strings: a literal "95%" must reach it as "95%%".
-        help_text = f"{docs.get(f.name, '')} (default: {defaults[f.name]})".replace("%", "%%")
-        if hints[f.name] is bool:
-            action: dict[str, Any] = {"action": argparse.BooleanOptionalAction}
+        tp = hints[f.name]
+        if dataclasses.is_dataclass(tp):
+            types_.update(_leaf_types(tp))
         else:
-            parse, choices = _converter(hints[f.name])
-            action = {"type": parse, "choices": choices}
-        parser.add_argument(*flags, **action, default=defaults[f.name], help=help_text,
-                            dest=f.name)  # fmt: skip
-    return cls(**vars(parser.parse_args(argv)))
+            types_[f.name] = tp
+    return types_
 
 
-def _defaults(
-    cls: type,
-    argv: Sequence[str] | None,
-    presets: Mapping[str, Mapping[str, Any]] | None,
-    base: Any,
-) -> dict[str, Any]:
-    """Each field's value when its flag is not given: ``base``'s, else the field default
-    under the chosen preset (read from ``argv`` first, so ``--preset X --help`` shows X)."""
-    if base is not None:
-        return {f.name: getattr(base, f.name) for f in dataclasses.fields(cls)}
-    defaults = {
-        f.name: f.default if f.default is not dataclasses.MISSING else f.default_factory()
-        for f in dataclasses.fields(cls)
-    }
-    if presets and "preset" in defaults:
-        pre = argparse.ArgumentParser(add_help=False)
-        pre.add_argument("--preset", default=defaults["preset"])
-        name = pre.parse_known_args(argv)[0].preset
-        if name in presets:  # an unknown name is refused by the full parser's choices
-            defaults.update(presets[name], preset=name)
-    return defaults
+def _optional(tp: Any) -> bool:
+    origin = typing.get_origin(tp)
+    return origin in (typing.Union, types.UnionType) and type(None) in typing.get_args(tp)
+
+
+def _normalised(cls: type, argv: Sequence[str]) -> list[str]:
+    """``--flag=True``/``--flag=False`` as ``--flag``/``--no-flag``, ``none`` as ``None``."""
+    leaf = {flag(n): tp for n, tp in _leaf_types(cls).items()}
+    leaf.update({"--" + n: tp for n, tp in _leaf_types(cls).items()})
+    out: list[str] = []
+    for i, arg in enumerate(argv):
+        name, eq, value = arg.partition("=")
+        tp = leaf.get(name)
+        if tp is bool and eq:
+            if value.lower() not in ("true", "false"):
+                _fail(f"{arg}: {name} is a switch; give {name}=True or {name}=False, or "
+                      f"{flag(name[2:])} / --no-{name[2:].replace('_', '-')}")  # fmt: skip
+            out.append(name if value.lower() == "true" else "--no-" + name[2:].replace("_", "-"))
+        elif tp is not None and _optional(tp) and eq and value == "none":
+            out.append(f"{name}=None")
+        elif arg == "none" and i > 0 and _optional(leaf.get(argv[i - 1], int)):
+            out.append("None")
+        else:
+            out.append(arg)
+    return out
+
+
+def _check_flags(cls: type, argv: Sequence[str]) -> None:
+    """Refuse an unknown flag in one line, with the closest known ones."""
+    names = _leaf_types(cls)
+    known = {flag(n) for n in names} | {"--" + n for n in names}
+    known |= {"--no-" + n.replace("_", "-") for n, tp in names.items() if tp is bool}
+    for arg in argv:
+        if not arg.startswith("--"):
+            continue
+        name = arg.split("=", 1)[0]
+        if name not in known:
+            shown = sorted(k for k in known if "_" not in k)
+            close = difflib.get_close_matches(name.replace("_", "-"), shown, n=3, cutoff=0.6)
+            hint = f"; did you mean {' or '.join(close)}?" if close else "; see --help"
+            _fail(f"unknown option {name}{hint}")
+
+
+def _one_line(text: str) -> str:
+    """tyro's error panel as one line: its message, without the help pointers."""
+    lines = [ln.strip(" │╭╮╰╯─-") for ln in text.splitlines()]
+    kept = []
+    for line in lines:
+        if line.startswith(("For full helptext", "Argument helptext")):
+            break
+        if line:
+            kept.append(line)
+    return " ".join(kept[1:] or kept) or "invalid command line; see --help"
+
+
+def _fail(message: str) -> typing.NoReturn:
+    prog = sys.argv[0].rsplit("/", 1)[-1] or "metalearn"
+    print(f"{prog}: error: {message}", file=sys.stderr)
+    raise SystemExit(2)

@@ -1,25 +1,24 @@
-"""A meta-training experiment: arguments, resume, train loop, validation, test, W&B, main.
+"""A meta-training experiment: arguments, recipe, resume, train loop, validation, test, W&B.
 
-What differs between experiments (their arguments, data and network) is an `Experiment`;
-everything else is here, once, so every experiment resumes, logs, validates, tests and
-refuses bad input the same way::
+What differs between experiments (their own argument groups, presets and refusals) is an
+`Experiment`; everything else is here, once, so every experiment resumes, logs, validates,
+tests and refuses bad input the same way::
 
-    EXPERIMENT = Experiment(Args, __doc__, PRESETS, RESUMABLE, make_samplers, make_learner,
-                            dataset=lambda args: "omniglot")
+    EXPERIMENT = Experiment("omniglot_maml", Args, __doc__, PRESETS, check=check_args)
     run_cli(lambda args: main(EXPERIMENT, args), lambda: parse_args(EXPERIMENT))
 
-The argument dataclass holds the common fields the functions below read (``algorithm``,
-``ways``, ``shots``, ``query``, ``eval_query``, ``meta_batch``, ``iterations``, the learner
-values, ``val_every``, ``val_tasks``, ``test_tasks``, ``checkpoint_every``, ``seed``,
-``out_dir``, ``run_name``, ``resume``, ``curvature_every``, ``curvature_tasks``,
-``compile``, the W&B and device fields) and its own. A run is its arguments: they are
-checked before any data loads, the open ones are resolved once (`resolve_args`), and the
-result is what W&B and the checkpoint record. `metalearn.runs.lifecycle` says how no logged metric is
-lost across a kill and resume. With ``curvature_every`` N > 0, every N meta-steps the train
-loop measures the curvature of the support and meta losses on fixed probe tasks
-(`measure_curvature`) and logs it under ``curv/`` with the step's other metrics. With
-``compile``, the training meta-steps compute the meta-gradient under ``torch.compile``
-(`meta_gradient`); validation and test stay eager.
+A run is its arguments (`metalearn.runs.arguments`): they are checked before any data
+loads, the open ones are resolved once (`resolve_args`), and the resolved arguments become
+the run's `metalearn.runs.recipe.Recipe`, from which the data, the learner and its outer
+optimiser are built. The checkpoint and the W&B config hold both the flat arguments and the
+recipe; `metalearn.runs.lifecycle` says how no logged metric is lost across a kill and
+resume. Before each meta-step the loop hands the learner the step (`MetaLearner.schedule`,
+`MetaLearner.outer_lr_factor`), so whatever depends on training progress (MAML++'s loss
+weights and derivative order, Reptile's annealed step) is a function of the step. With
+``curvature_every`` N > 0, every N meta-steps the loop measures the curvature of the
+support and meta losses on fixed probe tasks (`measure_curvature`). With ``compile``, the
+training meta-steps compute the meta-gradient under ``torch.compile`` (`meta_gradient`);
+validation and test stay eager.
 
 Under ``torchrun`` each rank computes the meta-gradient of its share of every meta-batch
 (`metalearn.distributed`); every rank draws the same global meta-batch, so N processes
@@ -31,6 +30,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import math
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -42,24 +42,43 @@ from tqdm import tqdm
 
 from metalearn import distributed, tune_malloc
 from metalearn.algorithms import MetaLearner, MetaLossLearner, StepMetrics
-from metalearn.algorithms.build import learner_config, resolve_learner_args
-from metalearn.checkpoint import load_checkpoint, save_checkpoint
-from metalearn.runs.cli import parse_dataclass
 from metalearn.algorithms.compiled import CompiledMetaGradient
-from metalearn.data import EpisodicSampler
-from metalearn.runs.evaluation import TEST_SEED, VAL_SEED, evaluate_tasks
 from metalearn.algorithms.curvature import PROBE_SEED, meta_curvature, support_curvature
-from metalearn.runs.lifecycle import RunState, Stopped, UserError, merge_resumed_args, require, signals_held
+from metalearn.checkpoint import load_checkpoint, save_checkpoint
+from metalearn.data import EpisodicSampler
 from metalearn.engine import Task
+from metalearn.runs.cli import flag, flatten, parse_dataclass, unflatten
+from metalearn.runs.evaluation import TEST_SEED, VAL_SEED, evaluate_tasks
+from metalearn.runs.lifecycle import (
+    RunState,
+    Stopped,
+    UserError,
+    merge_resumed_args,
+    require,
+    signals_held,
+)
+from metalearn.runs.recipe import (
+    Recipe,
+    build_learner,
+    build_samplers,
+    read_recipe,
+    recipe_from_args,
+    resolve_learner_args,
+    upgrade_args,
+    with_resumed,
+)
+from metalearn.runs.seeding import seed_everything
 from metalearn.runs.tracking import graceful_shutdown, init_run, log_model, run_group
 
 __all__ = [
+    "RESUMABLE",
     "Experiment",
     "check_args",
     "checkpoint_path",
     "default_run_name",
     "main",
-    "make_optimizer",
+    "make_learner",
+    "make_samplers",
     "measure_curvature",
     "meta_gradient",
     "meta_step",
@@ -74,16 +93,26 @@ __all__ = [
 MetaGradient = Callable[[Sequence[Task]], StepMetrics]
 """Fills ``.grad`` of a learner's parameters with a meta-batch's meta-gradient."""
 
+# What --resume may change: how long, where, how fast and with how much memory the run goes
+# on (compiling, checkpointing and chunking compute the same meta-gradient), not what it
+# computes.
+RESUMABLE = (
+    "iterations", "checkpoint_every", "gradient_checkpointing", "chunk_size", "compile",
+    "device", "threads", "tune_malloc", "track", "wandb_mode", "wandb_group", "log_model",
+    "dist_timeout", "data_root", "out_dir", "resume",
+)  # fmt: skip
 _AT_LEAST_ONE = (
     "ways", "shots", "query", "eval_query", "meta_batch", "iterations", "hidden",
-    "val_every", "val_tasks", "test_tasks", "checkpoint_every", "inner_steps", "curvature_tasks",
+    "val_every", "val_tasks", "test_tasks", "checkpoint_every", "inner_steps",
+    "curvature_tasks", "chunk_size", "msl_steps", "lora_rank",
 )  # fmt: skip
 
 
 def default_run_name(args: Any) -> str:
     """``algorithm-NwKs-lrLR-stepsS-seedS``: the values a grid usually varies."""
-    return (f"{args.algorithm}-{args.ways}w{args.shots}s-lr{args.inner_lr:g}-"
-            f"steps{args.inner_steps}-seed{args.seed}")  # fmt: skip
+    a = flatten(args)
+    return (f"{a['algorithm']}-{a['ways']}w{a['shots']}s-lr{a['inner_lr']:g}-"
+            f"steps{a['inner_steps']}-seed{a['seed']}")  # fmt: skip
 
 
 def _no_check(args: Any) -> None:
@@ -103,27 +132,20 @@ class Experiment:
     """What one experiment adds to the shared run.
 
     Attributes:
-        args_type: the argument dataclass (the common fields, see the module docstring).
+        name: the experiment's name (``experiments/<name>.py``), recorded in its recipes.
+        args_type: its arguments (a subclass of `metalearn.runs.arguments.ExperimentArgs`).
         description: ``--help``'s opening text.
-        presets: named groups of argument values (``--preset NAME``).
-        resumable: the fields ``--resume`` may change (how long and where, not what).
-        make_samplers: ``args -> {"train", "test"[, "val"]: EpisodicSampler}``; validation
-            and test samplers draw ``eval_query`` queries. Raises `UserError` on missing data.
-        make_learner: ``args -> MetaLearner``, seeded by ``args.seed``, on ``args.device``.
-        dataset: ``args -> name`` for the W&B config and tags.
+        presets: named groups of flat argument values (``--preset NAME``).
         check: the experiment's own refusals, run after the shared ones (`UserError`).
         resolve: fills the experiment's own open values (before the learner's are filled).
         run_name: ``args -> name`` of a run not given ``--run-name``.
         tags: ``args -> extra W&B tags`` (after algorithm, dataset and NwKs).
     """
 
+    name: str
     args_type: type
     description: str
     presets: Mapping[str, Mapping[str, Any]]
-    resumable: tuple[str, ...]
-    make_samplers: Callable[[Any], dict[str, EpisodicSampler]]
-    make_learner: Callable[[Any], MetaLearner]
-    dataset: Callable[[Any], str]
     check: Callable[[Any], None] = _no_check
     resolve: Callable[[Any], Any] = _unchanged
     run_name: Callable[[Any], str] = default_run_name
@@ -135,111 +157,165 @@ class Experiment:
 
 def check_args(exp: Experiment, args: Any) -> None:
     """Refuse values that would fail later (or silently do nothing), before any data loads."""
+    a = flatten(args)
     for name in _AT_LEAST_ONE:
-        value = getattr(args, name)
-        require(value is None or value >= 1, f"{_flag(name)} {value}: must be at least 1")
-    require(args.ways >= 2, f"--ways {args.ways}: a task needs at least 2 classes")
+        value = a.get(name)
+        require(value is None or value >= 1, f"{flag(name)} {value}: must be at least 1")
+    require(a["ways"] >= 2, f"--ways {a['ways']}: a task needs at least 2 classes")
     for name in ("inner_lr", "outer_lr", "dist_timeout"):
-        value = getattr(args, name)
-        require(value is None or value > 0, f"{_flag(name)} {value}: must be positive")
-    require(args.cg_damping is None or args.cg_damping >= 0,
-            f"--cg-damping {args.cg_damping}: must be >= 0")  # fmt: skip
-    require(args.eval_inner_steps >= 0, f"--eval-inner-steps {args.eval_inner_steps}: must be >= 0")
-    require(args.curvature_every >= 0,
-            f"--curvature-every {args.curvature_every}: must be >= 0 (0: off)")  # fmt: skip
-    require(
-        args.threads >= 0, f"--threads {args.threads}: must be at least 1, or 0 for torch's default"
-    )
-    require(0 <= args.seed < 2**32, f"--seed {args.seed}: must be in [0, 2**32)")
+        value = a[name]
+        require(value is None or (math.isfinite(value) and value > 0),
+                f"{flag(name)} {value}: must be a positive finite number")  # fmt: skip
+    require(a["cg_damping"] is None or (math.isfinite(a["cg_damping"]) and a["cg_damping"] >= 0),
+            f"--cg-damping {a['cg_damping']}: must be >= 0 and finite")  # fmt: skip
+    for name in ("eval_inner_steps", "curvature_every", "first_order_steps"):
+        require(a[name] is None or a[name] >= 0, f"{flag(name)} {a[name]}: must be >= 0")
+    require(a["threads"] >= 0,
+            f"--threads {a['threads']}: must be at least 1, or 0 for torch's default")  # fmt: skip
+    require(0 <= a["seed"] < 2**32, f"--seed {a['seed']}: must be in [0, 2**32)")
     exp.check(args)
-
-
-def _flag(name: str) -> str:
-    return "--" + name.replace("_", "-")
 
 
 def resolve_args(exp: Experiment, args: Any) -> Any:
     """Checked ``args`` with the open values and the run name filled in."""
     check_args(exp, args)
     try:
-        resolved = exp.args_type(**resolve_learner_args(dataclasses.asdict(exp.resolve(args))))
+        flat = resolve_learner_args(flatten(exp.resolve(args)))
     except ValueError as err:
         raise UserError(str(err)) from None
-    if resolved.run_name is None:
-        resolved.run_name = exp.run_name(resolved)
+    resolved = unflatten(exp.args_type, flat)
+    if resolved.tracking.run_name is None:
+        resolved.tracking.run_name = exp.run_name(resolved)
     return resolved
 
 
-def checkpoint_path(args: Any) -> Path:
-    return Path(args.out_dir) / str(args.run_name) / "checkpoint.pt"
-
-
-def start_from(exp: Experiment, args: Any) -> tuple[Any, dict | None]:
-    """The run's arguments and its checkpoint (None for a fresh run). Writes nothing.
+def make_recipe(exp: Experiment, args: Any) -> Recipe:
+    """The recipe of resolved ``args``.
 
     Raises:
-        UserError: resuming a run that does not exist, a resume that changes a fixed
-            argument, or a fresh run whose name is taken.
+        UserError: a data set, algorithm or shape the recipe refuses.
     """
-    args = resolve_args(exp, args)
-    path = checkpoint_path(args)
-    if not args.resume:
-        require(not path.exists(), f"{path} exists: pass --resume to continue that run, or "
-                                   "--run-name NEW for a new one")  # fmt: skip
-        return args, None
+    try:
+        return recipe_from_args(exp.name, flatten(args))
+    except ValueError as err:
+        raise UserError(str(err)) from None
+
+
+def checkpoint_path(args: Any) -> Path:
+    return Path(args.tracking.out_dir) / str(args.tracking.run_name) / "checkpoint.pt"
+
+
+def _read(path: Path) -> dict:
+    """A run's checkpoint, or a one-line `UserError` naming why it cannot be resumed."""
     try:
         saved = load_checkpoint(path)
     except FileNotFoundError as err:
         raise UserError(str(err)) from None
-    merged = merge_resumed_args(saved["args"], dataclasses.asdict(args), exp.resumable)
+    except Exception as err:  # truncated, empty, or not a checkpoint at all
+        raise UserError(f"{path} cannot be read as a checkpoint ({type(err).__name__}); it is "
+                        "damaged or not a metalearn run: start a new run with another "
+                        "--run-name") from None  # fmt: skip
+    if not isinstance(saved, dict) or "args" not in saved:
+        raise UserError(f"{path} is not a metalearn run's checkpoint (no 'args' entry)")
+    return saved
+
+
+def _saved_recipe(exp: Experiment, path: Path, saved: Mapping[str, Any]) -> Recipe:
+    """The recipe a checkpoint holds, refused unless this experiment wrote it."""
+    try:
+        recipe = read_recipe(saved)
+    except ValueError as err:
+        raise UserError(f"{path}: {err}") from None
+    require(recipe.experiment == exp.name,
+            f"{path} is a run of experiments/{recipe.experiment}.py, not of "
+            f"experiments/{exp.name}.py; resume it with that script")  # fmt: skip
+    return recipe
+
+
+def start_from(exp: Experiment, args: Any) -> tuple[Any, Recipe, dict | None]:
+    """The run's arguments, its recipe and its checkpoint (None for a fresh run). Writes
+    nothing.
+
+    Raises:
+        UserError: resuming a run that does not exist or that another experiment wrote, a
+            resume that changes a fixed argument, or a fresh run whose name is taken.
+    """
+    args = resolve_args(exp, args)
+    path = checkpoint_path(args)
+    if not args.tracking.resume:
+        require(not path.exists(), f"{path} exists: pass --resume to continue that run, or "
+                                   "--run-name NEW for a new one")  # fmt: skip
+        return args, make_recipe(exp, args), None
+    saved = _read(path)
+    recipe = _saved_recipe(exp, path, saved)
+    merged = merge_resumed_args(upgrade_args(saved["args"]), flatten(args), RESUMABLE)
     require(merged["iterations"] >= saved["iteration"],
             f"--iterations {merged['iterations']} is below the {saved['iteration']} steps "
             f"{path} already holds; pass at least {saved['iteration']}")  # fmt: skip
-    return exp.args_type(**merged), saved
+    known = {k: v for k, v in merged.items() if k in flatten(exp.args_type())}
+    return unflatten(exp.args_type, known), with_resumed(recipe, merged), saved
 
 
 def parse_args(exp: Experiment, argv: Sequence[str] | None = None) -> Any:
     """The command line as ``exp.args_type``; with ``--resume``, unspecified flags take the
-    saved run's values (so ``--resume --run-name NAME`` alone continues that run as it was)."""
+    saved run's values (so ``--resume --run-name NAME`` alone continues that run)."""
     description = exp.description.split("\n\n")[0]
     args = parse_dataclass(exp.args_type, argv, description=description, presets=exp.presets)
-    if not args.resume:
+    if not args.tracking.resume:
         return args
     path = checkpoint_path(resolve_args(exp, args))
     if not path.is_file():  # start_from names it (or rank 0 holds it, under torchrun)
         return args
-    saved = load_checkpoint(path)["args"]
-    fields = {f.name for f in dataclasses.fields(exp.args_type)}
-    base = exp.args_type(**{**{k: v for k, v in saved.items() if k in fields}, "resume": True})
+    saved = _read(path)
+    _saved_recipe(exp, path, saved)
+    fields = flatten(exp.args_type())
+    flat = {k: v for k, v in upgrade_args(saved["args"]).items() if k in fields}
+    base = unflatten(exp.args_type, {**flat, "resume": True})
     return parse_dataclass(exp.args_type, argv, description=description, base=base)
 
 
 # --------------------------------------------------------------------------- the pieces
 
 
-def make_optimizer(args: Any, learner: MetaLearner) -> torch.optim.Optimizer:
-    """Adam on every learnable tensor (Reptile: plain SGD, its outer step epsilon)."""
-    if args.algorithm == "reptile":
-        return torch.optim.SGD(learner.parameters(), lr=args.outer_lr)
-    return torch.optim.Adam(learner.parameters(), lr=args.outer_lr)
+def make_samplers(recipe: Recipe, device: str) -> dict[str, EpisodicSampler]:
+    """The run's train, validation and test samplers (`build_samplers`), one process per
+    machine filling the decoded cache first.
+
+    Raises:
+        UserError: missing or malformed data.
+    """
+    try:
+        with distributed.main_first():
+            return build_samplers(recipe.data, device=device)
+    except (FileNotFoundError, ValueError, ImportError) as err:  # ImportError: h5py missing
+        raise UserError(" ".join(str(err).split())) from None
 
 
-def _make_run(exp: Experiment, args: Any, state: RunState, learner: MetaLearner) -> Any:
+def make_learner(recipe: Recipe, device: str) -> MetaLearner:
+    """The recipe's learner around a fresh backbone, seeded by the recipe's seed."""
+    seed_everything(recipe.training.seed)
+    return build_learner(recipe, device)
+
+
+def _make_run(exp: Experiment, args: Any, recipe: Recipe, state: RunState,
+              learner: MetaLearner) -> Any:  # fmt: skip
     """The W&B run (None without tracking), continuing ``state.wandb_id`` on resume.
 
     A resumed run first re-logs the checkpoint's history (see `metalearn.runs.lifecycle`).
     """
-    if not args.track or not distributed.is_main():
+    t = args.tracking
+    if not t.track or not distributed.is_main():
         return None
-    dataset = exp.dataset(args)
+    data = recipe.data
     run = init_run(
-        {**dataclasses.asdict(args), "learner": learner_config(dataclasses.asdict(args)),
-         "dataset": dataset, "params": sum(p.numel() for p in learner.parameters()),
+        {**flatten(args), "experiment": exp.name, "recipe": recipe.to_dict(),
+         "dataset": data.dataset, "params": sum(p.numel() for p in learner.parameters()),
          "world_size": distributed.info().world_size},
-        project=args.wandb_project, mode=args.wandb_mode, name=state.run_name,
-        group=run_group(args.algorithm, args.ways, args.shots, args.wandb_group),
-        tags=[args.algorithm, dataset, f"{args.ways}w{args.shots}s", *exp.tags(args)],
-        dir=args.out_dir, run_id=state.wandb_id,
+        project=t.wandb_project, mode=t.wandb_mode, name=state.run_name,
+        group=run_group(recipe.learner.algorithm, data.ways, data.shots, t.wandb_group),
+        tags=[recipe.learner.algorithm, data.dataset, f"{data.ways}w{data.shots}s",
+              *exp.tags(args)],
+        dir=t.out_dir, run_id=state.wandb_id,
     )  # fmt: skip
     if run is not None:
         state.wandb_id = run.id
@@ -248,16 +324,17 @@ def _make_run(exp: Experiment, args: Any, state: RunState, learner: MetaLearner)
     return run
 
 
-def _make_progress(args: Any, state: RunState, has_val: bool) -> tqdm:
+def _make_progress(recipe: Recipe, state: RunState, has_val: bool) -> tqdm:
     """One bar over every task left to run: training, validations and the test.
 
     Counting tasks (not steps) lets the ETA include validation and test; an evaluation
     task (more inner steps, no meta-gradient) costs roughly what a training task does.
     """
-    steps = range(state.iteration + 1, args.iterations + 1)
-    validations = sum(1 for s in steps if s % args.val_every == 0 or s == args.iterations)
-    total = len(steps) * args.meta_batch + validations * args.val_tasks * has_val
-    return tqdm(total=total + args.test_tasks, initial=0, desc="train", unit="task",
+    t = recipe.training
+    steps = range(state.iteration + 1, t.iterations + 1)
+    validations = sum(1 for s in steps if s % t.val_every == 0 or s == t.iterations)
+    total = len(steps) * t.meta_batch + validations * t.val_tasks * has_val
+    return tqdm(total=total + t.test_tasks, initial=0, desc="train", unit="task",
                 dynamic_ncols=True, disable=not distributed.is_main())  # fmt: skip
 
 
@@ -265,7 +342,8 @@ def _make_progress(args: Any, state: RunState, has_val: bool) -> tqdm:
 
 
 def train(
-    args: Any,
+    recipe: Recipe,
+    path: Path,
     learner: MetaLearner,
     samplers: dict,
     state: RunState,
@@ -273,38 +351,47 @@ def train(
     bar: tqdm,
     saved: dict | None,
     backward: MetaGradient | None = None,
+    record: Mapping[str, Any] | None = None,
 ) -> dict:
     """Meta-train from ``state`` (fresh or resumed); returns the last checkpoint written.
 
-    ``backward`` computes each step's meta-gradient (default ``learner.backward``).
+    Args:
+        recipe: the run's recipe.
+        path: its checkpoint file.
+        learner, samplers, state, run, bar: the run's learner, samplers, state, W&B run
+            (or None) and progress bar.
+        saved: the checkpoint resumed from (None: a fresh run).
+        backward: computes each step's meta-gradient (default ``learner.backward``).
+        record: what every checkpoint also holds (the flat arguments, the recipe).
     """
-    opt = make_optimizer(args, learner)
-    gen = torch.Generator().manual_seed(args.seed)
+    t = recipe.training
+    opt = learner.outer_optimizer(t.outer_lr)
+    gen = torch.Generator().manual_seed(t.seed)
     if saved is not None:
         opt.load_state_dict(saved["optimizer"])
         gen.set_state(saved["generator"])
-    path = checkpoint_path(args)
-    snapshot = _snapshot(args, learner, opt, gen, state)
-    probe = _curvature_probe(args, samplers["train"])
+    record = dict(record or {})
+    snapshot = _snapshot(record, learner, opt, gen, state)
+    probe = _curvature_probe(t, samplers["train"])
     try:
-        for it in range(state.iteration, args.iterations):
+        for it in range(state.iteration, t.iterations):
             bar.set_description("train")
-            row = meta_step(args, learner, opt, samplers["train"], gen, backward)
-            bar.update(args.meta_batch)
-            if probe is not None and (it + 1) % args.curvature_every == 0:
+            row = meta_step(recipe, learner, opt, samplers["train"], gen, backward, it)
+            bar.update(t.meta_batch)
+            if probe is not None and (it + 1) % t.curvature_every == 0:
                 bar.set_description("curvature")
                 row.update(measure_curvature(learner, probe))
-            if (it + 1) % args.val_every == 0 or it + 1 == args.iterations:
-                row.update(validate(args, learner, samplers, state, it + 1, bar))
+            if (it + 1) % t.val_every == 0 or it + 1 == t.iterations:
+                row.update(validate(recipe, learner, samplers, state, it + 1, bar))
             state.iteration = it + 1
             state.history.append({"step": state.iteration, **row})
             # Everything a resumed run needs, taken only at step boundaries, so an interrupt
             # anywhere inside a step resumes from the last *completed* one.
-            snapshot = _snapshot(args, learner, opt, gen, state)
+            snapshot = _snapshot(record, learner, opt, gen, state)
             if run is not None:
                 run.log(row, step=state.iteration)
             bar.set_postfix(_postfix(row, state), refresh=False)
-            if state.iteration % args.checkpoint_every == 0:
+            if state.iteration % t.checkpoint_every == 0:
                 distributed.check_same(learner.parameters())  # a diverged rank fails loudly
                 if distributed.is_main():
                     save_checkpoint(path, snapshot)
@@ -318,23 +405,36 @@ def train(
 
 
 def meta_step(
-    args: Any, learner: MetaLearner, opt, sampler, gen, backward: MetaGradient | None = None
+    recipe: Recipe,
+    learner: MetaLearner,
+    opt: torch.optim.Optimizer,
+    sampler: EpisodicSampler,
+    gen: torch.Generator,
+    backward: MetaGradient | None = None,
+    step: int = 0,
 ) -> dict[str, float]:
-    """One meta-step on this rank's share of a meta-batch; returns its logged metrics.
+    """Meta-step ``step`` (0-based) on this rank's share of a meta-batch; its logged metrics.
 
-    ``backward`` fills ``.grad`` with the meta-gradient of the tasks (default
-    ``learner.backward``; `meta_gradient` gives the run's).
+    The learner is first handed the step (`MetaLearner.schedule`) and the outer step size
+    set from it (`MetaLearner.outer_lr_factor`). ``backward`` fills ``.grad`` with the
+    meta-gradient of the tasks (default ``learner.backward``; `meta_gradient` gives the
+    run's).
     """
+    t = recipe.training
     start = time.perf_counter()
-    tasks = _my_tasks(sampler, args.meta_batch, gen)
+    scheduled = learner.schedule(step, t.iterations)
+    lr = t.outer_lr * learner.outer_lr_factor(step, t.iterations)
+    for group in opt.param_groups:
+        group["lr"] = lr
+    tasks = _my_tasks(sampler, t.meta_batch, gen)
     opt.zero_grad(set_to_none=True)
     metrics = (learner.backward if backward is None else backward)(tasks)
     metrics = distributed.average_meta_step(learner, metrics, len(tasks))
     opt.step()
     seconds = time.perf_counter() - start
     return {
-        "train/loss": metrics.loss, "train/acc": metrics.accuracy, "perf/step_s": seconds,
-        "perf/tasks_per_s": args.meta_batch / seconds,
+        "train/loss": metrics.loss, "train/acc": metrics.accuracy, "train/outer_lr": lr,
+        **scheduled, "perf/step_s": seconds, "perf/tasks_per_s": t.meta_batch / seconds,
         "perf/vectorized_tasks": metrics.vectorized, "train/skipped": metrics.skipped,
     }  # fmt: skip
 
@@ -346,23 +446,23 @@ def meta_gradient(args: Any, learner: MetaLearner) -> MetaGradient:
     Raises:
         UserError: ``--compile`` for a learner whose meta-step cannot be compiled.
     """
-    if not args.compile:
+    if not args.system.compile:
         return learner.backward
     try:
         return CompiledMetaGradient(learner)
     except ValueError as err:
-        raise UserError(f"--compile with --algorithm {args.algorithm}: {err}") from None
+        raise UserError(f"--compile with --algorithm {args.learner.algorithm}: {err}") from None
 
 
-def _curvature_probe(args: Any, sampler: EpisodicSampler) -> list | None:
+def _curvature_probe(t: Any, sampler: EpisodicSampler) -> list | None:
     """The fixed probe tasks curvature is measured on (rank 0 only), or None when off.
 
     Drawn from the training split with their own generator (`PROBE_SEED`), so they are the
     same in every run and across a resume, and the training tasks are drawn as without them.
     """
-    if args.curvature_every == 0 or not distributed.is_main():
+    if t.curvature_every == 0 or not distributed.is_main():
         return None
-    return sampler.batch(args.curvature_tasks, torch.Generator().manual_seed(PROBE_SEED))
+    return sampler.batch(t.curvature_tasks, torch.Generator().manual_seed(PROBE_SEED))
 
 
 def measure_curvature(learner: MetaLearner, probe: Sequence) -> dict[str, float]:
@@ -374,9 +474,9 @@ def measure_curvature(learner: MetaLearner, probe: Sequence) -> dict[str, float]
     ``inner_lr`` (the configured one; learned rates differ) diverges on a quadratic
     (`metalearn.algorithms.curvature.support_curvature`). ``curv/meta_top_eig``,
     ``curv/meta_trace`` and its ``curv/meta_trace_std_error``: the second-order meta-loss
-    Hessian w.r.t. theta (`metalearn.algorithms.curvature.meta_curvature`). ``perf/curvature_s``:
-    the seconds it all took. Each measurement seeds its own generator from `PROBE_SEED`,
-    so it depends on theta alone.
+    Hessian w.r.t. theta (`metalearn.algorithms.curvature.meta_curvature`).
+    ``perf/curvature_s``: the seconds it all took. Each measurement seeds its own generator
+    from `PROBE_SEED`, so it depends on theta alone.
     """
     start = time.perf_counter()
     support = support_curvature(learner, probe, generator=torch.Generator().manual_seed(PROBE_SEED))
@@ -413,7 +513,9 @@ def _my_tasks(sampler: EpisodicSampler, meta_batch: int, gen: torch.Generator) -
     return sampler.tasks_from_indices(classes[part], examples[part], mine)
 
 
-def _snapshot(args: Any, learner: MetaLearner, opt, gen: torch.Generator, state: RunState) -> dict:
+def _snapshot(
+    record: Mapping[str, Any], learner: MetaLearner, opt, gen: torch.Generator, state: RunState
+) -> dict:
     """The checkpoint of the run at a step boundary (CPU tensors; cheap next to a step).
 
     The history is copied as a list of the same rows (rows are never changed once logged),
@@ -421,14 +523,19 @@ def _snapshot(args: Any, learner: MetaLearner, opt, gen: torch.Generator, state:
     """
     fields = {**state.to_dict(), "history": list(state.history)}
     return {
-        "args": dataclasses.asdict(args), **fields, "learner": _cpu_state(learner),
+        **record, **fields, "learner": _cpu_state(learner),
         "optimizer": copy.deepcopy(opt.state_dict()), "generator": gen.get_state(),
         "torch_rng": torch.get_rng_state(),
     }  # fmt: skip
 
 
 def validate(
-    args: Any, learner: MetaLearner, samplers: dict, state: RunState, iteration: int, bar: tqdm
+    recipe: Recipe,
+    learner: MetaLearner,
+    samplers: dict,
+    state: RunState,
+    iteration: int,
+    bar: tqdm,
 ) -> dict[str, float]:
     """Validation accuracy; remembers the best weights (or the latest, with no val split)."""
     sampler = samplers.get("val")
@@ -436,8 +543,9 @@ def validate(
         state.best_learner, state.best_iteration = _cpu_state(learner), iteration
         return {}
     bar.set_description("validate")
+    t = recipe.training
     gen = torch.Generator().manual_seed(VAL_SEED)
-    acc, half = evaluate_tasks(learner, sampler, args.val_tasks, args.eval_inner_steps, gen,
+    acc, half = evaluate_tasks(learner, sampler, t.val_tasks, t.eval_inner_steps, gen,
                                progress=bar.update)  # fmt: skip
     if state.best_val is None or acc > state.best_val:
         state.best_val, state.best_iteration = acc, iteration
@@ -450,14 +558,15 @@ def _cpu_state(learner: MetaLearner) -> dict[str, torch.Tensor]:
 
 
 def test(
-    args: Any, learner: MetaLearner, samplers: dict, state: RunState, bar: tqdm
+    recipe: Recipe, learner: MetaLearner, samplers: dict, state: RunState, bar: tqdm
 ) -> dict[str, float]:
-    """Accuracy of the best-validation weights on ``args.test_tasks`` test tasks."""
+    """Accuracy of the best-validation weights on the recipe's test tasks."""
     if state.best_learner is not None:
         learner.load_state_dict(state.best_learner)
     bar.set_description("test")
+    t = recipe.training
     gen = torch.Generator().manual_seed(TEST_SEED)
-    acc, half = evaluate_tasks(learner, samplers["test"], args.test_tasks, args.eval_inner_steps,
+    acc, half = evaluate_tasks(learner, samplers["test"], t.test_tasks, t.eval_inner_steps,
                                gen, progress=bar.update)  # fmt: skip
     return {"test/acc": acc, "test/acc_ci95": half, "test/best_iteration": state.best_iteration}
 
@@ -474,60 +583,72 @@ def main(exp: Experiment, args: Any) -> dict[str, float]:
         Stopped: SIGINT/SIGTERM; the run was checkpointed and marked failed in W&B.
     """
     check_args(exp, args)  # before anything else touches the machine
-    if args.threads > 0:
-        torch.set_num_threads(args.threads)
-    if args.tune_malloc:
+    system = args.system
+    if system.threads > 0:
+        torch.set_num_threads(system.threads)
+    if system.tune_malloc:
         tune_malloc()
-    dist = distributed.init_from_env(device=args.device, timeout_s=args.dist_timeout)
+    dist = distributed.init_from_env(device=system.device, timeout_s=system.dist_timeout)
     try:
-        return _main(exp, dataclasses.replace(args, device=str(dist.device))
-                     if dist.distributed else args, dist)  # fmt: skip
+        if dist.distributed:
+            args = dataclasses.replace(
+                args, system=dataclasses.replace(system, device=str(dist.device))
+            )
+        return _main(exp, args, dist)
     finally:
         distributed.cleanup()
 
 
 def _main(exp: Experiment, args: Any, dist: distributed.DistInfo) -> dict[str, float]:
-    require(args.meta_batch >= dist.world_size,
-            f"--meta-batch {args.meta_batch} is below the {dist.world_size} processes: every "
+    meta_batch = args.training.meta_batch
+    require(meta_batch >= dist.world_size,
+            f"--meta-batch {meta_batch} is below the {dist.world_size} processes: every "
             "rank needs a task; raise --meta-batch or launch fewer processes")  # fmt: skip
     # Rank 0 reads (only its machine need hold the checkpoint) and every rank gets its answer.
-    args, saved = distributed.from_main(start_from, exp, args)
+    args, recipe, saved = distributed.from_main(start_from, exp, args)
+    path = checkpoint_path(args)
     if dist.is_main:
-        print(f"checkpoint: {checkpoint_path(args)}", flush=True)
-    samplers = exp.make_samplers(args)
-    learner = exp.make_learner(args)
-    require(args.curvature_every == 0 or isinstance(learner, MetaLossLearner),
-            f"--curvature-every {args.curvature_every} with --algorithm {args.algorithm}: "
-            f"{type(learner).__name__} has no meta-loss to measure; use maml, fomaml, anil, "
-            "metasgd, mamlpp, protomaml or lora, or drop --curvature-every")  # fmt: skip
+        print(f"checkpoint: {path}", flush=True)
+    device = args.system.device
+    samplers = make_samplers(recipe, device)
+    learner = make_learner(recipe, device)
+    require(recipe.training.curvature_every == 0 or isinstance(learner, MetaLossLearner),
+            f"--curvature-every {recipe.training.curvature_every} with --algorithm "
+            f"{recipe.learner.algorithm}: {type(learner).__name__} has no meta-loss to "
+            "measure; use maml, fomaml, anil, metasgd, mamlpp, protomaml or lora, or drop "
+            "--curvature-every")  # fmt: skip
     backward = meta_gradient(args, learner)
-    state = RunState(run_name=str(args.run_name))
+    state = RunState(run_name=str(args.tracking.run_name))
     if saved is not None:
         learner.load_state_dict(saved["learner"])
         torch.set_rng_state(saved["torch_rng"])
         state = RunState.from_dict(saved)
     distributed.broadcast_params(learner)  # every rank starts from rank 0's weights
-    run = _make_run(exp, args, state, learner)
+    run = _make_run(exp, args, recipe, state, learner)
     if dist.is_main:
         print(f"W&B run: {Path(run.dir).parent if run is not None else 'not tracked'}", flush=True)
-    return _train_and_test(args, learner, samplers, state, run, saved, dist, backward)
+    record = {"args": flatten(args), "recipe": recipe.to_dict()}
+    return _train_and_test(args, recipe, path, learner, samplers, state, run, saved, dist,
+                           backward, record)  # fmt: skip
 
 
-def _train_and_test(args, learner, samplers, state, run, saved, dist, backward) -> dict[str, float]:
+def _train_and_test(args, recipe, path, learner, samplers, state, run, saved, dist, backward,
+                    record) -> dict[str, float]:  # fmt: skip
     """Train, test, record; the W&B run ends failed (exit code != 0) unless all of it ran."""
     started, exit_code = time.perf_counter(), 1
     try:
-        with graceful_shutdown(), _make_progress(args, state, "val" in samplers) as bar:
-            final = train(args, learner, samplers, state, run, bar, saved, backward)
-            results = test(args, learner, samplers, state, bar)
+        with graceful_shutdown(), _make_progress(recipe, state, "val" in samplers) as bar:
+            final = train(recipe, path, learner, samplers, state, run, bar, saved, backward,
+                          record)  # fmt: skip
+            results = test(recipe, learner, samplers, state, bar)
         results["perf/total_minutes"] = (time.perf_counter() - started) / 60
         state.results = final["results"] = results
         if dist.is_main:
-            save_checkpoint(checkpoint_path(args), final)  # a finished run (the grid skips it)
+            save_checkpoint(path, final)  # a finished run (the grid skips it)
         if run is not None:
             run.summary.update(results)
-            if args.log_model:
-                log_model(run, checkpoint_path(args), name=f"{state.run_name}-model")
+            if args.tracking.log_model:
+                log_model(run, path, name=f"{state.run_name}-model")
         exit_code = 0
     except (KeyboardInterrupt, distributed.PeerError) as stop:
         exit_code = stop.exit_code if isinstance(stop, Stopped) else 1
@@ -535,7 +656,7 @@ def _train_and_test(args, learner, samplers, state, run, saved, dist, backward) 
             run.mark_preempting()  # online: shown as preempted, resumable
         where = f"rank {dist.rank}: " if dist.distributed else ""
         print(f"\n{where}stopped at step {state.iteration}; continue with --resume "
-              f"--run-name {state.run_name}")  # fmt: skip
+              f"--run-name {state.run_name} --out-dir {args.tracking.out_dir}")  # fmt: skip
         raise
     finally:
         if run is not None:

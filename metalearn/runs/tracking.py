@@ -7,9 +7,9 @@ about 0.5 s; with an API key set but no network, online ``init`` blocks ~100 s b
 failing, so the mode is decided *before* calling it; offline runs keep everything in their
 ``.wandb`` file, which ``wandb leet inspect --json`` reads back; data reaches that file only
 every 15 s or at ``finish``, so SIGTERM is turned into a clean finish (and a killed process
-loses up to 15 s of metrics: `metalearn.runs.lifecycle` keeps them in the checkpoint); an offline run
-resumed under the same id is written to a new ``offline-run-*`` folder; ``finish(exit_code=N)``
-with N != 0 records the run as ``failed``.
+loses up to 15 s of metrics: `metalearn.runs.lifecycle` keeps them in the checkpoint); an
+offline run resumed under the same id is written to a new ``offline-run-*`` folder;
+``finish(exit_code=N)`` with N != 0 records the run as ``failed``.
 """
 
 from __future__ import annotations

@@ -1,0 +1,114 @@
+"""The learners by name, and every argument each one takes.
+
+`LEARNERS` is the one list of algorithms: the experiments' ``--algorithm`` choices come from
+it. `learner_arguments` reads a learner's keyword arguments (its own, and the
+`MetaLearner` ones it passes on) with their defaults from its signature, so a record made
+by `complete_arguments` names every argument the learner was built with, not only those
+a command line set; `make_learner` builds exactly that record.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Mapping
+from typing import Any, Literal
+
+import torch.nn.functional as F
+from torch import nn
+
+from metalearn.algorithms.base import MetaLearner
+from metalearn.algorithms.imaml import IMAML
+from metalearn.algorithms.lora_maml import LoRAMAML
+from metalearn.algorithms.maml import ANIL, FOMAML, MAML
+from metalearn.algorithms.mamlpp import MAMLpp
+from metalearn.algorithms.metasgd import MetaSGD
+from metalearn.algorithms.protomaml import ProtoMAML
+from metalearn.algorithms.reptile import Reptile
+
+__all__ = [
+    "ALGORITHMS",
+    "LEARNERS",
+    "LOSSES",
+    "Algorithm",
+    "complete_arguments",
+    "learner_arguments",
+    "make_learner",
+]
+
+LEARNERS: Mapping[str, type[MetaLearner]] = {
+    "maml": MAML, "fomaml": FOMAML, "anil": ANIL, "metasgd": MetaSGD, "mamlpp": MAMLpp,
+    "imaml": IMAML, "reptile": Reptile, "protomaml": ProtoMAML, "lora": LoRAMAML,
+}  # fmt: skip
+ALGORITHMS: tuple[str, ...] = tuple(LEARNERS)
+Algorithm = Literal[ALGORITHMS]  # type: ignore[valid-type]
+"""An algorithm's name, one of `ALGORITHMS` (a command line's choices)."""
+
+LOSSES = {"cross_entropy": F.cross_entropy, "mse": F.mse_loss}
+"""Loss functions a record names (``loss_fn`` is recorded by name)."""
+
+
+def _learner(name: str) -> type[MetaLearner]:
+    if name not in LEARNERS:
+        raise ValueError(f"unknown algorithm {name!r}; choose one of {', '.join(ALGORITHMS)}")
+    return LEARNERS[name]
+
+
+def learner_arguments(name: str) -> dict[str, Any]:
+    """Every keyword argument of algorithm ``name``'s learner, with its default.
+
+    The learner's own arguments, then, where it passes ``**kwargs`` on, its bases' (up to
+    `MetaLearner`), less those it decides itself (`MetaLearner.fixed_arguments`: FOMAML's
+    ``first_order``, ANIL's ``adapt_keys``, ...). ``loss_fn`` is given by its name in
+    `LOSSES`.
+
+    Raises:
+        ValueError: an unknown algorithm.
+    """
+    cls = _learner(name)
+    arguments: dict[str, Any] = {}
+    for klass in cls.__mro__:
+        if "__init__" not in vars(klass):
+            continue
+        params = inspect.signature(vars(klass)["__init__"]).parameters.values()
+        for p in params:
+            if p.kind is p.KEYWORD_ONLY or (p.kind is p.POSITIONAL_OR_KEYWORD and p.name
+                                             not in ("self", "model")):  # fmt: skip
+                arguments.setdefault(p.name, p.default)
+        if not any(p.kind is p.VAR_KEYWORD for p in params) or klass is MetaLearner:
+            break
+    for fixed in cls.fixed_arguments:
+        arguments.pop(fixed, None)
+    if arguments.get("loss_fn") is F.cross_entropy:
+        arguments["loss_fn"] = "cross_entropy"
+    return arguments
+
+
+def complete_arguments(name: str, given: Mapping[str, Any]) -> dict[str, Any]:
+    """``given`` with every other argument of the learner at its default: a whole record.
+
+    Raises:
+        ValueError: an unknown algorithm, or an argument the learner does not take (named,
+            with the ones it takes).
+    """
+    arguments = learner_arguments(name)
+    if unknown := sorted(set(given) - set(arguments)):
+        raise ValueError(
+            f"{name} takes no argument {', '.join(unknown)}; it takes {', '.join(arguments)}"
+        )
+    return {**arguments, **given}
+
+
+def make_learner(name: str, model: nn.Module, arguments: Mapping[str, Any]) -> MetaLearner:
+    """Algorithm ``name``'s learner around ``model``, built with exactly ``arguments``
+    (completed with the defaults, see `complete_arguments`).
+
+    Raises:
+        ValueError: an unknown algorithm, argument or loss name, or what the learner refuses.
+    """
+    kwargs = complete_arguments(name, arguments)
+    loss = kwargs.get("loss_fn")
+    if isinstance(loss, str):
+        if loss not in LOSSES:
+            raise ValueError(f"loss_fn {loss!r}; choose one of {', '.join(LOSSES)}")
+        kwargs["loss_fn"] = LOSSES[loss]
+    return _learner(name)(model, **kwargs)

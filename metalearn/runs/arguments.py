@@ -1,0 +1,186 @@
+"""The arguments every experiment shares, in the groups ``--help`` shows.
+
+An experiment's arguments are one dataclass of groups (`ExperimentArgs`): data, model,
+learner, training, tracking and system. Each experiment subclasses the groups it extends
+(Omniglot's data adds its split and protocols; the few-shot experiment's adds the data set
+and image shape, its model the backbone) and gives each group its defaults, which are its
+default preset: ``Args()`` is what the command line gives with no flags. Every leaf name is
+unique, so each is a flat flag (``--inner-lr``), a flat key in checkpoints and the W&B
+config (`metalearn.runs.cli.flatten`), and a name ``scripts/grid.py --set`` takes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+import torch
+
+from metalearn.algorithms.registry import Algorithm
+
+__all__ = [
+    "DataArgs",
+    "ExperimentArgs",
+    "LearnerArgs",
+    "ModelArgs",
+    "SystemArgs",
+    "TrackingArgs",
+    "TrainingArgs",
+]
+
+
+@dataclass
+class DataArgs:
+    """The tasks: which data, how many classes, shots and queries."""
+
+    data_root: str | None = None
+    """The data set's folder (must exist); Omniglot: default $METALEARN_DATA, else the cache
+    dir (downloaded)."""
+    ways: int = 5
+    """N: classes per task."""
+    shots: int = 1
+    """K: support examples per class."""
+    query: int = 5
+    """Query examples per class during meta-training."""
+    eval_query: int = 15
+    """Query examples per class for validation and test tasks."""
+    augment: bool = False
+    """Augment training images with the data set's standard augmentation (Omniglot: small
+    random affine maps, as Koch et al.'s Siamese net); never validation or test."""
+
+
+@dataclass
+class ModelArgs:
+    """The network."""
+
+    hidden: int = 64
+    """Conv4: filters per block; ResNet-12: first stage width (stages h, 2.5h, 5h, 10h)."""
+
+
+@dataclass
+class LearnerArgs:
+    """The algorithm and its settings; none: the algorithm's value (recorded resolved)."""
+
+    algorithm: Algorithm = "protomaml"
+    """Meta-learning algorithm."""
+    inner_lr: float | None = None
+    """Inner-loop learning rate (MAML's alpha); none: the algorithm's (0.4; iMAML 0.1)."""
+    inner_steps: int | None = None
+    """Inner steps during meta-training; none: the algorithm's (1; iMAML and Reptile 5)."""
+    first_order: bool = False
+    """First-order meta-gradient (no second derivatives: less memory and time); not for
+    fomaml (first order by definition), reptile, or mamlpp (see --first-order-steps)."""
+    eval_inner_steps: int = 10
+    """Inner steps at validation and test time."""
+    outer_lr: float | None = None
+    """Outer step size; none: the learner's (Adam 1e-3; Reptile: SGD with epsilon 1.0,
+    annealed linearly to 0 as in Nichol et al.)."""
+    cg_damping: float | None = None
+    """iMAML only: damping added to the conjugate-gradient system; none: 10 (conv4's
+    adapted support Hessian has eigenvalues below -lambda)."""
+    lora_rank: int | None = None
+    """LoRA only: rank of the low-rank adapters the inner loop adapts; none: 4."""
+    msl_steps: int | None = None
+    """MAML++ only: meta-steps over which the multi-step loss anneals to the last step;
+    none: 5000 (the reference's 10 epochs of 500 steps)."""
+    first_order_steps: int | None = None
+    """MAML++ only: meta-steps of first-order meta-gradients before exact second order;
+    none: 25000 (the reference's 50 epochs of 500 steps)."""
+
+
+@dataclass
+class TrainingArgs:
+    """How long to train, and how often to validate, test, checkpoint and measure."""
+
+    meta_batch: int = 16
+    """Tasks per meta-step."""
+    iterations: int = 2500
+    """Meta-steps (may be raised on --resume to extend a run)."""
+    val_every: int = 250
+    """Meta-steps between validations (the best-validation weights are tested)."""
+    val_tasks: int = 200
+    """Validation tasks per validation."""
+    test_tasks: int = 600
+    """Test tasks for the final accuracy and its 95% confidence interval."""
+    checkpoint_every: int = 250
+    """Meta-steps between checkpoints (also written on Ctrl-C / SIGTERM)."""
+    curvature_every: int = 0
+    """Meta-steps between curvature measurements (curv/ metrics: support and meta-loss
+    Hessians' top eigenvalues, the meta-loss Hessian's trace); 0: off."""
+    curvature_tasks: int = 4
+    """Fixed probe tasks (drawn once from the training split) curvature is measured on."""
+    seed: int = 0
+    """Seeds the initial weights and the task sampling."""
+
+
+@dataclass
+class TrackingArgs:
+    """Where the run is kept and how it is logged."""
+
+    out_dir: str = "runs"
+    """Where checkpoints and the W&B folder go."""
+    run_name: str | None = None
+    """Run name (default: from the algorithm, NwKs, lr, steps and seed); --resume looks for
+    it in out_dir."""
+    resume: bool = False
+    """Continue the run named run_name from its last checkpoint, with its saved arguments;
+    only how long, where and how fast it runs may change (see the error for the list)."""
+    track: bool = True
+    """Log to Weights & Biases (--no-track to skip)."""
+    log_model: bool = False
+    """Log the final checkpoint as a W&B artifact (type model, aliases best and latest)."""
+    wandb_mode: Literal["auto", "online", "offline", "disabled"] = "auto"
+    """auto: online when logged in and reachable, else offline."""
+    wandb_project: str = "metalearn-omniglot"
+    """W&B project."""
+    wandb_group: str | None = None
+    """W&B group (default: algorithm-NwKs); scripts/grid.py puts a whole grid in one."""
+
+
+@dataclass
+class SystemArgs:
+    """Where and how fast it runs; none of these changes the numbers a run computes."""
+
+    device: str = "cuda" if torch.cuda.is_available() else "cpu"
+    """Torch device."""
+    threads: int = 1
+    """Torch CPU threads (0: torch's default). 1 is robust on small shared machines: with
+    other load, 2 threads made tiny per-task ops up to 7x slower here."""
+    tune_malloc: bool = True
+    """Keep freed memory for reuse (`metalearn.tune_malloc`, glibc only): a meta-step's
+    large activations stop costing page faults; --no-tune-malloc keeps malloc's defaults."""
+    dist_timeout: float = 600.0
+    """Under torchrun: seconds a rank waits for the others in a collective before the job
+    fails, so a stalled rank ends the job (then --resume) instead of hanging it."""
+    vectorize: Literal["auto", "vmap", "loop"] = "auto"
+    """How a meta-batch runs: vmap, a Python loop, or auto (by workload)."""
+    chunk_size: int | None = None
+    """Tasks vectorised at once; none: chosen by workload. Smaller: less memory, more time."""
+    gradient_checkpointing: bool = False
+    """Recompute each inner step in the backward pass: activation memory of one step
+    instead of all, at about one more forward pass."""
+    compile: bool = False
+    """Compile the training meta-gradient with torch.compile (`metalearn.engine.compiled`):
+    same meta-gradient (float32 rounds differently); the first steps spend minutes
+    compiling on a CPU, where it then ran slower than eager (docs/benchmarks.md).
+    Validation and test stay eager. Not for imaml, reptile or --gradient-checkpointing."""
+
+
+@dataclass
+class ExperimentArgs:
+    """What every experiment's arguments hold; an experiment subclasses it."""
+
+    preset: str = "cpu"
+    """Named configuration (see --help of the experiment)."""
+    data: DataArgs = field(default_factory=DataArgs)
+    """Data options."""
+    model: ModelArgs = field(default_factory=ModelArgs)
+    """Model options."""
+    learner: LearnerArgs = field(default_factory=LearnerArgs)
+    """Learner options."""
+    training: TrainingArgs = field(default_factory=TrainingArgs)
+    """Training options."""
+    tracking: TrackingArgs = field(default_factory=TrackingArgs)
+    """Tracking options."""
+    system: SystemArgs = field(default_factory=SystemArgs)
+    """System options."""

@@ -1,0 +1,449 @@
+"""A run's recipe: one typed record of what it trains, and the functions that rebuild it.
+
+A `Recipe` holds everything that decides a run's numbers: the data (data set, folder,
+split, task protocol, ways, shots, queries, augmentation, and how an image file is decoded:
+`metalearn.data.ImageFormat`), the model (backbone and its arguments), the learner (the
+algorithm and every argument its constructor takes, schedules included, see
+`metalearn.algorithms.registry`) and the training settings. Runs write it into their
+checkpoint and their W&B config; whoever uses a run afterwards rebuilds from it alone:
+
+* `build_model` / `build_learner`: the network and the learner (fresh weights; load a
+  state next);
+* `build_samplers`: the task samplers of the run's splits and protocols;
+* ``recipe.data.image``: how a file becomes an input (`metalearn.deploy` decodes a support
+  folder with it).
+
+The experiments (`metalearn.runs.loop`), ``--resume``, ``scripts/evaluate.py``,
+``scripts/transfer_check.py``, ``scripts/grid.py`` and `metalearn.deploy` all go through
+`read_recipe`, which also reads checkpoints written before recipes existed (their flat
+``args``: `recipe_from_args`).
+
+`recipe_from_args` is the one mapping from an experiment's flat arguments (the names of
+its flags) to a recipe, and `resolve_learner_args` fills the learner values a run left open
+(``None``) once, before anything is recorded.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from metalearn.algorithms import MetaLearner
+from metalearn.algorithms.registry import LEARNERS, complete_arguments, make_learner
+from metalearn.data import (
+    IMAGE_SET_NAMES,
+    EpisodicSampler,
+    ImageFormat,
+    image_format,
+    image_set_samplers,
+    load_omniglot,
+    omniglot_samplers,
+    standard_augmentation,
+)
+from metalearn.data.omniglot import root_is_default
+from metalearn.data.within_alphabet import within_alphabet_samplers
+from metalearn.models import build_backbone
+
+__all__ = [
+    "EXPERIMENTS",
+    "RECIPE_VERSION",
+    "RUN_DEFAULTS",
+    "DataRecipe",
+    "LearnerRecipe",
+    "ModelRecipe",
+    "Recipe",
+    "TrainingRecipe",
+    "build_learner",
+    "build_model",
+    "build_samplers",
+    "read_recipe",
+    "recipe_from_args",
+    "resolve_learner_args",
+    "upgrade_args",
+    "with_resumed",
+]
+
+RECIPE_VERSION = 1
+EXPERIMENTS = ("omniglot_maml", "fewshot_maml")
+"""The experiments that write recipes (``experiments/<name>.py``)."""
+
+# The learner values an experiment run leaves open (None), per algorithm, for Conv4 on
+# Omniglot-sized tasks. iMAML: conv4's adapted support Hessian has eigenvalues below -lambda,
+# so the CG system (Rajeswaran et al., 2019, Eq. 7) needs damping 10 and a smaller, longer
+# inner loop; Reptile (Nichol et al., 2018) needs several inner steps to differ from joint
+# training. Everything else a learner takes is its constructor's default, recorded whole.
+RUN_DEFAULTS: dict[str, dict[str, Any]] = {
+    "maml": {"inner_lr": 0.4, "inner_steps": 1},
+    "fomaml": {"inner_lr": 0.4, "inner_steps": 1},
+    "anil": {"inner_lr": 0.4, "inner_steps": 1},
+    "metasgd": {"inner_lr": 0.4, "inner_steps": 1},
+    "mamlpp": {"inner_lr": 0.4, "inner_steps": 1},
+    "imaml": {"inner_lr": 0.1, "inner_steps": 5, "cg_damping": 10.0},
+    "reptile": {"inner_lr": 0.4, "inner_steps": 5},
+    "protomaml": {"inner_lr": 0.4, "inner_steps": 1},
+    "lora": {"inner_lr": 0.4, "inner_steps": 1},
+}
+# The flags that set a learner argument, by flag name -> argument name. A switch (bool) that
+# is off and a value left at None set nothing: the learner's default stands (and is recorded).
+LEARNER_FLAGS = {
+    "inner_lr": "inner_lr", "inner_steps": "inner_steps", "first_order": "first_order",
+    "vectorize": "vectorize", "chunk_size": "chunk_size", "gradient_checkpointing": "checkpoint",
+    "checkpoint": "checkpoint", "cg_damping": "cg_damping", "lora_rank": "rank",
+    "msl_steps": "msl_steps", "first_order_steps": "first_order_steps",
+}  # fmt: skip
+# Flags that belong to one algorithm, with the algorithm they belong to (for the refusal).
+_OWN_FLAGS = {"cg_damping": "imaml", "lora_rank": "lora", "msl_steps": "mamlpp",
+              "first_order_steps": "mamlpp"}  # fmt: skip
+
+
+@dataclass(frozen=True)
+class DataRecipe:
+    """What tasks a run draws, and how its image files are decoded.
+
+    Attributes:
+        dataset: ``"omniglot"`` or one of `metalearn.data.IMAGE_SET_NAMES`.
+        root: the data set's folder (None: Omniglot's ``$METALEARN_DATA`` or cache).
+        split: Omniglot's class split (``"maml"`` or ``"alphabet"``); ``"published"`` for
+            the data sets with one.
+        train_tasks: how training tasks are drawn (``"episodic"``, ``"within-alphabet"``).
+        eval_protocol: how validation and test tasks are drawn (the same choices).
+        ways, shots, query, eval_query: N, K, training and evaluation queries per class.
+        augment: training images are augmented (the set's standard augmentation).
+        image: how an image file becomes an input.
+    """
+
+    dataset: str
+    root: str | None
+    split: str
+    train_tasks: str
+    eval_protocol: str
+    ways: int
+    shots: int
+    query: int
+    eval_query: int
+    augment: bool
+    image: ImageFormat
+
+
+@dataclass(frozen=True)
+class ModelRecipe:
+    """The backbone (`metalearn.models.build_backbone`'s arguments)."""
+
+    backbone: str
+    in_channels: int
+    ways: int
+    hidden: int
+    pool: str = "stride"
+    head: str = "mean"
+    image_size: int | None = None
+
+
+@dataclass(frozen=True)
+class LearnerRecipe:
+    """The algorithm and every argument its learner was built with."""
+
+    algorithm: str
+    arguments: Mapping[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class TrainingRecipe:
+    """How the learner is meta-trained, validated and tested."""
+
+    meta_batch: int
+    iterations: int
+    outer_lr: float
+    eval_inner_steps: int
+    seed: int
+    val_every: int
+    val_tasks: int
+    test_tasks: int
+    checkpoint_every: int
+    curvature_every: int = 0
+    curvature_tasks: int = 4
+
+
+@dataclass(frozen=True)
+class Recipe:
+    """A run's data, model, learner and training settings (see the module docstring)."""
+
+    experiment: str
+    data: DataRecipe
+    model: ModelRecipe
+    learner: LearnerRecipe
+    training: TrainingRecipe
+    version: int = RECIPE_VERSION
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain containers (for a checkpoint and the W&B config)."""
+        out = dataclasses.asdict(self)
+        out["learner"]["arguments"] = dict(self.learner.arguments)
+        return out
+
+    @classmethod
+    def from_dict(cls, record: Mapping[str, Any]) -> Recipe:
+        """The recipe a `to_dict` record holds.
+
+        Raises:
+            ValueError: not a recipe of this version, an unknown experiment, data set or
+                algorithm, or a part missing or malformed (one line naming it).
+        """
+        if not isinstance(record, Mapping) or record.get("version") != RECIPE_VERSION:
+            found = record.get("version") if isinstance(record, Mapping) else type(record)
+            raise ValueError(f"recipe version {found!r}; this metalearn reads version "
+                             f"{RECIPE_VERSION}")  # fmt: skip
+        try:
+            data = dict(record["data"])
+            recipe = cls(
+                experiment=record["experiment"],
+                data=DataRecipe(**{**data, "image": ImageFormat(**data["image"])}),
+                model=ModelRecipe(**record["model"]),
+                learner=LearnerRecipe(**record["learner"]),
+                training=TrainingRecipe(**record["training"]),
+            )
+        except (KeyError, TypeError) as err:
+            raise ValueError(f"the recipe is malformed ({type(err).__name__}: {err})") from None
+        recipe.check()
+        return recipe
+
+    def check(self) -> None:
+        """Refuse a recipe this metalearn cannot rebuild, naming the part.
+
+        Raises:
+            ValueError: an unknown experiment, data set or algorithm.
+        """
+        if self.experiment not in EXPERIMENTS:
+            raise ValueError(f"experiment {self.experiment!r} is not one of "
+                             f"{', '.join(EXPERIMENTS)}")  # fmt: skip
+        if self.data.dataset not in IMAGE_SET_NAMES:
+            raise ValueError(f"data set {self.data.dataset!r} is unknown; known: "
+                             f"{', '.join(IMAGE_SET_NAMES)}")  # fmt: skip
+        if self.learner.algorithm not in LEARNERS:
+            raise ValueError(f"algorithm {self.learner.algorithm!r} is unknown; known: "
+                             f"{', '.join(LEARNERS)}")  # fmt: skip
+
+
+# --------------------------------------------------------------------------- from arguments
+
+
+def resolve_learner_args(args: Mapping[str, Any]) -> dict[str, Any]:
+    """Flat experiment arguments with the learner values left open filled in, once.
+
+    Open values (None) take `RUN_DEFAULTS` for the algorithm, then the learner's own
+    defaults (MAML++'s ``msl_steps``, LoRA's rank ``lora_rank``, ...); ``outer_lr`` takes
+    the learner's (`MetaLearner.default_outer_lr`: Adam's 1e-3, Reptile's 1.0). A setting
+    of another algorithm stays None.
+
+    Raises:
+        ValueError: an unknown algorithm, another algorithm's setting, or ``first_order``
+            for an algorithm that sets its own derivative order.
+    """
+    algorithm = args.get("algorithm")
+    if algorithm not in LEARNERS:
+        raise ValueError(f"unknown algorithm {algorithm!r}; choose one of {', '.join(LEARNERS)}")
+    resolved = {**args}
+    for key, value in RUN_DEFAULTS[algorithm].items():
+        if resolved.get(key) is None:
+            resolved[key] = value
+    own = complete_arguments(algorithm, {})
+    for flag_name, owner in _OWN_FLAGS.items():
+        if flag_name not in resolved:
+            continue
+        if owner != algorithm and resolved[flag_name] is not None:
+            raise ValueError(f"--{flag_name.replace('_', '-')} is a setting of {owner}; drop "
+                             f"it for {algorithm}")  # fmt: skip
+        if owner == algorithm and resolved[flag_name] is None:
+            resolved[flag_name] = own[LEARNER_FLAGS[flag_name]]
+    if resolved.get("first_order") and "first_order" not in own:
+        hint = " (first order until --first-order-steps)" if algorithm == "mamlpp" else ""
+        raise ValueError(f"{algorithm} sets its own derivative order{hint}; drop --first-order")
+    if resolved.get("outer_lr") is None and "outer_lr" in resolved:
+        resolved["outer_lr"] = LEARNERS[algorithm].default_outer_lr
+    return resolved
+
+
+def learner_recipe(args: Mapping[str, Any]) -> LearnerRecipe:
+    """The learner a run's (resolved) flat arguments describe, every argument recorded.
+
+    Raises:
+        ValueError: an unknown algorithm, or a value the learner does not take.
+    """
+    algorithm = args["algorithm"]
+    takes = complete_arguments(algorithm, {})
+    given = {}
+    for flag_name, argument in LEARNER_FLAGS.items():
+        value = args.get(flag_name)
+        if value is None or value is False or argument not in takes:
+            continue
+        given[argument] = value
+    return LearnerRecipe(algorithm, complete_arguments(algorithm, given))
+
+
+def recipe_from_args(experiment: str, args: Mapping[str, Any]) -> Recipe:
+    """The recipe of a run from its resolved flat arguments (the names of its flags).
+
+    Also reads the flat ``args`` of checkpoints written before recipes existed: a key a
+    record lacks takes the value those runs had (``dataset`` Omniglot, MAML's split, the
+    episodic protocols, Omniglot's Conv4 with stride-2 blocks and a mean head).
+
+    Raises:
+        ValueError: an unknown data set or algorithm, or a shape the data set cannot give.
+    """
+    dataset = args.get("dataset", "omniglot")
+    ways = args["ways"]
+    image = image_format(dataset, args.get("image_size"), args.get("channels"))
+    data = DataRecipe(
+        dataset=dataset, root=args.get("data_root"),
+        split=args.get("split", "maml") if dataset == "omniglot" else "published",
+        train_tasks=args.get("train_tasks", "episodic"),
+        eval_protocol=args.get("eval_protocol", "episodic"), ways=ways, shots=args["shots"],
+        query=args["query"], eval_query=args["eval_query"], augment=bool(args.get("augment")),
+        image=image,
+    )  # fmt: skip
+    model = ModelRecipe(
+        backbone=args.get("backbone", "conv4"), in_channels=image.channels, ways=ways,
+        hidden=args["hidden"], pool=args.get("pool", "stride"), head=args.get("head", "mean"),
+        image_size=args.get("image_size"),
+    )  # fmt: skip
+    algorithm = args["algorithm"]
+    outer_lr = args.get("outer_lr")
+    training = TrainingRecipe(
+        meta_batch=args["meta_batch"], iterations=args["iterations"],
+        outer_lr=LEARNERS[algorithm].default_outer_lr if outer_lr is None else outer_lr,
+        eval_inner_steps=args["eval_inner_steps"], seed=args["seed"],
+        val_every=args["val_every"], val_tasks=args["val_tasks"],
+        test_tasks=args["test_tasks"], checkpoint_every=args["checkpoint_every"],
+        curvature_every=args.get("curvature_every", 0),
+        curvature_tasks=args.get("curvature_tasks", 4),
+    )  # fmt: skip
+    recipe = Recipe(experiment, data, model, learner_recipe(args), training)
+    recipe.check()
+    return recipe
+
+
+def read_recipe(saved: Mapping[str, Any]) -> Recipe:
+    """The recipe of a checkpoint: its ``recipe``, or one made from the flat ``args`` of a
+    checkpoint written before recipes existed.
+
+    Old records differ from new ones in two learner settings, which the recipe then
+    records: Reptile's outer step was constant (``anneal=False``), and MAML++'s schedule
+    (its loss weights and derivative order) was not driven by the training loop.
+
+    Raises:
+        ValueError: a malformed or unknown recipe, or old arguments without the keys every
+            run wrote (named).
+    """
+    if "recipe" in saved:
+        return Recipe.from_dict(saved["recipe"])
+    args = saved.get("args")
+    args = upgrade_args(args) if isinstance(args, Mapping) else args
+    if not isinstance(args, Mapping):
+        raise ValueError("the checkpoint holds neither a recipe nor a run's arguments")
+    experiment = "fewshot_maml" if "dataset" in args else "omniglot_maml"
+    try:
+        recipe = recipe_from_args(experiment, resolve_learner_args(args))
+    except KeyError as err:
+        raise ValueError(f"the checkpoint's arguments lack {err}; it was not written by "
+                         "metalearn's experiments") from None  # fmt: skip
+    if recipe.learner.algorithm == "reptile":
+        arguments = {**recipe.learner.arguments, "anneal": False}
+        recipe = dataclasses.replace(recipe, learner=LearnerRecipe("reptile", arguments))
+    return recipe
+
+
+_RENAMED = {"checkpoint": "gradient_checkpointing"}
+"""Flags renamed since a record was written: old name -> new name."""
+
+
+def upgrade_args(args: Mapping[str, Any]) -> dict[str, Any]:
+    """A checkpoint's flat arguments under today's flag names (`_RENAMED`)."""
+    return {_RENAMED.get(k, k): v for k, v in args.items()}
+
+
+def with_resumed(recipe: Recipe, args: Mapping[str, Any]) -> Recipe:
+    """``recipe`` with what a resume may change taken from the merged flat ``args``: the
+    iterations, the checkpoint interval, the data's folder, and the learner's memory
+    settings (gradient checkpointing, chunk size), which change its cost, not its numbers."""
+    training = dataclasses.replace(recipe.training, iterations=args["iterations"],
+                                   checkpoint_every=args["checkpoint_every"])  # fmt: skip
+    data = dataclasses.replace(recipe.data, root=args.get("data_root", recipe.data.root))
+    defaults = complete_arguments(recipe.learner.algorithm, {})
+    arguments = dict(recipe.learner.arguments)
+    for flag_name, argument in (
+        ("gradient_checkpointing", "checkpoint"),
+        ("chunk_size", "chunk_size"),
+    ):
+        if argument in arguments and flag_name in args:
+            value = args[flag_name]
+            arguments[argument] = defaults[argument] if value in (None, False) else value
+    learner = LearnerRecipe(recipe.learner.algorithm, arguments)
+    return dataclasses.replace(recipe, training=training, data=data, learner=learner)
+
+
+# --------------------------------------------------------------------------- rebuilding
+
+
+def build_model(recipe: Recipe) -> nn.Module:
+    """The run's backbone, freshly initialised (seed first, or load a state next)."""
+    m = recipe.model
+    return build_backbone(m.backbone, in_channels=m.in_channels, ways=m.ways, hidden=m.hidden,
+                          pool=m.pool, head=m.head, image_size=m.image_size)  # fmt: skip
+
+
+def build_learner(recipe: Recipe, device: torch.device | str = "cpu") -> MetaLearner:
+    """The run's learner around a fresh backbone, built with exactly the recorded arguments."""
+    learner = make_learner(recipe.learner.algorithm, build_model(recipe), recipe.learner.arguments)
+    return learner.to(device)
+
+
+def build_samplers(
+    data: DataRecipe,
+    *,
+    device: torch.device | str = "cpu",
+    splits: Sequence[str] = ("train", "val", "test"),
+    root: str | None = None,
+) -> dict[str, EpisodicSampler]:
+    """The task samplers a run trains (``query`` queries, augmented if recorded), validates
+    and tests (``eval_query``) on, by its protocols.
+
+    Args:
+        data: the recipe's data.
+        device: where the tasks' tensors live.
+        splits: the splits wanted (a split the data lacks, Omniglot's alphabet ``val``, is
+            left out).
+        root: the data's folder here, when it moved (default: the recorded one).
+
+    Raises:
+        ValueError, FileNotFoundError: what the loaders refuse (missing or malformed data).
+    """
+    root = data.root if root is None else root
+    if data.dataset != "omniglot":
+        return image_set_samplers(
+            data.dataset, root, ways=data.ways, shots=data.shots, queries=data.query,
+            eval_queries=data.eval_query, augment=data.augment, image_size=data.image.size,
+            channels=data.image.channels, splits=splits, device=device,
+        )  # fmt: skip
+    images = load_omniglot(
+        root,
+        download=root_is_default(root),
+        image_size=data.image.size,
+        resample=data.image.resample,
+    )
+    draw = {"episodic": omniglot_samplers, "within-alphabet": within_alphabet_samplers}
+    common = dict(ways=data.ways, shots=data.shots, device=device)
+    samplers: dict[str, EpisodicSampler] = {}
+    if "train" in splits:
+        augment = standard_augmentation("character") if data.augment else None
+        train = draw[data.train_tasks](images, data.split, queries=data.query, augment=augment,
+                                       **common)  # fmt: skip
+        samplers["train"] = train["train"]
+    if set(splits) - {"train"}:
+        evaluation = draw[data.eval_protocol](images, data.split, queries=data.eval_query,
+                                              **common)  # fmt: skip
+        samplers.update({s: v for s, v in evaluation.items() if s != "train" and s in splits})
+    return samplers

@@ -1,0 +1,65 @@
+"""Tests' shorthands for the experiments' arguments, recipes, learners and checkpoints.
+
+Arguments are given by their flat names (the flags' names), as a user gives them; the rest
+goes through the same functions a run uses (`metalearn.runs.loop`, `metalearn.runs.recipe`).
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import torch
+
+from metalearn.algorithms import MetaLearner
+from metalearn.checkpoint import save_checkpoint
+from metalearn.runs import loop
+from metalearn.runs.cli import flatten, unflatten
+from metalearn.runs.recipe import Recipe
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "experiments"))
+import fewshot_maml as fs  # noqa: E402
+import omniglot_maml as om  # noqa: E402
+
+__all__ = ["checkpoint_of", "fs", "learner_of", "make", "om", "recipe_of", "samplers_of"]
+
+
+def make(experiment: ModuleType, **flat: Any) -> Any:
+    """The experiment's `Args` with the named flat values (the rest: its defaults)."""
+    return unflatten(experiment.Args, flat)
+
+
+def recipe_of(experiment: ModuleType, args: Any) -> Recipe:
+    """The recipe a run of ``args`` records (resolved first, as the run resolves them)."""
+    return loop.make_recipe(experiment.EXPERIMENT, experiment.resolve_args(args))
+
+
+def learner_of(experiment: ModuleType, args: Any) -> MetaLearner:
+    """The learner a run of ``args`` starts from (seeded by its seed)."""
+    return loop.make_learner(recipe_of(experiment, args), "cpu")
+
+
+def samplers_of(experiment: ModuleType, args: Any) -> dict:
+    """The samplers a run of ``args`` draws its tasks from."""
+    return loop.make_samplers(recipe_of(experiment, args), "cpu")
+
+
+def checkpoint_of(
+    path: Path, experiment: ModuleType, args: Any, *, best: bool = True, perturb: bool = True
+) -> Path:
+    """A checkpoint in a run's format at ``path/run/checkpoint.pt``: its arguments, recipe
+    and the weights of its own learner, moved off their initial values so loading shows."""
+    args = experiment.resolve_args(args)
+    learner = learner_of(experiment, args)
+    if perturb:
+        with torch.no_grad():
+            for p in learner.parameters():
+                p.add_(0.01 * torch.randn_like(p))
+    state = {k: v.detach().clone() for k, v in learner.state_dict().items()}
+    saved = {"args": flatten(args), "recipe": recipe_of(experiment, args).to_dict(),
+             "learner": state, "iteration": 2, "best_learner": state if best else None,
+             "best_val": 0.5}  # fmt: skip
+    return save_checkpoint(path / "run" / "checkpoint.pt", saved)
