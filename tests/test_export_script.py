@@ -10,6 +10,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from test_deploy import CHARACTERS, _args, experiment_checkpoint, make_support_folder
@@ -174,3 +175,45 @@ def test_tensorrt_without_its_needs_is_one_line_and_changes_nothing(run, tmp_pat
     checkpoint, support = run
     argv = ["--checkpoint", str(checkpoint), "--support", str(support), "--tensorrt"]
     _refused(capsys, argv, tmp_path, "--tensorrt needs ")
+
+
+@pytest.mark.parametrize(("dataset", "shape"), [("folder", (1, 16)), ("cifar-fs", (3, 32))])
+def test_a_fewshot_checkpoint_exports_a_program_for_its_own_images(tmp_path, dataset, shape):
+    """A folder run (16 px grayscale) and a CIFAR-FS run (32 px RGB): the support folder is
+    decoded as that run's training images, and the program takes them."""
+    from PIL import Image
+    from run_helpers import checkpoint_of, fs, make
+
+    channels, side = shape
+    overrides = {"image_size": 16, "channels": 1} if dataset == "folder" else {}
+    # The recipe needs no data (only an existing folder): nothing is loaded to export.
+    args = make(fs, dataset=dataset, data_root=str(tmp_path), ways=3, hidden=4, device="cpu",
+                **overrides)  # fmt: skip
+    checkpoint = checkpoint_of(tmp_path, fs, args)
+    support = tmp_path / "support"
+    rng = np.random.default_rng(0)
+    for c in range(3):  # RGB files of 40x40 for both: the run's decoding converts and resizes
+        (support / f"c{c}").mkdir(parents=True)
+        pixels = rng.integers(0, 256, (40, 40, 3), dtype=np.uint8)
+        Image.fromarray(pixels).save(support / f"c{c}" / "a.png")
+    report = script.main(script.Args(checkpoint=str(checkpoint), support=str(support),
+                                     out=str(tmp_path / "a.pt2")))  # fmt: skip
+    program, meta = load_exported(report.path)
+    assert (meta["image_size"], meta["channels"], meta["invert"]) == (side, channels, False)
+    assert meta["dataset"] == dataset and report.max_abs_diff <= 1e-5
+    x = torch.rand(2, channels, side, side)
+    assert program.module()(x).shape == (2, 3)
+    with pytest.raises(Exception):  # noqa: B017  (torch.export's guard error on the shape)
+        program.module()(torch.rand(2, 1 if channels == 3 else 3, side, side))
+
+
+def test_support_images_of_different_sizes_are_refused_unless_asked(run, tmp_path, capsys):
+    from PIL import Image
+
+    checkpoint, support = run
+    Image.new("L", (400, 60), 255).save(support / "class0" / "wide.png")
+    argv = ["--checkpoint", str(checkpoint), "--support", str(support), "--out",
+            str(tmp_path / "m.pt2")]  # fmt: skip
+    _refused(capsys, argv, tmp_path, "holds images of different sizes")
+    assert script.cli([*argv, "--mixed-sizes"]) == 0
+    assert load_exported(tmp_path / "m.pt2")[1]["mixed_sizes"] is True

@@ -1,0 +1,106 @@
+"""Checkpoints written before runs carried a recipe still rebuild, evaluate, export and
+resume. The files in tests/data/records/ were written by the experiments of commit 68e375d
+(flat ``args``, no ``recipe``): two Omniglot runs (MAML and Reptile, 4 filters, 2 steps) and
+a few-shot run on the image folder beside them (3-way, 16 px grayscale). Each holds the test
+accuracy that code measured, which its rebuilt learner must reproduce exactly."""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from run_helpers import fs, om
+from test_deploy import make_support_folder
+
+from metalearn.data import ImageFormat
+from metalearn.deploy import export_from_checkpoint, load_exported
+from metalearn.runs.lifecycle import UserError
+from metalearn.runs.recipe import read_recipe
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "scripts"))
+import evaluate  # noqa: E402
+
+RECORDS = ROOT / "tests" / "data" / "records"
+DATA = Path(os.environ.get("METALEARN_DATA", ROOT.parent / "shared" / "data" / "omniglot"))
+needs_omniglot = pytest.mark.skipif(
+    not (DATA / "images_background").is_dir(), reason="full Omniglot not found"
+)
+RESULT = re.compile(r"test/acc: (\d\.\d{4}) ± ")
+
+
+def saved(name: str) -> dict:
+    return torch.load(RECORDS / f"{name}.ckpt", weights_only=True)
+
+
+def test_old_records_have_no_recipe_and_read_as_one():
+    omniglot, reptile, folder = (saved(n) for n in ("omniglot-maml", "omniglot-reptile",
+                                                    "folder-maml"))  # fmt: skip
+    assert "recipe" not in omniglot and "dataset" not in omniglot["args"]
+    recipe = read_recipe(omniglot)
+    assert (recipe.experiment, recipe.data.dataset, recipe.data.split) == (
+        "omniglot_maml", "omniglot", "maml",
+    )  # fmt: skip
+    assert recipe.data.image == ImageFormat(28, 1, invert=True)
+    assert (recipe.model.backbone, recipe.model.pool, recipe.model.head) == ("conv4", "stride",
+                                                                             "mean")  # fmt: skip
+    assert recipe.learner.arguments["inner_lr"] == 0.4
+    # Reptile's outer step was constant then; the record says so, so a resume keeps it.
+    assert read_recipe(reptile).learner.arguments["anneal"] is False
+    recipe = read_recipe(folder)
+    assert (recipe.experiment, recipe.data.dataset) == ("fewshot_maml", "folder")
+    assert recipe.data.image == ImageFormat(16, 1)
+    assert (recipe.model.pool, recipe.model.head, recipe.model.image_size) == ("max", "flatten", 16)
+
+
+@pytest.mark.parametrize("name", ["omniglot-maml", "omniglot-reptile", "folder-maml"])
+def test_evaluate_reproduces_the_test_accuracy_the_old_code_measured(name, capsys):
+    if name.startswith("omniglot") and not (DATA / "images_background").is_dir():
+        pytest.skip("full Omniglot not found")
+    record = saved(name)
+    argv = ["--checkpoint", str(RECORDS / f"{name}.ckpt"), "--no-track",
+            "--tasks", str(record["args"]["test_tasks"])]  # fmt: skip
+    if name == "folder-maml":
+        argv += ["--data-root", str(RECORDS / "folder")]  # the recorded folder was elsewhere
+    assert evaluate.cli(argv) == 0
+    printed = RESULT.match(capsys.readouterr().out.strip().splitlines()[-1])
+    assert printed[1] == f"{record['results']['test/acc']:.4f}"
+
+
+@needs_omniglot
+def test_an_old_checkpoint_exports(tmp_path):
+    report = export_from_checkpoint(RECORDS / "omniglot-maml.ckpt", make_support_folder(tmp_path),
+                                    tmp_path / "old.pt2")  # fmt: skip
+    meta = load_exported(report.path)[1]
+    assert (meta["image_size"], meta["channels"], meta["invert"]) == (28, 1, True)
+    assert report.max_abs_diff <= 1e-5
+
+
+@needs_omniglot
+def test_an_old_run_resumes_and_then_carries_its_recipe(tmp_path):
+    (tmp_path / "omniglot-maml").mkdir()
+    shutil.copy(RECORDS / "omniglot-maml.ckpt", tmp_path / "omniglot-maml" / "checkpoint.pt")
+    args = om.parse_args(["--resume", "--run-name", "omniglot-maml", "--out-dir", str(tmp_path),
+                          "--iterations", "3", "--data-root", str(DATA)])  # fmt: skip
+    om.main(args)
+    resumed = torch.load(tmp_path / "omniglot-maml" / "checkpoint.pt", weights_only=True)
+    assert resumed["iteration"] == 3 and len(resumed["history"]) == 3
+    recipe, old = read_recipe(resumed), read_recipe(saved("omniglot-maml"))
+    assert "recipe" in resumed and recipe.training.iterations == 3
+    assert (recipe.learner, recipe.model, recipe.experiment) == (old.learner, old.model,
+                                                                 old.experiment)  # fmt: skip
+
+
+def test_another_experiments_checkpoint_is_refused_in_one_line(tmp_path):
+    (tmp_path / "r").mkdir()
+    shutil.copy(RECORDS / "omniglot-maml.ckpt", tmp_path / "r" / "checkpoint.pt")
+    with pytest.raises(UserError, match="is a run of experiments/omniglot_maml.py, not of "
+                                        "experiments/fewshot_maml.py") as err:  # fmt: skip
+        fs.main(fs.parse_args(["--resume", "--run-name", "r", "--out-dir", str(tmp_path),
+                               "--dataset", "omniglot"]))  # fmt: skip
+    assert "\n" not in str(err.value)
