@@ -306,7 +306,8 @@ def test_sigkill_then_resume_logs_every_step_once(tmp_path):
     proc.wait()
     saved = _checkpoint(tmp_path, "k")
     assert 5 <= saved["iteration"] < n
-    om.main(tiny_args(tmp_path, **run, resume=True))
+    with pytest.warns(UserWarning, match="taking over a stale lock of process"):  # SIGKILLed
+        om.main(tiny_args(tmp_path, **run, resume=True))
     wandb.teardown()  # finish() may return before the .wandb file is complete
     record = read_offline_run(latest_segment(tmp_path / "wandb", saved["wandb_id"]))
     assert _steps(record) == list(range(1, n + 1))

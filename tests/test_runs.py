@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import inspect
+import os
 import random
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -11,7 +14,7 @@ import torch
 
 from metalearn.algorithms import FOMAML, IMAML, LEARNERS, MetaLearner, Reptile
 from metalearn.algorithms.registry import complete_arguments, make_learner
-from metalearn.checkpoint import load_checkpoint, save_checkpoint
+from metalearn.checkpoint import HOST, load_checkpoint, save_checkpoint
 from metalearn.models import Conv4
 from metalearn.runs.lifecycle import RunState, UserError, merge_resumed_args
 from metalearn.runs.recipe import learner_recipe, resolve_learner_args
@@ -37,12 +40,18 @@ def test_run_state_round_trips_through_a_checkpoint(tmp_path):
 
 
 def test_a_killed_writers_temporary_file_is_removed_by_the_next_save(tmp_path):
-    orphan = tmp_path / ".checkpoint.pt.abc123.tmp"  # what save_checkpoint's mkstemp names
-    orphan.write_bytes(b"half a checkpoint")
-    other = tmp_path / ".other.pt.abc123.tmp"  # another target's: not ours to remove
-    other.write_bytes(b"x")
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                          capture_output=True, text=True, check=True).stdout.strip()  # fmt: skip
+    orphan = tmp_path / f".checkpoint.pt.{HOST}.{dead}.abc123.tmp"  # its writer has exited
+    live = tmp_path / f".checkpoint.pt.{HOST}.{os.getpid()}.def456.tmp"  # a live writer's
+    elsewhere = tmp_path / f".checkpoint.pt.otherhost.{dead}.ghi789.tmp"  # unknowable: kept
+    other = tmp_path / f".other.pt.{HOST}.{dead}.abc123.tmp"  # another target's
+    for path in (orphan, live, elsewhere, other):
+        path.write_bytes(b"half a checkpoint")
     save_checkpoint(tmp_path / "checkpoint.pt", {"w": torch.ones(2)})
-    assert sorted(p.name for p in tmp_path.iterdir()) == [".other.pt.abc123.tmp", "checkpoint.pt"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
+        p.name for p in (live, elsewhere, other, tmp_path / "checkpoint.pt")
+    )
     assert torch.equal(load_checkpoint(tmp_path / "checkpoint.pt")["w"], torch.ones(2))
 
 

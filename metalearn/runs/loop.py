@@ -28,9 +28,11 @@ progress; evaluation tasks are split across ranks.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import math
+import os
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -47,6 +49,7 @@ from metalearn.algorithms.curvature import PROBE_SEED, meta_curvature, support_c
 from metalearn.checkpoint import load_checkpoint, save_checkpoint
 from metalearn.data import EpisodicSampler
 from metalearn.engine import Task
+from metalearn.runs import lock
 from metalearn.runs.cli import flag, flatten, parse_dataclass, unflatten
 from metalearn.runs.evaluation import TEST_SEED, VAL_SEED, evaluate_tasks
 from metalearn.runs.lifecycle import (
@@ -173,7 +176,26 @@ def check_args(exp: Experiment, args: Any) -> None:
     require(a["threads"] >= 0,
             f"--threads {a['threads']}: must be at least 1, or 0 for torch's default")  # fmt: skip
     require(0 <= a["seed"] < 2**32, f"--seed {a['seed']}: must be in [0, 2**32)")
+    _check_run_folder(a["out_dir"], a["run_name"])
     exp.check(args)
+
+
+def _check_run_folder(out_dir: str, run_name: str | None) -> None:
+    """Refuse a run name that is not one folder name, and an --out-dir that cannot be
+    written, before anything runs (a run that cannot checkpoint would lose its work)."""
+    if run_name is not None:
+        require(run_name not in ("", ".", "..") and "/" not in run_name
+                and "\\" not in run_name and "\0" not in run_name,
+                f"--run-name {run_name!r}: a run's name is one folder name under --out-dir "
+                "(no '/', not empty, '.' or '..')")  # fmt: skip
+    out = Path(out_dir).expanduser()
+    existing = next(p for p in (out, *out.parents) if p.exists())
+    require(existing.is_dir(),
+            f"--out-dir {out_dir}: {existing} is a file, not a folder; give a folder")  # fmt: skip
+    require(
+        os.access(existing, os.W_OK | os.X_OK),
+        f"--out-dir {out_dir}: {existing} is not writable; give a folder you can write to",
+    )
 
 
 def resolve_args(exp: Experiment, args: Any) -> Any:
@@ -604,8 +626,32 @@ def _main(exp: Experiment, args: Any, dist: distributed.DistInfo) -> dict[str, f
     require(meta_batch >= dist.world_size,
             f"--meta-batch {meta_batch} is below the {dist.world_size} processes: every "
             "rank needs a task; raise --meta-batch or launch fewer processes")  # fmt: skip
-    # Rank 0 reads (only its machine need hold the checkpoint) and every rank gets its answer.
-    args, recipe, saved = distributed.from_main(start_from, exp, args)
+    # Rank 0 holds the run folder's lock while it trains (one writer per run), reads the
+    # checkpoint (only its machine need hold it) and every rank gets its answer.
+    folder = checkpoint_path(resolve_args(exp, args)).parent
+    with _run_lock(folder, dist.is_main):
+        args, recipe, saved = distributed.from_main(start_from, exp, args)
+        return _run(exp, args, recipe, saved, dist)
+
+
+@contextlib.contextmanager
+def _run_lock(folder: Path, main: bool):
+    """The run folder's lock on rank 0 (`metalearn.runs.lock`); a folder this call made
+    for a run that then stopped before writing anything is removed again."""
+    if not main:
+        yield
+        return
+    made = not folder.exists()
+    try:
+        with lock.held(folder):
+            yield
+    finally:
+        if made and folder.is_dir() and not any(folder.iterdir()):
+            folder.rmdir()
+
+
+def _run(exp: Experiment, args: Any, recipe: Recipe, saved: dict | None,
+         dist: distributed.DistInfo) -> dict[str, float]:  # fmt: skip
     path = checkpoint_path(args)
     if dist.is_main:
         print(f"checkpoint: {path}", flush=True)
