@@ -11,7 +11,9 @@ L_support at phi_i (Lemma 1, Eq. 6), so the task's meta-gradient (Eq. 5) is::
 
     g_i = (I + H_i / lam)^{-1} grad_phi L_query(phi_i)
 
-found by conjugate gradient from Hessian-vector products only (Eq. 7). `IMAML.backward`
+found by conjugate gradient from Hessian-vector products only (Eq. 7), through
+`metalearn.implicit` (the implicit function theorem on the condition ``grad_phi [L_support +
+lam/2 ||phi - theta||^2] = 0``). `IMAML.backward`
 writes ``mean_i g_i`` into ``.grad``. The result is exact when the inner loop reaches the
 optimum and CG converges; the paper runs few of both (16 GD steps, 5 CG steps on Omniglot).
 """
@@ -45,8 +47,9 @@ from metalearn.engine import (
     accuracy,
     adapt,
 )
-from metalearn.functional import tree_dot, tree_scale
-from metalearn.second_order import DEFAULT_HVP_METHOD, CGResult, HVPMethod, conjugate_gradient, hvp
+from metalearn.functional import tree_dot
+from metalearn.implicit import LinearSolve, NotPositiveDefiniteError, Optimality, implicit_vjp
+from metalearn.second_order import DEFAULT_HVP_METHOD, HVPMethod
 
 __all__ = [
     "IMAML",
@@ -117,8 +120,8 @@ class ImplicitResult(NamedTuple):
     """phi_i, the adapted weights."""
     query_grad: dict[str, Tensor]
     """grad_phi L_query(phi_i), the right-hand side of Eq. 7 (FOMAML's direction)."""
-    cg: CGResult | None
-    """The CG solve (iterations, residual, converged); None when first order."""
+    cg: LinearSolve | None
+    """The CG solve of Eq. 7 (iterations, residual, converged); None when first order."""
 
 
 def implicit_meta_gradient(
@@ -183,11 +186,6 @@ def implicit_meta_gradient(
         out = functional_call(model, {**buffers, **p}, (query[0],), kwargs)
         return loss_fn(out, query[1]), out
 
-    def support_loss(p: dict[str, Tensor]) -> Tensor:
-        # H_i is the Hessian of the *unregularised* support loss: the proximal term's
-        # Hessian, lam * I, is the I of (I + H/lam).
-        return loss_fn(functional_call(model, {**buffers, **p}, (support[0],), kwargs), support[1])
-
     with torch.no_grad():
         g_query, (loss, out) = grad_and_value(query_loss, has_aux=True)(phi)
     if not torch.isfinite(loss):
@@ -195,22 +193,31 @@ def implicit_meta_gradient(
     if first_order:
         return ImplicitResult(g_query, loss, accuracy(out, query[1]), phi, g_query, None)
 
-    def matvec(u: dict[str, Tensor]) -> dict[str, Tensor]:
-        return tree_scale(1.0 / lam, hvp(support_loss, phi, u, method=hvp_method))
+    anchor = _detached(theta)
 
+    def inner_objective(p: dict[str, Tensor], th: dict[str, Tensor]) -> Tensor:
+        # Eq. 4's objective: its gradient in phi is the optimality condition F(phi, theta) = 0,
+        # whose Jacobians are dF/dphi = H + lam I and dF/dtheta = -lam I, so the IFT's
+        # -(dF/dtheta)^T (H + lam I)^{-1} g is Eq. 7's (I + H/lam)^{-1} g.
+        out = functional_call(model, {**buffers, **p}, (support[0],), kwargs)
+        return loss_fn(out, support[1]) + 0.5 * lam * sum(((p[k] - th[k]) ** 2).sum() for k in th)
+
+    condition = Optimality(objective=inner_objective, hvp_method=hvp_method)
     try:
-        cg = conjugate_gradient(
-            matvec, g_query, damping=1.0 + cg_damping, max_iter=cg_steps, tol=cg_tol
-        )
-    except ValueError as error:  # non-positive curvature: I + H/lam is indefinite
+        # cg_damping is relative to I + H/lam: lam * cg_damping on the unscaled system.
+        (grad,), cg = implicit_vjp(
+            condition, phi, [anchor], g_query, solve="cg", damping=lam * cg_damping,
+            max_iter=cg_steps, tol=cg_tol,
+        )  # fmt: skip
+    except NotPositiveDefiniteError as error:  # I + H/lam is indefinite
         where = f"task {task_index}" if task_index is not None else "the task"
         raise ValueError(
-            f"iMAML's CG failed in {where}: {error}. I + H/lam is indefinite: H has "
+            f"iMAML's CG failed in {where}: {error.reason}. I + H/lam is indefinite: H has "
             f"eigenvalues below -lam = {-lam:g}, so phi is not a minimum of the proximal inner "
             "problem (Eq. 4). Pass cg_damping > 0 (a biased but defined meta-gradient), or "
             "run the inner loop closer to convergence (smaller inner_lr, more inner_steps)"
         ) from error
-    return ImplicitResult(cg.x, loss, accuracy(out, query[1]), phi, g_query, cg)
+    return ImplicitResult(grad, loss, accuracy(out, query[1]), phi, g_query, cg)
 
 
 @dataclass
