@@ -11,6 +11,7 @@ that did not, CG on a non-symmetric Jacobian, a second derivative, vmap.
 from __future__ import annotations
 
 import re
+from pathlib import Path
 
 import pytest
 import torch
@@ -250,3 +251,14 @@ def test_imaml_on_metalearn_implicit_equals_its_meta_gradient_before(method: str
     torch.testing.assert_close(got, torch.stack([b[0] for b in before]).mean(0), rtol=0, atol=EXACT)
     assert metrics.cg_iterations == sum(b[1].iterations for b in before) / 3
     assert metrics.cg_converged == sum(b[1].converged for b in before) / 3
+
+
+def test_the_readme_example_runs_and_equals_the_closed_form() -> None:
+    text = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    (code,) = [block.split("```", 1)[0] for block in text.split("```python\n")[1:]
+               if "from metalearn.implicit import root" in block]  # fmt: skip
+    scope: dict = {}
+    exec(compile(code, "README.md", "exec"), scope)  # as a user pastes it
+    x, y = scope["x"].detach().double(), scope["y"].double()
+    expected = ridge_reference(x, y, torch.tensor(0.1, dtype=F64), torch.ones(3, dtype=F64))[0]
+    torch.testing.assert_close(scope["x"].grad.double(), expected, rtol=1e-4, atol=1e-4)

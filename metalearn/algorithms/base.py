@@ -98,10 +98,15 @@ class MetaLearner(nn.Module, abc.ABC):
             ``first_order``, ANIL's ``adapt_keys``), so a record of its arguments leaves them
             out (`metalearn.algorithms.registry`).
         default_outer_lr: the outer step size `outer_optimizer` takes when given none.
+        head_sized_per_task: whether the learner sizes its classifier from each task's
+            labels (the solved heads of `metalearn.algorithms.heads`), so it can train on
+            tasks with more classes than the model's head has outputs; False for learners
+            that adapt the model's own head.
     """
 
     fixed_arguments: ClassVar[tuple[str, ...]] = ()
     default_outer_lr: ClassVar[float] = 1e-3
+    head_sized_per_task: ClassVar[bool] = False
 
     def __init__(
         self,

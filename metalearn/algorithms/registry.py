@@ -21,8 +21,11 @@ from metalearn.algorithms.imaml import IMAML
 from metalearn.algorithms.lora_maml import LoRAMAML
 from metalearn.algorithms.maml import ANIL, FOMAML, MAML
 from metalearn.algorithms.mamlpp import MAMLpp
+from metalearn.algorithms.metaoptnet import MetaOptNet
 from metalearn.algorithms.metasgd import MetaSGD
 from metalearn.algorithms.protomaml import ProtoMAML
+from metalearn.algorithms.protonet import ProtoNet
+from metalearn.algorithms.r2d2 import R2D2
 from metalearn.algorithms.reptile import Reptile
 
 __all__ = [
@@ -38,6 +41,7 @@ __all__ = [
 LEARNERS: Mapping[str, type[MetaLearner]] = {
     "maml": MAML, "fomaml": FOMAML, "anil": ANIL, "metasgd": MetaSGD, "mamlpp": MAMLpp,
     "imaml": IMAML, "reptile": Reptile, "protomaml": ProtoMAML, "lora": LoRAMAML,
+    "protonet": ProtoNet, "r2d2": R2D2, "metaoptnet": MetaOptNet,
 }  # fmt: skip
 ALGORITHMS: tuple[str, ...] = tuple(LEARNERS)
 Algorithm = Literal[ALGORITHMS]  # type: ignore[valid-type]

@@ -168,6 +168,7 @@ def image_set_samplers(
     omniglot_split: str = "maml",
     dtype: torch.dtype = torch.float32,
     device: torch.device | str | None = None,
+    train_ways: int | None = None,
     **options,
 ) -> dict[str, EpisodicSampler]:
     """An `EpisodicSampler` per split, as an experiment trains, validates and tests on them.
@@ -185,6 +186,8 @@ def image_set_samplers(
         omniglot_split: Omniglot's class split, ``"maml"`` or ``"alphabet"``
             (`omniglot_splits`); Omniglot keeps its rotations (`omniglot_samplers`).
         dtype, device: of the task images (resident on ``device``).
+        train_ways: N of the training tasks (None: ``ways``), for learners that size their
+            head per task.
         options: for the loader (``cache_dir``, ``workers``, ...).
 
     Returns:
@@ -199,13 +202,19 @@ def image_set_samplers(
     options = {**options, **image_options(name, image_size, channels)}
     eval_queries = queries if eval_queries is None else eval_queries
     augmentation = standard_augmentation(entry.augmentation, padding=entry.padding)
-    common = dict(ways=ways, shots=shots, dtype=dtype, device=device)
+    common = dict(shots=shots, dtype=dtype, device=device)
+    train_ways = ways if train_ways is None else train_ways
     if name == "omniglot":
         data = load_omniglot(root, download=False, progress=False, **options)
-        samplers = omniglot_samplers(data, omniglot_split, queries=queries, **common)
+        samplers = omniglot_samplers(data, omniglot_split, queries=queries, ways=ways, **common)
         if eval_queries != queries:
-            evaluation = omniglot_samplers(data, omniglot_split, queries=eval_queries, **common)
+            evaluation = omniglot_samplers(data, omniglot_split, queries=eval_queries, ways=ways,
+                                           **common)  # fmt: skip
             samplers.update({s: v for s, v in evaluation.items() if s != "train"})
+        if train_ways != ways:
+            wide = omniglot_samplers(data, omniglot_split, queries=queries, ways=train_ways,
+                                     **common)  # fmt: skip
+            samplers["train"] = wide["train"]
         samplers["train"].augment = augmentation if augment else None
         return {s: samplers[s] for s in map(check_split, splits) if s in samplers}
     if omniglot_split != "maml":
@@ -215,6 +224,7 @@ def image_set_samplers(
         split: entry.load(root, split, **options).sampler(
             queries=queries if split == "train" else eval_queries,
             augment=augmentation if augment and split == "train" else None,
+            ways=train_ways if split == "train" else ways,
             **common,
         )
         for split in map(check_split, splits)

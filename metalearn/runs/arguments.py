@@ -38,6 +38,10 @@ class DataArgs:
     dir (downloaded)."""
     ways: int = 5
     """N: classes per task."""
+    train_ways: int | None = None
+    """Classes per training task; none: --ways. More than --ways trains on harder tasks, as
+    Prototypical Networks trained Omniglot (60-way for 5- and 20-way tests); only for the
+    algorithms that size their head per task (protonet, r2d2, metaoptnet)."""
     shots: int = 1
     """K: support examples per class."""
     query: int = 5
@@ -64,7 +68,8 @@ class LearnerArgs:
     algorithm: Algorithm = "protomaml"
     """Meta-learning algorithm."""
     inner_lr: float | None = None
-    """Inner-loop learning rate (MAML's alpha); none: the algorithm's (0.4; iMAML 0.1)."""
+    """Inner-loop learning rate (MAML's alpha); none: the algorithm's (0.4; iMAML 0.1;
+    protonet, r2d2 and metaoptnet have no inner loop)."""
     inner_steps: int | None = None
     """Inner steps during meta-training; none: the algorithm's (1; iMAML and Reptile 5)."""
     first_order: bool = False

@@ -43,7 +43,7 @@ import torch
 from tqdm import tqdm
 
 from metalearn import distributed, tune_malloc
-from metalearn.algorithms import MetaLearner, MetaLossLearner, StepMetrics
+from metalearn.algorithms import HeadLearner, MetaLearner, MetaLossLearner, StepMetrics
 from metalearn.algorithms.compiled import CompiledMetaGradient
 from metalearn.algorithms.curvature import PROBE_SEED, meta_curvature, support_curvature
 from metalearn.checkpoint import load_checkpoint, save_checkpoint
@@ -105,17 +105,20 @@ RESUMABLE = (
     "dist_timeout", "data_root", "out_dir", "resume",
 )  # fmt: skip
 _AT_LEAST_ONE = (
-    "ways", "shots", "query", "eval_query", "meta_batch", "iterations", "hidden",
+    "ways", "train_ways", "shots", "query", "eval_query", "meta_batch", "iterations", "hidden",
     "val_every", "val_tasks", "test_tasks", "checkpoint_every", "inner_steps",
     "curvature_tasks", "chunk_size", "msl_steps", "lora_rank",
 )  # fmt: skip
 
 
 def default_run_name(args: Any) -> str:
-    """``algorithm-NwKs-lrLR-stepsS-seedS``: the values a grid usually varies."""
+    """``algorithm-NwKs-lrLR-stepsS-seedS``: the values a grid usually varies (no lr and
+    steps for a learner without an inner loop; ``-trainMw`` when training tasks are wider)."""
     a = flatten(args)
-    return (f"{a['algorithm']}-{a['ways']}w{a['shots']}s-lr{a['inner_lr']:g}-"
-            f"steps{a['inner_steps']}-seed{a['seed']}")  # fmt: skip
+    inner = "" if a["inner_lr"] is None else f"-lr{a['inner_lr']:g}-steps{a['inner_steps']}"
+    wide = a.get("train_ways")
+    train = f"-train{wide}w" if wide not in (None, a["ways"]) else ""
+    return f"{a['algorithm']}-{a['ways']}w{a['shots']}s{train}{inner}-seed{a['seed']}"
 
 
 def _no_check(args: Any) -> None:
@@ -164,7 +167,9 @@ def check_args(exp: Experiment, args: Any) -> None:
     for name in _AT_LEAST_ONE:
         value = a.get(name)
         require(value is None or value >= 1, f"{flag(name)} {value}: must be at least 1")
-    require(a["ways"] >= 2, f"--ways {a['ways']}: a task needs at least 2 classes")
+    for name in ("ways", "train_ways"):
+        require(a.get(name) is None or a[name] >= 2,
+                f"{flag(name)} {a.get(name)}: a task needs at least 2 classes")  # fmt: skip
     for name in ("inner_lr", "outer_lr", "dist_timeout"):
         value = a[name]
         require(value is None or (math.isfinite(value) and value > 0),
@@ -658,10 +663,12 @@ def _run(exp: Experiment, args: Any, recipe: Recipe, saved: dict | None,
     device = args.system.device
     samplers = make_samplers(recipe, device)
     learner = make_learner(recipe, device)
-    require(recipe.training.curvature_every == 0 or isinstance(learner, MetaLossLearner),
+    measurable = isinstance(learner, MetaLossLearner) and not isinstance(learner, HeadLearner)
+    lacks = "no inner loop" if isinstance(learner, HeadLearner) else "no meta-loss"
+    require(recipe.training.curvature_every == 0 or measurable,
             f"--curvature-every {recipe.training.curvature_every} with --algorithm "
-            f"{recipe.learner.algorithm}: {type(learner).__name__} has no meta-loss to "
-            "measure; use maml, fomaml, anil, metasgd, mamlpp, protomaml or lora, or drop "
+            f"{recipe.learner.algorithm}: {type(learner).__name__} has {lacks} to measure; use "
+            "maml, fomaml, anil, metasgd, mamlpp, protomaml or lora, or drop "
             "--curvature-every")  # fmt: skip
     backward = meta_gradient(args, learner)
     state = RunState(run_name=str(args.tracking.run_name))

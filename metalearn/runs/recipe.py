@@ -87,6 +87,9 @@ RUN_DEFAULTS: dict[str, dict[str, Any]] = {
     "reptile": {"inner_lr": 0.4, "inner_steps": 5},
     "protomaml": {"inner_lr": 0.4, "inner_steps": 1},
     "lora": {"inner_lr": 0.4, "inner_steps": 1},
+    "protonet": {},
+    "r2d2": {},
+    "metaoptnet": {},  # no inner loop
 }
 # The flags that set a learner argument, by flag name -> argument name. A switch (bool) that
 # is off and a value left at None set nothing: the learner's default stands (and is recorded).
@@ -115,6 +118,8 @@ class DataRecipe:
         ways, shots, query, eval_query: N, K, training and evaluation queries per class.
         augment: training images are augmented (the set's standard augmentation).
         image: how an image file becomes an input.
+        train_ways: classes per training task (``ways`` unless the run trains wider; None
+            only in records written before it existed, read as ``ways``).
     """
 
     dataset: str
@@ -128,6 +133,7 @@ class DataRecipe:
     eval_query: int
     augment: bool
     image: ImageFormat
+    train_ways: int | None = None
 
 
 @dataclass(frozen=True)
@@ -199,6 +205,7 @@ class Recipe:
                              f"{RECIPE_VERSION}")  # fmt: skip
         try:
             data = dict(record["data"])
+            data.setdefault("train_ways", data.get("ways"))  # recipes written before it
             recipe = cls(
                 experiment=record["experiment"],
                 data=DataRecipe(**{**data, "image": ImageFormat(**data["image"])}),
@@ -251,6 +258,7 @@ def resolve_learner_args(args: Mapping[str, Any]) -> dict[str, Any]:
         if resolved.get(key) is None:
             resolved[key] = value
     own = complete_arguments(algorithm, {})
+    _check_head_flags(algorithm, resolved, own)
     for flag_name, owner in _OWN_FLAGS.items():
         if flag_name not in resolved:
             continue
@@ -265,6 +273,28 @@ def resolve_learner_args(args: Mapping[str, Any]) -> dict[str, Any]:
     if resolved.get("outer_lr") is None and "outer_lr" in resolved:
         resolved["outer_lr"] = LEARNERS[algorithm].default_outer_lr
     return resolved
+
+
+def _check_head_flags(algorithm: str, args: Mapping[str, Any], own: Mapping[str, Any]) -> None:
+    """Refuse inner-loop flags for a learner with no inner loop, and ``--train-ways`` other
+    than ``--ways`` for one that adapts the model's own head (sized ``--ways``)."""
+    if "inner_lr" not in own:
+        inner = ("inner_lr", "inner_steps", "first_order", "gradient_checkpointing")
+        given = [flag for flag in inner if args.get(flag) not in (None, False)]
+        if given:
+            flags = ", ".join("--" + flag.replace("_", "-") for flag in given)
+            raise ValueError(f"{algorithm} solves its head per task, with no inner loop; drop "
+                             f"{flags}")  # fmt: skip
+    train_ways, ways = args.get("train_ways"), args.get("ways")
+    if (
+        train_ways is not None
+        and train_ways != ways
+        and not LEARNERS[algorithm].head_sized_per_task
+    ):
+        sized = ", ".join(n for n, c in LEARNERS.items() if c.head_sized_per_task)
+        raise ValueError(f"--train-ways {train_ways} with --algorithm {algorithm}: it adapts the "
+                         f"model's {ways}-way head, so it trains {ways}-way; drop --train-ways or "
+                         f"use an algorithm that sizes its head per task ({sized})")  # fmt: skip
 
 
 def learner_recipe(args: Mapping[str, Any]) -> LearnerRecipe:
@@ -303,7 +333,7 @@ def recipe_from_args(experiment: str, args: Mapping[str, Any]) -> Recipe:
         train_tasks=args.get("train_tasks", "episodic"),
         eval_protocol=args.get("eval_protocol", "episodic"), ways=ways, shots=args["shots"],
         query=args["query"], eval_query=args["eval_query"], augment=bool(args.get("augment")),
-        image=image,
+        image=image, train_ways=args.get("train_ways") or ways,
     )  # fmt: skip
     model = ModelRecipe(
         backbone=args.get("backbone", "conv4"), in_channels=image.channels, ways=ways,
@@ -408,8 +438,8 @@ def build_samplers(
     splits: Sequence[str] = ("train", "val", "test"),
     root: str | None = None,
 ) -> dict[str, EpisodicSampler]:
-    """The task samplers a run trains (``query`` queries, augmented if recorded), validates
-    and tests (``eval_query``) on, by its protocols.
+    """The task samplers a run trains (``train_ways`` classes, ``query`` queries, augmented if
+    recorded), validates and tests (``ways``, ``eval_query``) on, by its protocols.
 
     Args:
         data: the recipe's data.
@@ -427,6 +457,7 @@ def build_samplers(
             data.dataset, root, ways=data.ways, shots=data.shots, queries=data.query,
             eval_queries=data.eval_query, augment=data.augment, image_size=data.image.size,
             channels=data.image.channels, splits=splits, device=device,
+            train_ways=data.train_ways,
         )  # fmt: skip
     images = load_omniglot(
         root,
@@ -439,8 +470,9 @@ def build_samplers(
     samplers: dict[str, EpisodicSampler] = {}
     if "train" in splits:
         augment = standard_augmentation("character") if data.augment else None
+        wide = {**common, "ways": data.train_ways or data.ways}
         train = draw[data.train_tasks](images, data.split, queries=data.query, augment=augment,
-                                       **common)  # fmt: skip
+                                       **wide)  # fmt: skip
         samplers["train"] = train["train"]
     if set(splits) - {"train"}:
         evaluation = draw[data.eval_protocol](images, data.split, queries=data.eval_query,

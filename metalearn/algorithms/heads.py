@@ -1,0 +1,214 @@
+"""Learners whose per-task classifier is solved from the support features: no inner loop.
+
+A metric or closed-form head (Snell et al., 2017; Bertinetto et al., 2019; Lee et al., 2019)
+embeds a task's support and query sets with the backbone ``f`` (the model up to its linear
+``head``), solves a linear classifier ``(W [C, D], b [C])`` on the support features, and
+scores the query features with it; the meta-loss is the query loss, differentiated through
+the solve into the backbone. Every such head is a `HeadLearner`: a
+`metalearn.algorithms.base.MetaLossLearner` whose per-task meta-loss (`head_task_loss`, a
+`metalearn.engine.TaskFn`) runs through the engine's planner, chunks, vmap or loop, and
+``--compile``, as MAML's does. It differs from MAML's in two ways:
+
+* the model's own ``head`` is not used (its parameters get no gradient): ``f`` is the model
+  called with an identity head (as `metalearn.algorithms.protomaml` does), and the head is
+  the solved one;
+* the head is sized per task, from the task's labels: classes ``0..C-1`` with ``C`` at most
+  the support size. Under vmap a task's class count is not a Python number, so the solve
+  runs on ``columns`` = the support size and the logits of classes with no support example
+  are set to ``-inf``: the softmax, loss and accuracy are those of the task's own ``C``-way
+  head exactly. So a learner trains ``--train-ways`` classes per task and tests ``--ways``.
+
+`HeadLearner.adapt` returns theta with the model's ``head.weight`` and ``head.bias``
+replaced by the solved head (which has the model's ``ways`` rows), so the deployed model
+(`metalearn.deploy`) computes what `HeadLearner.evaluate` scores.
+"""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import Mapping
+from functools import partial
+from typing import Any, NamedTuple
+
+import torch
+from torch import Tensor, nn
+from torch.func import functional_call
+
+from metalearn.algorithms.base import MetaLossLearner, _detached
+from metalearn.engine import NonFiniteLossError, Task, TaskCall, TaskFn, TaskResult, accuracy
+
+__all__ = [
+    "HeadLearner",
+    "LinearHead",
+    "class_targets",
+    "features",
+    "head_task_loss",
+]
+
+
+class LinearHead(NamedTuple):
+    """A task's solved classifier: ``logits = features @ weight.T + bias``, masked."""
+
+    weight: Tensor
+    """``[C, D]``."""
+    bias: Tensor
+    """``[C]``."""
+    present: Tensor
+    """``[C]`` bool: the classes with a support example (the others' logits are -inf)."""
+
+    def logits(self, x: Tensor) -> Tensor:
+        """``[N, C]`` logits of features ``x [N, D]``; -inf for absent classes."""
+        out = x @ self.weight.T + self.bias
+        return torch.where(self.present, out, torch.full_like(out, float("-inf")))
+
+
+def class_targets(labels: Tensor, columns: int, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    """One-hot targets ``[S, columns]`` of ``labels [S]`` and which columns occur ``[columns]``.
+
+    Written as a comparison so that it runs under vmap (labels outside ``0..columns-1``
+    give an all-zero row).
+    """
+    onehot = (labels[:, None] == torch.arange(columns, device=labels.device)).to(dtype)
+    return onehot, onehot.sum(0) > 0
+
+
+def features(
+    model: nn.Module,
+    params: Mapping[str, Tensor],
+    x: Tensor,
+    *,
+    head: str = "head",
+    buffers: Mapping[str, Tensor] | None = None,
+    model_kwargs: Mapping[str, Any] | None = None,
+) -> Tensor:
+    """The backbone's features ``[N, D]``: the model's output with an identity ``head``.
+
+    Args:
+        model: a network whose last layer is the linear ``head`` (``{head}.weight [N, D]``).
+        params: theta, name -> tensor.
+        x: inputs ``[N, ...]``.
+        head, buffers, model_kwargs: the head's name; as for ``functional_call``.
+    """
+    weight = params[f"{head}.weight"]
+    dim = weight.shape[1]
+    identity = {f"{head}.weight": torch.eye(dim, dtype=weight.dtype, device=weight.device)}
+    if f"{head}.bias" in params:
+        identity[f"{head}.bias"] = weight.new_zeros(dim)
+    return functional_call(
+        model, {**(buffers or {}), **params, **identity}, (x,), dict(model_kwargs or {})
+    )
+
+
+def head_task_loss(
+    model: nn.Module,
+    params: Mapping[str, Tensor],
+    call: TaskCall,
+    *,
+    learner: HeadLearner,
+) -> TaskResult:
+    """One task's meta-loss: solve the head on the support features, score the query.
+
+    A `metalearn.engine.TaskFn` once ``learner`` is bound (`HeadLearner.task_fn`); the same
+    function under vmap and in the loop. Its ``support_losses`` are empty (no inner step).
+    """
+    embed = partial(features, model, params, head=learner.head, buffers=call.buffers,
+                    model_kwargs=call.model_kwargs)  # fmt: skip
+    (xs, ys), (xq, yq) = call.support, call.query
+    solved = learner.solve(embed(xs), ys, learner.columns(ys))
+    logits = solved.logits(embed(xq))
+    loss = call.inner.loss_fn(logits, yq)
+    if call.check_finite and not torch.isfinite(loss):
+        raise NonFiniteLossError("query", call.task_index, None, float(loss))
+    return TaskResult(loss, accuracy(logits, yq), loss.new_zeros(0))
+
+
+class HeadLearner(MetaLossLearner):
+    """A `MetaLossLearner` whose classifier is solved per task (see the module docstring).
+
+    Subclasses define `solve`. Inner-loop arguments (``inner_lr``, ``inner_steps``,
+    ``first_order``, ``adapt_keys``, ``checkpoint``) do not apply and are not taken; the
+    ``steps`` of `evaluate` and `adapt` are ignored.
+
+    Args:
+        model: the network, with a linear classifier named ``head`` that has a bias.
+        head: the classifier's name.
+        **kwargs: as for `metalearn.algorithms.base.MetaLearner` (``loss_fn``,
+            ``vectorize``, ``on_nonfinite``, ``chunk_size``).
+
+    Raises:
+        ValueError: the model has no 2-d ``{head}.weight`` and ``{head}.bias``.
+    """
+
+    fixed_arguments = ("inner_lr", "inner_steps", "first_order", "adapt_keys", "checkpoint")
+    head_sized_per_task = True
+
+    def __init__(self, model: nn.Module, head: str = "head", **kwargs: Any) -> None:
+        params = dict(model.named_parameters())
+        weight, bias = params.get(f"{head}.weight"), params.get(f"{head}.bias")
+        if weight is None or weight.dim() != 2 or bias is None:
+            raise ValueError(
+                f"{type(self).__name__} replaces the model's linear head by a solved one, but "
+                f"the model has no 2-d {head + '.weight'!r} with a {head + '.bias'!r}; pass "
+                "head= the name of its last nn.Linear (with a bias)"
+            )
+        for name in self.fixed_arguments:
+            if kwargs.pop(name, None) not in (None, False, 0, 0.0):
+                raise ValueError(f"{type(self).__name__} has no inner loop; drop {name}")
+        # No inner loop: the meta-gradient has no second-order inner terms to drop, and
+        # first_order=True tells the planner so (the fused-norm vmap blocker is about those).
+        super().__init__(model, inner_lr=0.0, inner_steps=0, first_order=True, **kwargs)
+        self.head = head
+
+    @abc.abstractmethod
+    def solve(self, support: Tensor, labels: Tensor, columns: int) -> LinearHead:
+        """The task's head from its support features.
+
+        Args:
+            support: support features ``[S, D]``.
+            labels: their classes ``[S]``, in ``0..columns-1``.
+            columns: the head's rows ``C``.
+
+        Returns:
+            A `LinearHead` of ``C`` rows, differentiable w.r.t. ``support`` and the
+            learner's own parameters.
+        """
+
+    def columns(self, labels: Tensor) -> int:
+        """The rows of the head solved in training and evaluation: the support size, a
+        static number under vmap (absent classes are masked; see the module docstring)."""
+        return labels.shape[-1]
+
+    def task_fn(self) -> TaskFn:
+        """`head_task_loss` with this learner's head."""
+        return partial(head_task_loss, learner=self)
+
+    def adapt(self, task: Task, steps: int | None = None) -> dict[str, Tensor]:
+        """theta with the model's head replaced by the task's solved head, detached.
+
+        The head has the model's ``ways`` rows, so the deployed network scores the task's
+        classes as `evaluate` does (``steps`` is ignored: there is no inner loop).
+
+        Raises:
+            ValueError: the support set's classes are not ``0..ways-1``, each present.
+        """
+        theta = _detached(self.theta())
+        ways = theta[f"{self.head}.weight"].shape[0]
+        x, y = task.support
+        classes = sorted(set(y.tolist()))
+        if classes != list(range(ways)):
+            raise ValueError(
+                f"the support set's labels must be 0..{ways - 1}, each with an example (the "
+                f"model's head has {ways} outputs); got classes {classes}"
+            )
+        with torch.no_grad():
+            support = features(
+                self.model, theta, x, head=self.head, buffers=self.buffers_dict(),
+                model_kwargs=task.model_kwargs,
+            )  # fmt: skip
+            solved = self.solve(support, y, ways)
+        return {**theta, f"{self.head}.weight": solved.weight.detach(),
+                f"{self.head}.bias": solved.bias.detach()}  # fmt: skip
+
+    def evaluate(self, tasks, steps: int | None = None) -> tuple[Tensor, Tensor]:
+        """Query loss and accuracy per task with the solved heads: ``([T], [T])``."""
+        return self._evaluate(tasks, self.inner_loop(0, first_order=True), self.task_fn())
