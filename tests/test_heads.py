@@ -23,6 +23,7 @@ from torch.autograd.functional import hessian, jacobian
 from torch.func import functional_call
 
 from metalearn.algorithms import R2D2, MetaOptNet, ProtoNet, make_learner
+from metalearn.algorithms.compiled import CompiledMetaGradient
 from metalearn.algorithms.heads import HeadLearner
 from metalearn.engine import Task
 from metalearn.models import Conv4
@@ -261,3 +262,24 @@ def test_metaoptnet_solves_each_task_to_its_tolerance() -> None:
     for name, p in learner.named_parameters():
         if not name.startswith("model.head."):
             assert p.grad is not None and p.grad.isfinite().all(), name
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("algorithm", ["protonet", "r2d2"])
+@pytest.mark.filterwarnings("ignore:`torch.jit.script_method` is deprecated:DeprecationWarning")
+@pytest.mark.filterwarnings("ignore:`isinstance\\(treespec, LeafSpec\\)` is deprecated")
+def test_compiled_meta_gradient_equals_eager(algorithm: str) -> None:
+    """--compile runs a closed-form head's vmapped chunk as one compiled graph, with the
+    eager meta-gradient; MetaOptNet's data-dependent solver is refused in one line."""
+    batch = tasks((3, 3, 3))
+    eager = learner_of(algorithm)
+    eager.backward(batch)
+    compiled = learner_of(algorithm)
+    runner = CompiledMetaGradient(compiled)
+    runner(batch)
+    assert runner.runner.whole and runner.runner.break_reason is None
+    expected = grads_of(eager)
+    for name, grad in grads_of(compiled).items():
+        torch.testing.assert_close(grad, expected[name], rtol=0, atol=1e-12, msg=name)
+    with pytest.raises(ValueError, match="MetaOptNet: its Newton solver .* run MetaOptNet "):
+        CompiledMetaGradient(learner_of("metaoptnet"))

@@ -11,7 +11,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from run_helpers import make, om, recipe_of, samplers_of
+from image_set_fixtures import write_folder
+from run_helpers import fs, make, om, recipe_of, samplers_of
 from test_deploy import make_support_folder
 
 from metalearn.checkpoint import load_checkpoint
@@ -116,3 +117,19 @@ def test_a_head_learns_above_chance(tmp_path, algorithm):
     results = om.main(tiny(tmp_path, algorithm=algorithm, iterations=30, hidden=16,
                            val_every=30, test_tasks=50))  # fmt: skip
     assert results["test/acc"] >= 0.28
+
+
+@pytest.mark.filterwarnings("ignore:.*published:UserWarning")
+def test_fewshot_trains_wider_tasks_on_an_image_folder(tmp_path):
+    """experiments/fewshot_maml.py: 3-way training tasks, 2-way validation and test."""
+    root = write_folder(tmp_path / "folder")
+    args = make(fs, dataset="folder", data_root=str(root), image_size=16, channels=1,
+                algorithm="r2d2", ways=2, train_ways=3, query=1, eval_query=1, hidden=4,
+                iterations=1, meta_batch=2, val_every=1, val_tasks=2, test_tasks=2,
+                checkpoint_every=1, track=False, device="cpu", out_dir=str(tmp_path / "runs"),
+                run_name="wide")  # fmt: skip
+    samplers = samplers_of(fs, args)
+    assert samplers["train"].ways == 3 and samplers["val"].ways == samplers["test"].ways == 2
+    results = fs.main(args)
+    saved = load_checkpoint(tmp_path / "runs" / "wide" / "checkpoint.pt")
+    assert saved["recipe"]["data"]["train_ways"] == 3 and 0 <= results["test/acc"] <= 1

@@ -102,11 +102,15 @@ class MetaLearner(nn.Module, abc.ABC):
             labels (the solved heads of `metalearn.algorithms.heads`), so it can train on
             tasks with more classes than the model's head has outputs; False for learners
             that adapt the model's own head.
+        not_compiled: why the learner's meta-step cannot run under ``torch.compile``
+            (`metalearn.algorithms.compiled.compile_blocker` refuses it, naming this); None
+            when it can.
     """
 
     fixed_arguments: ClassVar[tuple[str, ...]] = ()
     default_outer_lr: ClassVar[float] = 1e-3
     head_sized_per_task: ClassVar[bool] = False
+    not_compiled: ClassVar[str | None] = None
 
     def __init__(
         self,

@@ -29,6 +29,8 @@ def compile_blocker(learner: MetaLearner) -> str | None:
     if type(learner).backward is not MetaLossLearner.backward:
         return (f"{name} overrides backward, which need not hand its chunks to the compiled "
                 f"chunk runner; run {name} uncompiled")  # fmt: skip
+    if learner.not_compiled is not None:
+        return f"{name}: {learner.not_compiled}; run {name} uncompiled"
     if learner.checkpoint:
         return ("checkpoint=True: Dynamo cannot trace the checkpointed inner step (it breaks "
                 "at its torch.autograd.grad) and compiling it did not pay (docs/claims.md "

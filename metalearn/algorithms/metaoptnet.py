@@ -179,6 +179,11 @@ class MetaOptNet(HeadLearner):
             ``"auto"`` or ``"loop"``.
     """
 
+    not_compiled = (
+        "its Newton solver and the implicit gradient's CG stop on data-dependent residuals, "
+        "which Dynamo cannot trace"
+    )
+
     def __init__(
         self,
         model: nn.Module,

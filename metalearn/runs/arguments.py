@@ -168,7 +168,8 @@ class SystemArgs:
     """Compile the training meta-gradient with torch.compile (`metalearn.engine.compiled`):
     same meta-gradient (float32 rounds differently); the first steps spend minutes
     compiling on a CPU, where it then ran slower than eager (docs/benchmarks.md).
-    Validation and test stay eager. Not for imaml, reptile or --gradient-checkpointing."""
+    Validation and test stay eager. Not for imaml, reptile, metaoptnet or
+    --gradient-checkpointing."""
 
 
 @dataclass
