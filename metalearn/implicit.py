@@ -215,7 +215,9 @@ def solve_transposed(
 
         rhs = forward(g)
         rhs = tree_axpy(damping, g, rhs) if damping else rhs
-        cg = conjugate_gradient(normal, rhs, max_iter=max_iter, tol=tol * _norm(g) / _norm(rhs))
+        # CG's tolerance is relative to its own right-hand side; the caller's is to g's.
+        relative = tol * _norm(g) / _norm(rhs) if _norm(rhs) > 0 else tol
+        cg = conjugate_gradient(normal, rhs, max_iter=max_iter, tol=relative)
         u, iterations = cg.x, cg.iterations
     else:
         u, iterations = _neumann(apply, g, neumann_step, max_iter, tol)

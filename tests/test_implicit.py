@@ -262,3 +262,11 @@ def test_the_readme_example_runs_and_equals_the_closed_form() -> None:
     x, y = scope["x"].detach().double(), scope["y"].double()
     expected = ridge_reference(x, y, torch.tensor(0.1, dtype=F64), torch.ones(3, dtype=F64))[0]
     torch.testing.assert_close(scope["x"].grad.double(), expected, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("solve", ["cg", "normal-cg", "neumann"])
+def test_a_loss_independent_of_the_solution_gets_zero_gradients(solve: str) -> None:
+    x, y, lam = leaves(*ridge_data())
+    w = root(ridge_condition, ridge_solver, solve=solve, neumann_step=0.02)(x, y, lam)
+    (0 * w).sum().backward()
+    assert all(float(t.grad.abs().max()) == 0 for t in (x, y, lam))

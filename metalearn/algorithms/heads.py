@@ -26,7 +26,7 @@ replaced by the solved head (which has the model's ``ways`` rows), so the deploy
 from __future__ import annotations
 
 import abc
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from functools import partial
 from typing import Any, NamedTuple
 
@@ -209,6 +209,6 @@ class HeadLearner(MetaLossLearner):
         return {**theta, f"{self.head}.weight": solved.weight.detach(),
                 f"{self.head}.bias": solved.bias.detach()}  # fmt: skip
 
-    def evaluate(self, tasks, steps: int | None = None) -> tuple[Tensor, Tensor]:
+    def evaluate(self, tasks: Sequence[Task], steps: int | None = None) -> tuple[Tensor, Tensor]:
         """Query loss and accuracy per task with the solved heads: ``([T], [T])``."""
         return self._evaluate(tasks, self.inner_loop(0, first_order=True), self.task_fn())
