@@ -87,9 +87,10 @@ RUN_DEFAULTS: dict[str, dict[str, Any]] = {
     "reptile": {"inner_lr": 0.4, "inner_steps": 5},
     "protomaml": {"inner_lr": 0.4, "inner_steps": 1},
     "lora": {"inner_lr": 0.4, "inner_steps": 1},
+    # Heads solved per task: no inner loop, nothing left open.
     "protonet": {},
     "r2d2": {},
-    "metaoptnet": {},  # no inner loop
+    "metaoptnet": {},
 }
 # The flags that set a learner argument, by flag name -> argument name. A switch (bool) that
 # is off and a value left at None set nothing: the learner's default stands (and is recorded).
