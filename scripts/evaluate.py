@@ -54,6 +54,9 @@ from metalearn.runs.recipe import DataRecipe, Recipe, build_samplers
 from metalearn.runs.records import find_offline_artifact
 from metalearn.runs.tracking import decide_mode, init_run, run_group
 
+PROJECT = "metalearn-omniglot"
+"""The experiments' default W&B project, where an artifact named without one is looked for."""
+
 
 @dataclass
 class Args:
@@ -100,7 +103,8 @@ class Args:
     wandb_mode: Literal["auto", "online", "offline", "disabled"] = "auto"
     """auto: as the experiment: online when logged in and reachable, else offline."""
     wandb_project: str | None = None
-    """W&B project (default: the run's)."""
+    """W&B project (default: the run's; --artifact online: where NAME is looked for, default
+    metalearn-omniglot, the experiments')."""
 
 
 def test_data(args: Args, recipe: Recipe) -> tuple[DataRecipe, int]:
@@ -167,13 +171,9 @@ def model_source(args: Args) -> tuple[Path, dict[str, Any], Any]:
         return Path(args.checkpoint), {}, None
     name, _, alias = args.artifact.partition(":")
     alias = alias or "best"
-    if args.track and decide_mode(args.wandb_mode) == "online":
-        import wandb
-
-        artifact = wandb.Api().artifact(f"{name}:{alias}", type="model")
-        root = Path(artifact.download(root=str(Path(args.out_dir) / "artifacts" / artifact.name)))
-        found = {"artifact": f"{name}:{alias}", "artifact_digest": artifact.digest}
-        return root / artifact.metadata.get("file", "checkpoint.pt"), found, artifact
+    if decide_mode(args.wandb_mode) == "online":
+        return _fetch(name if "/" in name else f"{args.wandb_project or PROJECT}/{name}", alias,
+                      Path(args.out_dir))  # fmt: skip
     found = find_offline_artifact(Path(args.out_dir) / "wandb", name, alias)
     files = list(found.files.values())
     if len(files) != 1:
@@ -181,6 +181,23 @@ def model_source(args: Args) -> tuple[Path, dict[str, Any], Any]:
                                 f"{len(files)} files, not one checkpoint")  # fmt: skip
     record = {"artifact": f"{name}:{alias}", "artifact_digest": found.digest}
     return files[0], record, None
+
+
+def _fetch(name: str, alias: str, out_dir: Path) -> tuple[Path, dict[str, Any], Any]:
+    """Download model artifact ``[ENTITY/]PROJECT/NAME:ALIAS`` from W&B into ``out_dir``.
+
+    Raises:
+        FileNotFoundError: W&B has no such artifact, or could not be asked (one line).
+    """
+    import wandb
+
+    try:
+        artifact = wandb.Api().artifact(f"{name}:{alias}", type="model")
+        root = Path(artifact.download(root=str(out_dir / "artifacts" / artifact.name)))
+    except (wandb.errors.Error, ValueError) as err:
+        raise FileNotFoundError(f"artifact {name}:{alias}: {' '.join(str(err).split())}") from None
+    found = {"artifact": f"{name}:{alias}", "artifact_digest": artifact.digest}
+    return root / artifact.metadata.get("file", "checkpoint.pt"), found, artifact
 
 
 def evaluate(args: Args) -> dict[str, float]:

@@ -187,6 +187,13 @@ def test_a_logged_model_moved_elsewhere_is_evaluated_from_its_artifact(logged_mo
     assert "no offline run in" in capsys.readouterr().err
 
 
+def test_an_online_artifact_without_a_login_is_one_line(tmp_path, capsys, monkeypatch):
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    monkeypatch.setenv("NETRC", str(tmp_path / "no-netrc"))
+    _refused(capsys, ["--artifact", "r-model", "--wandb-mode", "online"],
+             "artifact metalearn-omniglot/r-model:best: No API key configured")  # fmt: skip
+
+
 def _leet(run_dir: Path) -> list[str]:
     wandb = Path(sys.executable).with_name("wandb")
     return subprocess.run([str(wandb), "leet", "inspect", "--json", str(run_dir)],
