@@ -6,6 +6,8 @@ Usage:
     python scripts/compare_runs.py runs/wandb --metrics val/acc perf/tasks_per_s --format csv
     python scripts/compare_runs.py runs/wandb --group-by inner_lr --plot runs/compare.png
     python scripts/compare_runs.py runs/wandb --metrics curv/meta_top_eig curv/meta_trace
+    python scripts/compare_runs.py runs/wandb --evals    # each run's evaluations beside it
+    python scripts/compare_runs.py runs/wandb --job-type eval --group-by shots
     python scripts/compare_runs.py ENTITY/PROJECT --online --filter config.algorithm=maml
 
 Each metric is read in the direction `DIRECTIONS` gives it (accuracies up; losses, interval
@@ -16,13 +18,18 @@ they show their final value and their curves, never a "best".
 One row per run, or with ``--group-by`` one row per group of runs (e.g. seeds), each number
 the mean over the group's runs ± the 95% confidence half-width of that mean (Student t,
 n - 1 degrees of freedom). Offline runs are read with `metalearn.runs.records`; a resumed run
-is one row, a damaged file is named on stderr. For an interactive look, open the same folder
-with ``wandb leet runs/wandb``.
+is one row (its time, `SEGMENT_TOTALS`, summed over its segments), a damaged file is named on
+stderr. For an interactive look, open the same folder with ``wandb leet runs/wandb``.
+
+What is compared is what was trained: the runs of one W&B job type (``--job-type``,
+default ``train``; an evaluation of a checkpoint by ``scripts/evaluate.py`` is an ``eval``
+job), never a mix; ``--evals`` shows each training run's evaluations in rows beside it,
+outside the ranking. A config's nested dicts are columns with dotted names
+(`flatten_config`): the recipe's ``learner.first_order``, ``data.image.size``, ...
 """
 
 from __future__ import annotations
 
-import argparse
 import csv
 import io
 import json
@@ -33,8 +40,11 @@ from collections import Counter
 from dataclasses import dataclass, field
 from fnmatch import fnmatchcase
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
+import tyro
+
+from metalearn.runs.cli import parse_dataclass
 from metalearn.runs.records import (
     RunReadError,
     RunRecord,
@@ -64,8 +74,16 @@ DIRECTIONS: tuple[tuple[str, str, str], ...] = (
 BOOKKEEPING = frozenset({
     "out_dir", "run_name", "resume", "track", "wandb", "wandb_mode", "wandb_project",
     "threads", "device", "data_root", "tune_malloc", "dist_timeout", "checkpoint_every",
+    "wandb_id", "data.root", "training.checkpoint_every", "checkpoint", "run",
+    "training_run_id",
 })  # fmt: skip
 """Config keys that say where and how a run was kept, not what was run: never compared."""
+
+SEGMENT_TOTALS = {"perf/total_minutes": 60.0}
+"""Metrics a run's segment measures of itself (``perf/total_minutes``: the wall time of one
+process), with the seconds in one unit: a resumed run's value is the sum over its segments,
+and a segment stopped before it logged one counts its W&B ``_runtime`` (seconds until its
+last write), so a run resumed three times does not look faster than one that ran through."""
 
 ONLINE_PATH = re.compile(r"[\w-][\w.-]*/[\w-][\w.-]*")
 """``ENTITY/PROJECT``: the only form read from the W&B server, and only with ``--online``."""
@@ -167,12 +185,85 @@ def _number(value: Any) -> float | None:
 
 
 def final_value(run: RunRecord, metric: str) -> float | None:
-    """The run's final value: its summary's, else the last logged one."""
+    """The run's final value: its summary's, else the last logged one (a `SEGMENT_TOTALS`
+    metric of a resumed run: the sum over its segments)."""
+    if metric in SEGMENT_TOTALS and len(run.segment_summaries) > 1:
+        return _segment_total(run, metric)
     value = _number(run.summary.get(metric))
     if value is None:
         values = [v for v in map(_number, run.series(metric)[1]) if v is not None]
         value = values[-1] if values else None
     return value
+
+
+def _segment_total(run: RunRecord, metric: str) -> float | None:
+    """The sum of ``metric`` over the run's segments, W&B's runtime standing in for a
+    segment that did not log it (it stopped before its end)."""
+    total, seen = 0.0, False
+    for summary in run.segment_summaries:
+        value = _number(summary.get(metric))
+        if value is None:
+            seconds = _number(summary.get("_runtime"))
+            value = None if seconds is None else seconds / SEGMENT_TOTALS[metric]
+        if value is not None:
+            total, seen = total + value, True
+    return total if seen else None
+
+
+def flatten_config(config: dict[str, Any]) -> dict[str, Any]:
+    """A run's config with its nested dicts as dotted keys, less what the flat keys show.
+
+    The recipe's parts keep their own names (``data.image.size``, ``model.backbone``), a
+    learner's arguments sit directly under ``learner`` (``learner.first_order``), the
+    recipe's own scalars under ``recipe.`` (``recipe.version``); any other dict under its
+    key. A dotted key whose last part is a flat key with the same value (``learner.inner_lr``
+    beside ``inner_lr``) is left out: it says nothing new.
+    """
+    flat = {k: v for k, v in config.items() if not isinstance(v, dict)}
+    dotted: dict[str, Any] = {}
+    for key, value in config.items():
+        if not isinstance(value, dict):
+            continue
+        if key == "recipe":
+            dotted.update({f"recipe.{k}": v for k, v in value.items() if not isinstance(v, dict)})
+            dotted.update(_dotted({k: v for k, v in value.items() if isinstance(v, dict)}, ""))
+        else:
+            dotted.update(_dotted(value, f"{key}."))
+    for key, value in dotted.items():
+        leaf = key.rsplit(".", 1)[-1]
+        if not (leaf in flat and flat[leaf] == value):
+            flat[key] = value
+    return flat
+
+
+def _dotted(tree: dict[str, Any], prefix: str) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in tree.items():
+        if isinstance(value, dict):
+            # A learner's constructor arguments read as the learner's settings.
+            inner = prefix if (key == "arguments" and prefix == "learner.") else f"{prefix}{key}."
+            out.update(_dotted(value, inner))
+        else:
+            out[f"{prefix}{key}"] = value
+    return out
+
+
+def job_type(run: RunRecord) -> str:
+    """The run's W&B job type; a run recorded without one is a training run unless tagged
+    ``eval`` (evaluations were tagged so before they carried a job type)."""
+    return run.job_type or ("eval" if "eval" in run.tags else "train")
+
+
+def evaluated_run(evaluation: RunRecord, runs: list[RunRecord]) -> RunRecord | None:
+    """The training run an evaluation run tested: by the W&B id it recorded, else by the
+    run's name (evaluations recorded before they named the id); None when not among
+    ``runs``."""
+    config = evaluation.config
+    by_id = {r.run_id: r for r in runs}
+    if config.get("training_run_id") in by_id:
+        return by_id[config["training_run_id"]]
+    named = [r for r in runs if r.name == config.get("run")]
+    return named[-1] if named else None
 
 
 def best_step(run: RunRecord, metric: str, way: str) -> dict[str, Any] | None:
@@ -207,6 +298,9 @@ class Row:
     config: dict[str, Any]
     final: dict[str, Estimate | None] = field(default_factory=dict)
     best: dict[str, Estimate | None] = field(default_factory=dict)
+    evaluates: str | None = None
+    """For an evaluation run shown beside its training run: that run's row label (the row
+    is outside the ranking)."""
 
 
 @dataclass
@@ -230,13 +324,20 @@ def _differs(runs: list[RunRecord], key: str) -> bool:
     return len({repr(r.config.get(key)) for r in runs}) > 1
 
 
-def compare(runs: list[RunRecord], metrics: list[str], group_by: list[str]) -> Comparison:
+def compare(
+    runs: list[RunRecord],
+    metrics: list[str],
+    group_by: list[str],
+    evals: list[RunRecord] | None = None,
+) -> Comparison:
     """Rows (runs, or groups of runs by the ``group_by`` config keys) and their numbers.
 
     Args:
         runs: the runs, in the order they were started (rows keep it).
         metrics: the metric keys to show.
         group_by: config keys; empty: one row per run.
+        evals: evaluation runs to show, each in a row after the row of the run it tested
+            (`evaluated_run`), never averaged or ranked.
 
     Returns:
         The comparison: per row the final (and, with a known direction and a history, the
@@ -260,12 +361,39 @@ def compare(runs: list[RunRecord], metrics: list[str], group_by: list[str]) -> C
             row.final[m] = _estimate(row.runs, m, None, grouped=bool(group_by))
             if m in with_best:
                 row.best[m] = _estimate(row.runs, m, direction(m)[0], grouped=bool(group_by))
+    best_row = {m: _best_row(rows, m) for m in metrics}
     return Comparison(
-        rows=rows, metrics=metrics, config_keys=shown, group_by=group_by,
+        rows=_with_evals(rows, evals or [], runs, shown, metrics), metrics=metrics,
+        config_keys=shown, group_by=group_by,
         varied_within=[k for k in varied if k not in BOOKKEEPING],
         bookkeeping=[k for k in differing if k in BOOKKEEPING],
-        best_row={m: _best_row(rows, m) for m in metrics}, with_best=with_best,
+        best_row=best_row, with_best=with_best,
     )  # fmt: skip
+
+
+def _with_evals(rows: list[Row], evals: list[RunRecord], runs: list[RunRecord],
+                shown: list[str], metrics: list[str]) -> list[Row]:  # fmt: skip
+    """``rows``, each followed by a row per evaluation of one of its runs."""
+    out = []
+    for row in rows:
+        out.append(row)
+        for e in evals:
+            if evaluated_run(e, runs) in row.runs:
+                ev = Row(_eval_label(e), [e], {k: e.config.get(k) for k in shown},
+                         evaluates=row.label)  # fmt: skip
+                ev.final = {m: _estimate([e], m, None, grouped=False) for m in metrics}
+                out.append(ev)
+    return out
+
+
+def _eval_label(e: RunRecord) -> str:
+    """``↳ NAME (eval: 5 shots, 20 steps, 2000 tasks, best weights)``."""
+    c = e.config
+    parts = [f"{c[k]} {word}" for k, word in (("shots", "shots"), ("steps", "steps"),
+                                              ("tasks", "tasks")) if k in c]  # fmt: skip
+    if "which" in c:
+        parts.append(f"{c['which']} weights")
+    return f"↳ {e.name} (eval{': ' if parts else ''}{', '.join(parts)})"
 
 
 def _estimate(runs: list[RunRecord], m: str, way: str | None, grouped: bool) -> Estimate | None:
@@ -324,6 +452,11 @@ def notes(c: Comparison) -> list[str]:
         lines.append("best: each run's best logged value over its steps")
     if c.bookkeeping:
         lines.append(f"left out as bookkeeping: {', '.join(c.bookkeeping)}")
+    for m in c.metrics:
+        if m in SEGMENT_TOTALS:
+            lines.append(f"{m}: a resumed run's is the sum over its segments")
+    if any(row.evaluates for row in c.rows):
+        lines.append("↳ rows: evaluations (scripts/evaluate.py) of the row above, not ranked")
     return lines
 
 
@@ -386,7 +519,7 @@ def to_json(c: Comparison) -> str:
 
     rows = [
         {"label": r.label, "n": len(r.runs), "state": _state(r), "config": r.config,
-         "runs": [run.path for run in r.runs],
+         "runs": [run.path for run in r.runs], "evaluates": r.evaluates,
          "metrics": {m: {"final": est(r.final[m]), "best": est(r.best.get(m))}
                      for m in c.metrics}}
         for r in c.rows
@@ -490,22 +623,35 @@ def _points(ax: Any, rows: list[Row], m: str) -> None:
 # --- command line ------------------------------------------------------------------------
 
 
-def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(
-        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    parser.add_argument("sources", nargs="+", help="run folders, wandb/ folders, .wandb files")
-    parser.add_argument("--metrics", nargs="+", help=f"default: {' '.join(DEFAULT_METRICS)}")
-    parser.add_argument(
-        "--group-by", nargs="+", default=[], metavar="KEY",
-        help="config keys: a row per group, mean ± 95%% CI of its runs",
-    )  # fmt: skip
-    parser.add_argument("--format", choices=["markdown", "csv", "json"], default="markdown")
-    parser.add_argument("--plot", type=Path, help="write the curves to this image (.png, ...)")
-    parser.add_argument("--online", action="store_true", help="read ENTITY/PROJECT sources")
-    parser.add_argument("--filter", action="append", default=[], metavar="KEY=VALUE",
-                        help="online runs only, e.g. config.algorithm=maml")  # fmt: skip
-    return parser.parse_args(argv)
+@dataclass
+class Args:
+    """Arguments of compare_runs.py (each is a --flag; see --help)."""
+
+    sources: tyro.conf.Positional[tuple[str, ...]] = ()
+    """Run folders, wandb/ folders, .wandb files; ENTITY/PROJECT with --online."""
+    metrics: tuple[str, ...] = ()
+    """Metrics to show (default: those of val/acc test/acc train/loss the runs logged)."""
+    group_by: tuple[str, ...] = ()
+    """Config keys (dotted for nested ones: learner.first_order): a row per group, mean ±
+    95% CI of its runs."""
+    job_type: str = "train"
+    """The W&B job type compared: train (the experiments' runs) or eval (scripts/evaluate.py's
+    evaluations); a run recorded without one is train, or eval if tagged eval."""
+    evals: bool = False
+    """Show each training run's evaluation runs in rows after it (not ranked, not averaged)."""
+    format: Literal["markdown", "csv", "json"] = "markdown"
+    """Output format."""
+    plot: str | None = None
+    """Write the curves to this image (.png, ...)."""
+    online: bool = False
+    """Read ENTITY/PROJECT sources from the W&B server."""
+    filter: tyro.conf.UseAppendAction[tuple[str, ...]] = ()
+    """Online runs only, KEY=VALUE (repeat for more), e.g. config.algorithm=maml."""
+
+
+def parse_args(argv: list[str] | None) -> Args:
+    """The command line as `Args` (a bad one: one line on stderr, exit status 2)."""
+    return parse_dataclass(Args, argv, description=__doc__.split("\n\n")[0])
 
 
 def _filters(items: list[str], online: bool) -> dict[str, Any]:
@@ -542,26 +688,49 @@ def run(argv: list[str] | None = None) -> str:
         UsageError: a bad source, key, filter or plot path; matplotlib missing for --plot.
     """
     args = parse_args(argv)
-    if args.plot is not None:
-        require_matplotlib(args.plot)
-    filters = _filters(args.filter, args.online)
+    if not args.sources:
+        raise UsageError("give the runs to compare: run folders, wandb/ folders, .wandb files "
+                         "(or ENTITY/PROJECT with --online)")  # fmt: skip
+    plot = None if args.plot is None else Path(args.plot)
+    if plot is not None:
+        require_matplotlib(plot)
+    filters = _filters(list(args.filter), args.online)
     try:
         runs = load(args.sources, args.online, filters)
     except (FileNotFoundError, RunReadError) as e:
         raise UsageError(str(e)) from None
-    if not runs:
-        raise UsageError(f"no readable runs in {' '.join(args.sources)}")
-    for key in args.group_by:
+    runs, evals = select(runs, args.job_type, args.evals, args.sources)
+    group_by = list(args.group_by)
+    for key in group_by:
         if not any(key in r.config for r in runs):
             keys = ", ".join(sorted({k for r in runs for k in r.config}))
             raise UsageError(f"--group-by {key}: no run has this config key (keys: {keys})")
-    c = compare(runs, _metrics(runs, args.metrics), args.group_by)
+    c = compare(runs, _metrics(runs, list(args.metrics)), group_by, evals)
     text = {"markdown": to_markdown, "csv": to_csv, "json": to_json}[args.format](c)
-    if args.plot is not None:
-        args.plot.parent.mkdir(parents=True, exist_ok=True)
-        figure(c).savefig(args.plot, dpi=120)
-        print(f"plot: {args.plot}", file=sys.stderr)
+    if plot is not None:
+        plot.parent.mkdir(parents=True, exist_ok=True)
+        figure(c).savefig(plot, dpi=120)
+        print(f"plot: {plot}", file=sys.stderr)
     return text
+
+
+def select(runs: list[RunRecord], wanted: str, with_evals: bool,
+           sources: tuple[str, ...]) -> tuple[list[RunRecord], list[RunRecord]]:  # fmt: skip
+    """The runs of job type ``wanted`` and (``with_evals``) the evaluations shown beside
+    them, every config flattened (`flatten_config`).
+
+    Raises:
+        UsageError: no run of that job type (naming the job types there are).
+    """
+    for r in runs:
+        r.config = flatten_config(r.config)
+    chosen = [r for r in runs if job_type(r) == wanted]
+    if not chosen:
+        found = ", ".join(sorted({job_type(r) for r in runs}))
+        raise UsageError(f"no {wanted} runs in {' '.join(sources)} (job types there: {found}); "
+                         "pass --job-type with one of them")  # fmt: skip
+    evals = [r for r in runs if job_type(r) == "eval"] if with_evals and wanted != "eval" else []
+    return chosen, evals
 
 
 def main(argv: list[str] | None = None) -> str:

@@ -7,11 +7,19 @@ and its evaluation function, `metalearn.runs.evaluation.evaluate_tasks`) with an
 tasks and inner steps. The data set, its folder and the image shape are the run's recorded ones (a
 record without ``dataset`` is an Omniglot run); ``--data-root`` points at the data
 elsewhere. The last line printed is ``test/acc: 0.xxxx ± 0.xxxx`` (mean and 95%
-half-width over tasks); the result is logged to W&B as an ``eval`` job in the run's group
-(``--no-track`` skips).
+half-width over tasks); the result is logged to W&B as an ``eval`` job in the run's group,
+named ``<run>-eval-<id>`` and kept in the trained run's W&B folder (``<out_dir>/wandb``),
+its config naming the trained run's W&B id (``--no-track`` skips).
+
+``--artifact NAME:ALIAS`` evaluates a model logged with ``--log-model`` instead of a
+checkpoint file. Online it is fetched from W&B and the evaluation run uses it (W&B records
+the lineage: this model, evaluated by that run). Offline it is found among the runs in
+``--out-dir``; W&B refuses ``use_artifact`` offline, so the evaluation records the
+artifact's name, alias and digest in its config instead.
 
 Command:
     python scripts/evaluate.py --checkpoint runs/maml-5w1s-seed0/checkpoint.pt
+    python scripts/evaluate.py --artifact maml-5w1s-lr0.4-steps1-seed0-1a2b3c4d-model:best
     python scripts/evaluate.py --checkpoint runs/maml-5w1s-seed0/checkpoint.pt \\
         --tasks 2000 --steps 20 --shots 5 --which last
     python scripts/evaluate.py --checkpoint runs/maml-20w1s-seed0/checkpoint.pt \\
@@ -41,8 +49,13 @@ import torch
 from metalearn.deploy import learner_from, read_run_checkpoint
 from metalearn.runs.cli import parse_dataclass
 from metalearn.runs.evaluation import TEST_SEED, TaskSource, evaluate_tasks
+from metalearn.runs.loop import new_run_identity
 from metalearn.runs.recipe import DataRecipe, Recipe, build_samplers
-from metalearn.runs.tracking import init_run, run_group
+from metalearn.runs.records import find_offline_artifact
+from metalearn.runs.tracking import decide_mode, init_run, run_group
+
+PROJECT = "metalearn-omniglot"
+"""The experiments' default W&B project, where an artifact named without one is looked for."""
 
 
 @dataclass
@@ -50,7 +63,13 @@ class Args:
     """Arguments of evaluate.py (each is a --flag; see --help)."""
 
     checkpoint: str | None = None
-    """The run's checkpoint, runs/<run_name>/checkpoint.pt (required)."""
+    """The run's checkpoint, runs/<run_name>/checkpoint.pt (this or --artifact)."""
+    artifact: str | None = None
+    """A model artifact logged with --log-model, NAME[:ALIAS] (alias default best; NAME is
+    <run_name>-model, or ENTITY/PROJECT/NAME online)."""
+    out_dir: str = "runs"
+    """Where the runs are: offline, --artifact is found in its wandb/ folder, and an
+    evaluation of a checkpoint outside its run folder is logged there."""
     which: Literal["best", "last"] = "best"
     """best: the best-validation weights (what the run tested); last: the latest."""
     tasks: int = 600
@@ -84,7 +103,8 @@ class Args:
     wandb_mode: Literal["auto", "online", "offline", "disabled"] = "auto"
     """auto: as the experiment: online when logged in and reachable, else offline."""
     wandb_project: str | None = None
-    """W&B project (default: the run's)."""
+    """W&B project (default: the run's; --artifact online: where NAME is looked for, default
+    metalearn-omniglot, the experiments')."""
 
 
 def test_data(args: Args, recipe: Recipe) -> tuple[DataRecipe, int]:
@@ -136,22 +156,69 @@ def drawn_from(data: DataRecipe) -> str:
     return f"{data.dataset}{split} at {data.root or 'its default folder'}"
 
 
+def model_source(args: Args) -> tuple[Path, dict[str, Any], Any]:
+    """The checkpoint file to evaluate, what the evaluation records of where it came from,
+    and the online artifact (None unless fetched from W&B).
+
+    Raises:
+        ValueError: neither or both of --checkpoint and --artifact.
+        FileNotFoundError: an offline artifact no run in --out-dir logged.
+    """
+    if (args.checkpoint is None) == (args.artifact is None):
+        raise ValueError("pass --checkpoint runs/<run_name>/checkpoint.pt or --artifact "
+                         "<run_name>-model:best (one of the two)")  # fmt: skip
+    if args.checkpoint is not None:
+        return Path(args.checkpoint), {}, None
+    name, _, alias = args.artifact.partition(":")
+    alias = alias or "best"
+    if decide_mode(args.wandb_mode) == "online":
+        return _fetch(name if "/" in name else f"{args.wandb_project or PROJECT}/{name}", alias,
+                      Path(args.out_dir))  # fmt: skip
+    found = find_offline_artifact(Path(args.out_dir) / "wandb", name, alias)
+    files = list(found.files.values())
+    if len(files) != 1:
+        raise FileNotFoundError(f"artifact {name}:{alias} in {found.run_dir} holds "
+                                f"{len(files)} files, not one checkpoint")  # fmt: skip
+    record = {"artifact": f"{name}:{alias}", "artifact_digest": found.digest}
+    return files[0], record, None
+
+
+def _fetch(name: str, alias: str, out_dir: Path) -> tuple[Path, dict[str, Any], Any]:
+    """Download model artifact ``[ENTITY/]PROJECT/NAME:ALIAS`` from W&B into ``out_dir``.
+
+    Raises:
+        FileNotFoundError: W&B has no such artifact, or could not be asked (one line).
+    """
+    import wandb
+
+    try:
+        artifact = wandb.Api().artifact(f"{name}:{alias}", type="model")
+        root = Path(artifact.download(root=str(out_dir / "artifacts" / artifact.name)))
+    except (wandb.errors.Error, ValueError) as err:
+        raise FileNotFoundError(f"artifact {name}:{alias}: {' '.join(str(err).split())}") from None
+    found = {"artifact": f"{name}:{alias}", "artifact_digest": artifact.digest}
+    return root / artifact.metadata.get("file", "checkpoint.pt"), found, artifact
+
+
 def evaluate(args: Args) -> dict[str, float]:
     """Load, draw, test, log; returns ``{"test/acc": ..., "test/acc_ci95": ...}``."""
-    if args.checkpoint is None:
-        raise ValueError("--checkpoint is required: pass runs/<run_name>/checkpoint.pt")
     if args.threads > 0:
         torch.set_num_threads(args.threads)
-    saved = read_run_checkpoint(args.checkpoint)
-    learner, recipe = learner_from(saved, args.which, args.device, source=args.checkpoint)
+    path, origin, artifact = model_source(args)
+    saved = read_run_checkpoint(path)
+    learner, recipe = learner_from(saved, args.which, args.device, source=str(path))
     data, steps = test_data(args, recipe)
     source = task_source(data, args.device)
     print(
-        f"{args.checkpoint} ({args.which} weights): {data.ways}-way {data.shots}-shot, "
+        f"{args.artifact or path} ({args.which} weights): {data.ways}-way {data.shots}-shot, "
         f"{data.eval_query} queries, {steps} inner steps, {args.tasks} tasks of the "
         f"test classes of {drawn_from(data)}, seed {args.seed}, {data.eval_protocol} protocol"
     )
-    wandb_run = _start_run(args, saved["args"], recipe, data, steps) if args.track else None
+    wandb_run = None
+    if args.track:
+        wandb_run = _start_run(args, path, saved, recipe, data, steps, origin)
+        if wandb_run is not None and artifact is not None:
+            wandb_run.use_artifact(artifact)  # the lineage: this model, evaluated by this run
     try:
         generator = torch.Generator().manual_seed(args.seed)
         acc, half = evaluate_tasks(learner, source, args.tasks, steps, generator, desc="test")
@@ -166,24 +233,41 @@ def evaluate(args: Args) -> dict[str, float]:
 
 
 def _start_run(
-    args: Args, run_args: Mapping[str, Any], recipe: Recipe, data: DataRecipe, steps: int
+    args: Args,
+    path: Path,
+    saved: Mapping[str, Any],
+    recipe: Recipe,
+    data: DataRecipe,
+    steps: int,
+    origin: Mapping[str, Any],
 ) -> Any:
-    """An ``eval`` W&B run in the trained run's group, beside the run's own W&B folder."""
-    checkpoint = Path(args.checkpoint).resolve()
+    """An ``eval`` W&B run named ``<run>-eval-<id>`` in the trained run's group and its W&B
+    folder (`runs_folder`); its config names the trained run (name and W&B id)."""
+    run_args = saved["args"]
+    checkpoint = path.resolve()
+    trained = str(run_args.get("run_name") or checkpoint.parent.name)
     project = args.wandb_project or run_args.get("wandb_project", f"metalearn-{recipe.experiment}")
     chosen = {"dataset": data.dataset, "ways": data.ways, "shots": data.shots,
               "query": data.eval_query, "split": data.split, "protocol": data.eval_protocol,
               "steps": steps, "data_root": data.root}  # fmt: skip
-    config = {**asdict(args), **chosen, "checkpoint": str(checkpoint), "wandb_project": project,
-              "run": checkpoint.parent.name, "recipe": recipe.to_dict()}  # fmt: skip
+    config = {**asdict(args), **chosen, **origin, "checkpoint": str(checkpoint),
+              "wandb_project": project, "run": trained,
+              "training_run_id": saved.get("wandb_id"), "recipe": recipe.to_dict()}  # fmt: skip
     group = run_group(recipe.learner.algorithm, data.ways, recipe.data.shots,
                       run_args.get("wandb_group"))  # fmt: skip
+    name, run_id = new_run_identity(f"{trained}-eval", environ={})
     return init_run(
-        config, project=project, mode=args.wandb_mode, name=f"{checkpoint.parent.name}-eval",
+        config, project=project, mode=args.wandb_mode, name=name, run_id=run_id,
         group=group, tags=["eval", recipe.learner.algorithm, data.dataset,
                            f"{data.ways}w{data.shots}s"],
-        dir=checkpoint.parent.parent, job_type="eval",
+        dir=runs_folder(checkpoint, trained, args.out_dir), job_type="eval",
     )  # fmt: skip
+
+
+def runs_folder(checkpoint: Path, run_name: str, out_dir: str) -> Path:
+    """The folder of the trained run's W&B runs: the one its run folder sits in, when the
+    checkpoint is still ``<out_dir>/<run_name>/checkpoint.pt``; else ``out_dir``."""
+    return checkpoint.parent.parent if checkpoint.parent.name == run_name else Path(out_dir)
 
 
 def cli(argv: Sequence[str] | None = None) -> int:

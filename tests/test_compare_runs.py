@@ -7,6 +7,7 @@ import io
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -213,3 +214,101 @@ def test_user_errors_are_one_line(tmp_path, capsys, monkeypatch):
     offline_run(tmp_path, {0: {"mystery": 1.0}}, config={"seed": 0})
     assert "--group-by algo: no run has" in usage_error(capsys, str(tmp_path), "--group-by", "algo")
     assert "(logged: mystery)" in usage_error(capsys, str(tmp_path))
+
+
+def _trained_and_evaluated(tmp_path: Path) -> dict[str, Path]:
+    """Two training runs, an evaluation of the first (a better number, other shots), a run
+    recorded before job types (train) and an old evaluation tagged eval."""
+    dirs = {}
+    for name, algorithm, acc in (("a", "maml", 0.90), ("b", "fomaml", 0.80)):
+        dirs[name] = offline_run(tmp_path, {0: {"val/acc": acc - 0.1}, 1: {"val/acc": acc}},
+                                 name=name, job_type="train", config={"algorithm": algorithm},
+                                 summary={"test/acc": acc})  # fmt: skip
+    a_id = read_offline_runs([dirs["a"]])[0].run_id
+    dirs["eval"] = offline_run(
+        tmp_path, {}, name="a-eval-x1", job_type="eval", tags=["eval"],
+        config={"run": "a", "training_run_id": a_id, "shots": 5, "steps": 10, "tasks": 600,
+                "which": "best", "recipe": {"learner": {"algorithm": "maml"}}},
+        summary={"test/acc": 0.99},
+    )  # fmt: skip
+    dirs["old"] = offline_run(tmp_path, {0: {"val/acc": 0.5}}, name="old",
+                              config={"algorithm": "maml"}, summary={"test/acc": 0.7})  # fmt: skip
+    dirs["old-eval"] = offline_run(tmp_path, {}, name="old-eval", tags=["eval"],
+                                   config={"run": "old"}, summary={"test/acc": 0.95})  # fmt: skip
+    return dirs
+
+
+def test_training_runs_are_ranked_alone_and_evaluations_shown_beside_them(tmp_path, capsys):
+    _trained_and_evaluated(tmp_path)
+    out = run_json(capsys, str(tmp_path), "--metrics", "test/acc")
+    assert [r["label"] for r in out["rows"]] == ["a", "b", "old"]
+    assert out["metrics"][0]["best_row"] == "a"  # not the evaluation's 0.99
+    out = run_json(capsys, str(tmp_path), "--metrics", "test/acc", "--group-by", "algorithm")
+    assert [r["label"] for r in out["rows"]] == ["algorithm=maml", "algorithm=fomaml"]
+    out = run_json(capsys, str(tmp_path), "--metrics", "test/acc", "--evals")
+    labels = [r["label"] for r in out["rows"]]
+    assert labels == ["a", "↳ a-eval-x1 (eval: 5 shots, 10 steps, 600 tasks, best weights)",
+                      "b", "old", "↳ old-eval (eval)"]  # fmt: skip
+    assert [r["evaluates"] for r in out["rows"]] == [None, "a", None, None, "old"]
+    assert out["rows"][1]["metrics"]["test/acc"]["final"]["value"] == 0.99
+    assert out["metrics"][0]["best_row"] == "a"
+    text = compare_runs.main([str(tmp_path), "--metrics", "test/acc", "--evals"])
+    capsys.readouterr()
+    assert "**0.9**" in text and "**0.99**" not in text
+    out = run_json(capsys, str(tmp_path), "--metrics", "test/acc", "--job-type", "eval")
+    assert [r["label"] for r in out["rows"]] == ["a-eval-x1", "old-eval"]
+    err = usage_error(capsys, str(tmp_path), "--job-type", "sweep")
+    assert "no sweep runs in" in err and "job types there: eval, train" in err
+
+
+def test_a_nested_config_is_dotted_keys_that_add_to_the_flat_ones(tmp_path, capsys):
+    config = {"inner_lr": 0.1, "seed": 0, "recipe": {
+        "experiment": "omniglot_maml", "version": 1,
+        "learner": {"algorithm": "maml", "arguments": {"inner_lr": 0.1, "first_order": False}},
+        "data": {"image": {"size": 28, "channels": 1}}}}  # fmt: skip
+    assert compare_runs.flatten_config(config) == {
+        "inner_lr": 0.1, "seed": 0, "recipe.experiment": "omniglot_maml", "recipe.version": 1,
+        "learner.algorithm": "maml", "learner.first_order": False, "data.image.size": 28,
+        "data.image.channels": 1}  # fmt: skip
+    for lr, first_order in ((0.1, False), (0.4, True)):
+        recipe = {**config["recipe"], "learner": {"algorithm": "maml", "arguments": {
+            "inner_lr": lr, "first_order": first_order}}}  # fmt: skip
+        offline_run(tmp_path, {0: {"val/acc": lr}}, name=f"lr{lr}",
+                    config={"inner_lr": lr, "recipe": recipe})  # fmt: skip
+    out = run_json(capsys, str(tmp_path), "--metrics", "val/acc")
+    assert [r["config"] for r in out["rows"]] == [
+        {"inner_lr": 0.1, "learner.first_order": False},
+        {"inner_lr": 0.4, "learner.first_order": True}]  # fmt: skip
+    out = run_json(capsys, str(tmp_path), "--metrics", "val/acc", "--group-by",
+                   "learner.first_order")  # fmt: skip
+    assert [r["label"] for r in out["rows"]] == ["learner.first_order=False",
+                                                 "learner.first_order=True"]  # fmt: skip
+
+
+def test_a_resumed_runs_time_is_summed_over_its_segments(tmp_path, capsys):
+    offline_run(tmp_path, {0: {"train/loss": 1.0}}, name="r", run_id="r1")  # killed: no total
+    offline_run(tmp_path, {1: {"train/loss": 0.5}}, run_id="r1",
+                summary={"perf/total_minutes": 3.0})  # fmt: skip
+    offline_run(tmp_path, {0: {"train/loss": 0.4}, 1: {"train/loss": 0.3}}, name="straight",
+                summary={"perf/total_minutes": 4.0})  # fmt: skip
+    (resumed,) = [r for r in read_offline_runs([tmp_path]) if r.run_id == "r1"]
+    first_segment = resumed.segment_summaries[0]
+    assert "perf/total_minutes" not in first_segment
+    out = run_json(capsys, str(tmp_path), "--metrics", "perf/total_minutes")
+    minutes = {r["label"]: r["metrics"]["perf/total_minutes"]["final"]["value"]
+               for r in out["rows"]}  # fmt: skip
+    assert minutes["r"] == pytest.approx(3.0 + first_segment["_runtime"] / 60, rel=1e-12)
+    assert minutes["straight"] == 4.0 and out["metrics"][0]["best_row"] == "r"
+    assert "perf/total_minutes: a resumed run's is the sum over its segments" in out["notes"]
+
+
+def test_help_lists_each_flag_once_and_a_bad_flag_is_one_line(capsys):
+    with pytest.raises(SystemExit) as stop:
+        compare_runs.main(["--help"])
+    assert stop.value.code == 0
+    out = capsys.readouterr().out
+    for name in ("--metrics", "--group-by", "--job-type", "--evals", "--format", "--plot",
+                 "--online", "--filter"):  # fmt: skip
+        assert len(re.findall(rf"(?<![\w-]){name}(?=[ ,])", out)) == 1, name
+    assert "did you mean --group-by" in usage_error(capsys, "x", "--group_bye", "seed")
+    assert "give the runs to compare" in usage_error(capsys)

@@ -134,7 +134,71 @@ def test_the_eval_run_is_logged_in_the_runs_group(checkpoint, capsys) -> None:
     )
     assert (record.config["ways"], record.config["shots"], record.config["query"]) == (5, 1, 2)
     assert f"{record.summary['test/acc']:.4f}" == printed[1]
-    assert _job_type(run_dir) == "eval"
+    assert _job_type(run_dir) == "eval" and record.job_type == "eval"
+    # Its own name and W&B id, beside the run it evaluated, which it names.
+    assert record.name == f"{trained.name}-eval-{record.run_id}"
+    assert record.config["training_run_id"] == trained.run_id
+    assert record.config["run"] == trained.name
+
+
+@pytest.fixture(scope="module")
+def logged_model(tmp_path_factory) -> Path:
+    """A tiny run with --log-model, its out_dir then moved away (another machine)."""
+    if not (DATA / "images_background").is_dir():
+        pytest.skip("full Omniglot not found: set METALEARN_DATA or put it at ../shared/data/")
+    tmp = tmp_path_factory.mktemp("logged")
+    args = make(
+        om, algorithm="maml", iterations=1, meta_batch=2, query=1, eval_query=2, hidden=8,
+        val_every=1, val_tasks=2, test_tasks=2, eval_inner_steps=1, data_root=str(DATA),
+        out_dir=str(tmp / "runs"), track=True, wandb_mode="offline", device="cpu",
+        log_model=True,
+    )  # fmt: skip
+    with pytest.MonkeyPatch.context() as env:
+        for var in ("WANDB_CACHE_DIR", "WANDB_CONFIG_DIR", "WANDB_DATA_DIR", "WANDB_DIR"):
+            env.setenv(var, str(tmp / "wandb-env" / var.lower()))
+        om.main(args)
+        sys.modules["wandb"].teardown()
+    shutil.move(tmp / "runs", tmp / "moved")
+    return tmp / "moved"
+
+
+def test_a_logged_model_moved_elsewhere_is_evaluated_from_its_artifact(logged_model, capsys):
+    (checkpoint,) = logged_model.glob("*/checkpoint.pt")
+    name = checkpoint.parent.name
+    (train_dir,) = (logged_model / "wandb").glob("offline-run-*")
+    (artifact,) = [json.loads(line)["artifact"] for line in _leet(train_dir)
+                   if '"type":"artifact"' in line]  # fmt: skip
+    (entry,) = artifact["manifest"]["contents"]
+    kept = train_dir / entry["local_path"]  # inside the moved folder
+    assert kept.read_bytes() == checkpoint.read_bytes()
+    common = ["--tasks", "3", "--steps", "1", "--wandb-mode", "offline"]
+    assert script.cli(["--checkpoint", str(checkpoint), "--no-track", *common]) == 0
+    by_file = _last_line(capsys)
+    argv = ["--artifact", f"{name}-model:best", "--out-dir", str(logged_model), *common]
+    assert script.cli(argv) == 0
+    assert _last_line(capsys).groups() == by_file.groups()
+    wandb.teardown()
+    (eval_dir,) = set((logged_model / "wandb").glob("offline-run-*")) - {train_dir}
+    record = read_offline_run(eval_dir)
+    assert record.config["artifact"] == f"{name}-model:best"
+    assert record.config["artifact_digest"] == artifact["digest"]
+    assert record.config["training_run_id"] == read_offline_run(train_dir).run_id
+    assert script.cli(["--artifact", f"{name}-model:v7", "--out-dir", str(logged_model)]) == 2
+    assert "no offline run in" in capsys.readouterr().err
+
+
+def test_an_online_artifact_without_a_login_is_one_line(tmp_path, capsys, monkeypatch):
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    monkeypatch.setenv("NETRC", str(tmp_path / "no-netrc"))
+    _refused(capsys, ["--artifact", "r-model", "--wandb-mode", "online"],
+             "artifact metalearn-omniglot/r-model:best: No API key configured")  # fmt: skip
+
+
+def _leet(run_dir: Path) -> list[str]:
+    wandb = Path(sys.executable).with_name("wandb")
+    return subprocess.run([str(wandb), "leet", "inspect", "--json", str(run_dir)],
+                          capture_output=True, text=True, check=True, timeout=120,
+                          ).stdout.splitlines()  # fmt: skip
 
 
 def _job_type(run_dir: Path) -> str:
@@ -162,7 +226,7 @@ def _refused(capsys, argv: list[str], message: str) -> None:
 
 def test_user_errors_are_one_line(checkpoint, tmp_path, capsys) -> None:
     run = ["--checkpoint", str(checkpoint), "--no-track", "--tasks", "2"]
-    _refused(capsys, ["--no-track"], "--checkpoint is required")
+    _refused(capsys, ["--no-track"], "pass --checkpoint runs/<run_name>/checkpoint.pt or")
     _refused(capsys, ["--checkpoint", str(tmp_path / "gone.pt")], "no checkpoint at")
     (tmp_path / "notes.pt").write_text("hello")
     _refused(capsys, ["--checkpoint", str(tmp_path / "notes.pt")], "is not a metalearn checkpoint")

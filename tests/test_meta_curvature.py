@@ -198,6 +198,7 @@ def tiny_run(tmp_path: Path, **overrides) -> om.Args:
     ), **overrides})  # fmt: skip
 
 
+@pytest.mark.slow  # two runs of the experiment end to end: 13 s on 2 cores
 @needs_omniglot
 def test_curvature_every_step_enters_the_history_and_wandb(tmp_path):
     om.main(tiny_run(tmp_path, curvature_every=1, track=True, wandb_mode="offline", run_name="c"))

@@ -72,20 +72,34 @@ def _steps(record) -> list[int]:
 
 
 def test_two_meta_steps_log_to_wandb_and_report_test_accuracy(tmp_path, capsys):
-    results = om.main(tiny_args(tmp_path, track=True, wandb_mode="offline", run_name="r"))
+    results = om.main(tiny_args(tmp_path, track=True, wandb_mode="offline"))
     out = capsys.readouterr()
-    assert f"checkpoint: {tmp_path / 'r' / 'checkpoint.pt'}" in out.out
+    (folder,) = [p.parent for p in tmp_path.glob("*/checkpoint.pt")]  # named by the run
+    name = folder.name
+    assert name.startswith("maml-5w1s-lr0.4-steps1-seed0-")
+    assert f"checkpoint: {folder / 'checkpoint.pt'}" in out.out
     assert "W&B run: " + str(tmp_path / "wandb" / "offline-run-") in out.out
     assert "-1" not in out.err  # no placeholder before the first validation
     (run_dir,) = (tmp_path / "wandb").glob("offline-run-*")
     wandb.teardown()  # finish() may return before the .wandb file is complete
     record = read_offline_run(run_dir)
+    assert record.name == name and name.endswith("-" + record.run_id)  # the id names the run
     assert record.config["algorithm"] == "maml" and record.config["split"] == "maml"
     assert record.config["dataset"] == "omniglot" and "git_commit" in record.config
     assert _steps(record) == [1, 2] and len(record.series("val/acc")[1]) == 2
     assert record.summary["test/acc"] == pytest.approx(results["test/acc"])
     assert record.state == "finished" and "maml" in record.tags and "5w1s" in record.tags
-    assert _checkpoint(tmp_path, "r")["results"]["test/acc"] == results["test/acc"]
+    assert record.job_type == "train"
+    # The summary holds the best validation, not the last (what the sweeps optimise).
+    best = max(record.series("val/acc")[1])
+    assert record.summary["val/acc"] == {"max": best} and record.summary["val/best_acc"] == best
+    assert _checkpoint(tmp_path, name)["results"]["test/acc"] == results["test/acc"]
+    # A run named for the user resumes by that name, in the same W&B run.
+    om.main(tiny_args(tmp_path, iterations=3, run_name=name, resume=True, track=True,
+                      wandb_mode="offline"))  # fmt: skip
+    wandb.teardown()
+    assert latest_segment(tmp_path / "wandb", record.run_id) != run_dir
+    assert _checkpoint(tmp_path, name)["iteration"] == 3
 
 
 @pytest.mark.parametrize(
@@ -123,11 +137,15 @@ def test_what_runs_is_what_is_recorded(tmp_path, monkeypatch, algorithm, cls, ex
     assert rebuilt.inner_lr == learner.inner_lr
 
 
-def test_default_run_names_differ_by_lr_and_steps(tmp_path):
+def test_default_run_names_say_lr_and_steps_and_never_repeat(tmp_path):
     a = om.resolve_args(tiny_args(tmp_path, inner_lr=0.1, inner_steps=1))
     b = om.resolve_args(tiny_args(tmp_path, inner_lr=0.4, inner_steps=5))
-    assert a.tracking.run_name == "maml-5w1s-lr0.1-steps1-seed0"
-    assert b.tracking.run_name == "maml-5w1s-lr0.4-steps5-seed0"
+    again = om.resolve_args(tiny_args(tmp_path, inner_lr=0.4, inner_steps=5))
+    assert a.tracking.run_name == f"maml-5w1s-lr0.1-steps1-seed0-{a.tracking.wandb_id}"
+    assert b.tracking.run_name == f"maml-5w1s-lr0.4-steps5-seed0-{b.tracking.wandb_id}"
+    assert again.tracking.run_name != b.tracking.run_name  # the same settings, a new run
+    with pytest.raises(UserError, match="--resume continues the run named by --run-name"):
+        om.resolve_args(tiny_args(tmp_path, resume=True))
 
 
 # --------------------------------------------------------------------------- resume

@@ -28,6 +28,16 @@ def test_ci_runs_the_readme_test_command_verbatim():
     assert test_cmd in ci_lines
 
 
+def test_the_first_screen_runs_without_local_paths_and_ci_then_runs_the_slow_tests():
+    main_cmd, test_cmd = _readme_commands()
+    assert "--data-root" not in main_cmd and "../" not in main_cmd  # $METALEARN_DATA, or download
+    assert test_cmd.endswith('pytest -q -m "not slow"')  # the quick subset
+    ci_lines = (ROOT / ".ci" / "run").read_text().splitlines()
+    slow = ci_lines.index(".venv/bin/python -m pytest -q -m slow")
+    lint = next(i for i, line in enumerate(ci_lines) if "ruff check" in line)
+    assert ci_lines.index(test_cmd) < slow < lint
+
+
 def test_main_command_script_exists():
     main_cmd = _readme_commands()[0]
     script = next(tok for tok in main_cmd.split() if tok.startswith("experiments/"))
@@ -55,6 +65,7 @@ def _omniglot_root() -> Path | None:
     return root if (root / "images_background").is_dir() else None
 
 
+@pytest.mark.slow  # it trains: 9-13 s on 2 cores
 @pytest.mark.skipif(_omniglot_root() is None, reason="Omniglot not found: set METALEARN_DATA")
 def test_readme_engine_example_trains_and_evaluates(monkeypatch):
     monkeypatch.setenv("METALEARN_DATA", str(_omniglot_root()))

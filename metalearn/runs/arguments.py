@@ -125,8 +125,11 @@ class TrackingArgs:
     out_dir: str = "runs"
     """Where checkpoints and the W&B folder go."""
     run_name: str | None = None
-    """Run name (default: from the algorithm, NwKs, lr, steps and seed); --resume looks for
-    it in out_dir."""
+    """Run name, its folder under out_dir (default: algorithm, NwKs, lr, steps and seed,
+    then a unique W&B id; under a W&B agent, the sweep and run ids); --resume needs it."""
+    wandb_id: str | None = None
+    """W&B run id (default: the one a new run name ends with, or W&B's own for a run you
+    name); a resumed run keeps its own."""
     resume: bool = False
     """Continue the run named run_name from its last checkpoint, with its saved arguments;
     only how long, where and how fast it runs may change (see the error for the list)."""

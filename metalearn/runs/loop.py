@@ -33,6 +33,7 @@ import copy
 import dataclasses
 import math
 import os
+import secrets
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -71,7 +72,13 @@ from metalearn.runs.recipe import (
     with_resumed,
 )
 from metalearn.runs.seeding import seed_everything
-from metalearn.runs.tracking import graceful_shutdown, init_run, log_model, run_group
+from metalearn.runs.tracking import (
+    define_summaries,
+    graceful_shutdown,
+    init_run,
+    log_model,
+    run_group,
+)
 
 __all__ = [
     "RESUMABLE",
@@ -81,10 +88,12 @@ __all__ = [
     "default_run_name",
     "main",
     "make_learner",
+    "make_recipe",
     "make_samplers",
     "measure_curvature",
     "meta_gradient",
     "meta_step",
+    "new_run_identity",
     "parse_args",
     "resolve_args",
     "start_from",
@@ -113,12 +122,33 @@ _AT_LEAST_ONE = (
 
 def default_run_name(args: Any) -> str:
     """``algorithm-NwKs-lrLR-stepsS-seedS``: the values a grid usually varies (no lr and
-    steps for a learner without an inner loop; ``-trainMw`` when training tasks are wider)."""
+    steps for a learner without an inner loop; ``-trainMw`` when training tasks are wider);
+    the descriptive part of a run's name, which `new_run_identity` makes unique."""
     a = flatten(args)
     inner = "" if a["inner_lr"] is None else f"-lr{a['inner_lr']:g}-steps{a['inner_steps']}"
     wide = a.get("train_ways")
     train = f"-train{wide}w" if wide not in (None, a["ways"]) else ""
     return f"{a['algorithm']}-{a['ways']}w{a['shots']}s{train}{inner}-seed{a['seed']}"
+
+
+_ID_ALPHABET = "abcdefghijklmnopqrstuvwxyz0123456789"
+
+
+def new_run_identity(description: str, environ: Mapping[str, str] = os.environ) -> tuple[str, str]:
+    """The name and W&B run id of a run the user did not name.
+
+    The W&B id is 8 random characters (36**8 ids: two runs meet with probability about
+    n**2 / 5.6e12) and the name is ``description-ID``, so two runs with the same settings
+    (a grid cell and a sweep cell, two sweeps of one file, the same command twice) never
+    share a folder or a W&B run. Under a W&B agent (``WANDB_SWEEP_ID`` and
+    ``WANDB_RUN_ID`` set) the run must take the agent's run id, and the name
+    ``description-SWEEP-ID`` also says which sweep it belongs to.
+    """
+    sweep, agent_run = environ.get("WANDB_SWEEP_ID"), environ.get("WANDB_RUN_ID")
+    if sweep and agent_run:
+        return f"{description}-{sweep}-{agent_run}", agent_run
+    run_id = "".join(secrets.choice(_ID_ALPHABET) for _ in range(8))
+    return f"{description}-{run_id}", run_id
 
 
 def _no_check(args: Any) -> None:
@@ -181,6 +211,9 @@ def check_args(exp: Experiment, args: Any) -> None:
     require(a["threads"] >= 0,
             f"--threads {a['threads']}: must be at least 1, or 0 for torch's default")  # fmt: skip
     require(0 <= a["seed"] < 2**32, f"--seed {a['seed']}: must be in [0, 2**32)")
+    require(not a["resume"] or a["run_name"] is not None,
+            "--resume continues the run named by --run-name: pass --run-name NAME (its "
+            "folder under --out-dir)")  # fmt: skip
     _check_run_folder(a["out_dir"], a["run_name"])
     exp.check(args)
 
@@ -204,15 +237,21 @@ def _check_run_folder(out_dir: str, run_name: str | None) -> None:
 
 
 def resolve_args(exp: Experiment, args: Any) -> Any:
-    """Checked ``args`` with the open values and the run name filled in."""
+    """Checked ``args`` with the open values filled in, and a run not named by the user
+    given a new unique name and W&B id (`new_run_identity`): resolve once, then pass the
+    result on (resolving resolved arguments changes nothing)."""
     check_args(exp, args)
     try:
         flat = resolve_learner_args(flatten(exp.resolve(args)))
     except ValueError as err:
         raise UserError(str(err)) from None
     resolved = unflatten(exp.args_type, flat)
-    if resolved.tracking.run_name is None:
-        resolved.tracking.run_name = exp.run_name(resolved)
+    tracking = resolved.tracking
+    if tracking.run_name is None:
+        tracking.run_name, chosen_id = new_run_identity(exp.run_name(resolved))
+        tracking.wandb_id = tracking.wandb_id or chosen_id
+    elif tracking.wandb_id is None and not tracking.resume and os.environ.get("WANDB_SWEEP_ID"):
+        tracking.wandb_id = os.environ.get("WANDB_RUN_ID")  # the agent's run, named by the user
     return resolved
 
 
@@ -342,10 +381,11 @@ def _make_run(exp: Experiment, args: Any, recipe: Recipe, state: RunState,
         group=run_group(recipe.learner.algorithm, data.ways, data.shots, t.wandb_group),
         tags=[recipe.learner.algorithm, data.dataset, f"{data.ways}w{data.shots}s",
               *exp.tags(args)],
-        dir=t.out_dir, run_id=state.wandb_id,
+        dir=t.out_dir, run_id=state.wandb_id, job_type="train",
     )  # fmt: skip
     if run is not None:
         state.wandb_id = run.id
+        define_summaries(run)
         for row in state.history:
             run.log({k: v for k, v in row.items() if k != "step"}, step=row["step"])
     return run
@@ -631,9 +671,11 @@ def _main(exp: Experiment, args: Any, dist: distributed.DistInfo) -> dict[str, f
     require(meta_batch >= dist.world_size,
             f"--meta-batch {meta_batch} is below the {dist.world_size} processes: every "
             "rank needs a task; raise --meta-batch or launch fewer processes")  # fmt: skip
-    # Rank 0 holds the run folder's lock while it trains (one writer per run), reads the
+    # Rank 0 names the run (a new name is random) and every rank takes that name; rank 0
+    # holds the run folder's lock while it trains (one writer per run), reads the
     # checkpoint (only its machine need hold it) and every rank gets its answer.
-    folder = checkpoint_path(resolve_args(exp, args)).parent
+    args = distributed.from_main(resolve_args, exp, args)
+    folder = checkpoint_path(args).parent
     with _run_lock(folder, dist.is_main):
         args, recipe, saved = distributed.from_main(start_from, exp, args)
         return _run(exp, args, recipe, saved, dist)
@@ -671,7 +713,7 @@ def _run(exp: Experiment, args: Any, recipe: Recipe, saved: dict | None,
             "maml, fomaml, anil, metasgd, mamlpp, protomaml or lora, or drop "
             "--curvature-every")  # fmt: skip
     backward = meta_gradient(args, learner)
-    state = RunState(run_name=str(args.tracking.run_name))
+    state = RunState(run_name=str(args.tracking.run_name), wandb_id=args.tracking.wandb_id)
     if saved is not None:
         learner.load_state_dict(saved["learner"])
         torch.set_rng_state(saved["torch_rng"])

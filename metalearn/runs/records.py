@@ -34,9 +34,12 @@ from typing import Any
 
 __all__ = [
     "STALE_AFTER_S",
+    "OfflineArtifact",
     "RunReadError",
     "RunRecord",
+    "find_offline_artifact",
     "find_run_dirs",
+    "offline_artifacts",
     "merge_segments",
     "read_offline_run",
     "read_offline_runs",
@@ -76,6 +79,11 @@ class RunRecord:
     """Every run folder this record was read from, oldest first (several when resumed)."""
     problems: list[str] = field(default_factory=list)
     """What was wrong with its files (truncated, corrupt), each naming the file."""
+    job_type: str = ""
+    """W&B's job type: ``train`` for the experiments' runs, ``eval`` for
+    ``scripts/evaluate.py``'s; empty for runs recorded without one."""
+    segment_summaries: list[dict[str, Any]] = field(default_factory=list)
+    """Each segment's own final summary, oldest first (one per entry of ``segments``)."""
 
     def series(self, key: str) -> tuple[list[float], list[float]]:
         """(steps, values) of a logged metric, in logging order."""
@@ -133,7 +141,7 @@ def read_offline_run(run_dir: str | Path) -> RunRecord:
         return _unreadable(file, err)
     summary = json.loads(out)
     _, stream, stream_err = _leet([*cli, "leet", "inspect", "--json", str(file)])
-    history, group, exited = [], None, False
+    history, group, job_type, exited = [], None, "", False
     for line in stream.splitlines():
         record = json.loads(line)
         kind = record.get("type")
@@ -141,19 +149,20 @@ def read_offline_run(run_dir: str | Path) -> RunRecord:
             history.append(record["history"]["item"])
         elif kind == "run":
             group = record["run"].get("run_group") or group
+            job_type = record["run"].get("job_type") or job_type
         elif kind == "exit":
             exited = True
     state, problem = _file_state(file, summary.get("state", "unknown"), exited, stream_err)
     run_id = summary.get("run_id") or _id_from_name(file)
+    final = dict(summary.get("summary") or {})
     return RunRecord(
         path=str(file.parent), name=summary.get("name") or run_id or file.parent.name,
         group=group,
         tags=list(summary.get("tags") or []), state=state,
         config={k: v for k, v in (summary.get("config") or {}).items() if not k.startswith("_")},
-        summary=dict(summary.get("summary") or {}), history=history,
-        start_time=summary.get("start_time") or "",
-        run_id=run_id, segments=[str(file.parent)],
-        problems=[problem] if problem else [],
+        summary=final, history=history, start_time=summary.get("start_time") or "",
+        run_id=run_id, segments=[str(file.parent)], problems=[problem] if problem else [],
+        job_type=job_type, segment_summaries=[final],
     )  # fmt: skip
 
 
@@ -226,6 +235,8 @@ def _merge(segments: list[RunRecord]) -> RunRecord:
         start_time=segments[0].start_time, run_id=last.run_id,
         segments=[p for s in segments for p in s.segments],
         problems=[p for s in segments for p in s.problems],
+        job_type=next((s.job_type for s in reversed(segments) if s.job_type), ""),
+        segment_summaries=[x for s in segments for x in s.segment_summaries],
     )  # fmt: skip
 
 
@@ -267,6 +278,69 @@ def _leet(cmd: list[str]) -> tuple[int, str, str]:
     return done.returncode, done.stdout, done.stderr
 
 
+@dataclass
+class OfflineArtifact:
+    """An artifact an offline run logged, as its ``.wandb`` file records it."""
+
+    name: str
+    type: str
+    aliases: list[str]
+    digest: str
+    """W&B's digest of the manifest (the same files give the same digest)."""
+    files: dict[str, Path]
+    """Each file's name in the artifact -> where its bytes are: a relative path in the
+    manifest is read from the run folder (`metalearn.runs.tracking.add_run_file`)."""
+    run_dir: Path
+    run_id: str
+
+
+def offline_artifacts(run_dir: str | Path) -> list[OfflineArtifact]:
+    """The artifacts an offline run folder logged, in logging order (read with ``wandb leet``).
+
+    Raises:
+        FileNotFoundError: not a run folder (or one with several .wandb files).
+        RunReadError: the file cannot be read.
+    """
+    file = _wandb_file(Path(run_dir))
+    rc, out, err = _leet([*_wandb_cli(), "leet", "inspect", "--json", str(file)])
+    if rc != 0:
+        raise RunReadError(f"wandb leet inspect failed on {file}: {_last_line(err)}")
+    found = []
+    for line in out.splitlines():
+        record = json.loads(line)
+        if record.get("type") != "artifact":
+            continue
+        a = record["artifact"]
+        entries = a.get("manifest", {}).get("contents", [])
+        # An absolute local path stays as it is (joining drops the run folder).
+        files = {e["path"]: file.parent / e["local_path"] for e in entries if e.get("local_path")}
+        found.append(OfflineArtifact(a["name"], a.get("type", ""), list(a.get("aliases", [])),
+                                     a.get("digest", ""), files, file.parent,
+                                     a.get("run_id", "")))  # fmt: skip
+    return found
+
+
+def find_offline_artifact(wandb_dir: str | Path, name: str, alias: str) -> OfflineArtifact:
+    """The newest artifact ``name`` with ``alias`` among the offline runs in ``wandb_dir``
+    (folders holding ``artifacts/<name>/``, where `metalearn.runs.tracking.add_run_file`
+    keeps an offline artifact's files).
+
+    Raises:
+        FileNotFoundError: no run there logged it (or not with that alias).
+    """
+    wandb_dir = Path(wandb_dir)
+    candidates = sorted(p.parent.parent for p in wandb_dir.glob(f"*run-*/artifacts/{name}"))
+    for run_dir in reversed(candidates):  # folder names start with the start time
+        for artifact in reversed(offline_artifacts(run_dir)):
+            if artifact.name == name and alias in artifact.aliases:
+                return artifact
+    raise FileNotFoundError(
+        f"no offline run in {wandb_dir} logged an artifact {name}:{alias} (offline, an "
+        "artifact is found among the runs it was logged by: pass --out-dir, or sync them and "
+        "read it online)"
+    )
+
+
 def read_online_runs(path: str, filters: Mapping[str, Any] | None = None) -> list[RunRecord]:
     """Read the runs of ``entity/project`` from the W&B server with ``wandb.Api()``.
 
@@ -296,5 +370,6 @@ def _online_record(path: str, run: Any) -> RunRecord:
         state=run.state, config={k: v for k, v in run.config.items() if not k.startswith("_")},
         summary=dict(run.summary), history=list(run.scan_history()),
         start_time=str(getattr(run, "created_at", "") or ""), run_id=run.id,
-        segments=[f"{path}/{run.id}"],
+        segments=[f"{path}/{run.id}"], job_type=getattr(run, "job_type", "") or "",
+        segment_summaries=[dict(run.summary)],
     )  # fmt: skip

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -27,7 +28,10 @@ from typing import Any
 from metalearn.runs.lifecycle import Stopped
 
 __all__ = [
+    "SUMMARIES",
+    "add_run_file",
     "decide_mode",
+    "define_summaries",
     "git_commit",
     "graceful_shutdown",
     "init_run",
@@ -36,6 +40,12 @@ __all__ = [
 ]
 
 WANDB_HOST = "api.wandb.ai"
+
+SUMMARIES = {"train/acc": "max", "val/acc": "max", "train/loss": "min"}
+"""How a training run's W&B summary holds a logged metric: its best value (``{"max": v}``
+or ``{"min": v}``) instead of its last. ``val/best_acc`` needs none: it is the running best,
+so its last value is already the best validation accuracy, a plain number a sweep can
+optimise (experiments/sweeps/)."""
 
 
 def _has_api_key() -> bool:
@@ -156,12 +166,19 @@ def graceful_shutdown() -> Iterator[None]:
         signal.signal(signal.SIGTERM, previous)
 
 
+def define_summaries(run: Any) -> None:
+    """Make each metric of `SUMMARIES` summarised by its best value, not its last."""
+    for metric, how in SUMMARIES.items():
+        run.define_metric(metric, summary=how)
+
+
 def log_model(run: Any, path: str | Path, name: str) -> Any:
     """Log the checkpoint at ``path`` as a W&B artifact of type ``model``.
 
     Aliases ``best`` and ``latest``: the checkpoint holds both the best-validation and the
-    last weights. Offline runs carry the artifact in their ``.wandb`` file until
-    ``wandb sync``; then ``wandb artifact get <entity>/<project>/<name>:best`` fetches it.
+    last weights. The bytes are kept in the run's W&B folder (`add_run_file`), so an
+    offline run folder moved to another machine still holds its model; after ``wandb sync``
+    ``wandb artifact get <entity>/<project>/<name>:best`` fetches it.
 
     Returns:
         The logged artifact.
@@ -169,8 +186,34 @@ def log_model(run: Any, path: str | Path, name: str) -> Any:
     import wandb
 
     artifact = wandb.Artifact(name, type="model", metadata={"file": Path(path).name})
-    artifact.add_file(str(path))
+    add_run_file(run, artifact, path)
     return run.log_artifact(artifact, aliases=["best", "latest"])
+
+
+def add_run_file(run: Any, artifact: Any, path: str | Path) -> Any:
+    """Add the file at ``path`` to ``artifact``, its bytes kept inside the run's W&B folder.
+
+    The file is copied to ``<run folder>/artifacts/<artifact name>/<file name>`` and added
+    as it is there (``policy="immutable"``: no second copy in wandb's staging folder, which
+    lives outside the run, in ``$WANDB_DATA_DIR``). Offline, the manifest entry names it
+    relative to the run folder: wandb records a file's path as given and ``wandb sync``
+    opens it as recorded, from the folder it runs in, never relative to the run folder
+    (wandb-core's sync rewrites only the entity, project, run id and job type), so an
+    absolute path would die with the machine. Sync a moved folder from inside it: ``cd
+    <out_dir>/wandb/offline-run-... && wandb sync .``. Online runs upload at once.
+
+    Returns:
+        The manifest entry.
+    """
+    source = Path(path)
+    folder = Path(run.settings.sync_dir).resolve()
+    kept = folder / "artifacts" / artifact.name / source.name
+    kept.parent.mkdir(parents=True, exist_ok=True)
+    shutil.copyfile(source, kept)  # a copy, as wandb's own staging: the source may change
+    entry = artifact.add_file(str(kept), name=source.name, policy="immutable")
+    if run.offline:
+        entry.local_path = str(kept.relative_to(folder))
+    return entry
 
 
 def _in_main_thread() -> bool:
