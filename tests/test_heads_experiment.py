@@ -6,6 +6,7 @@ scripts/evaluate.py to the accuracy the run tested, and is exported by metalearn
 from __future__ import annotations
 
 import os
+import re
 import sys
 from pathlib import Path
 
@@ -75,9 +76,8 @@ def test_train_ways_draws_wider_training_tasks_for_the_heads(tmp_path):
     assert (recipe.data.ways, recipe.data.train_ways, recipe.model.ways) == (5, 10, 5)
     samplers = samplers_of(om, args)
     assert samplers["train"].ways == 10 and samplers["val"].ways == samplers["test"].ways == 5
-    assert om.resolve_args(tiny(tmp_path, algorithm="r2d2", train_ways=10)).tracking.run_name == (
-        "r2d2-5w1s-train10w-seed0"
-    )
+    name = om.resolve_args(tiny(tmp_path, algorithm="r2d2", train_ways=10)).tracking.run_name
+    assert re.fullmatch(r"r2d2-5w1s-train10w-seed0-[a-z0-9]{8}", name), name
     results = om.main(args)
     saved = load_checkpoint(tmp_path / "wide" / "checkpoint.pt")
     assert saved["recipe"]["data"]["train_ways"] == 10 and 0 <= results["test/acc"] <= 1
