@@ -315,3 +315,20 @@ def test_learner_refuses_bad_settings():
     assert issubclass(MAML, InnerOptimizerLearner)
     assert not list(MAML(_mlp(), inner_optimizer="adam").inner_update().init({}).values())
     assert math.isclose(MAML(_mlp()).inner_update().slots(), 0)
+
+
+def test_the_run_records_the_inner_optimizer_and_refuses_what_makes_no_sense():
+    from metalearn.runs.recipe import learner_recipe, resolve_learner_args
+
+    flags = dict(algorithm="anil", inner_optimizer="adam", inner_beta2=0.99, inner_lr=0.01,
+                 learn_inner_hyperparameters="step")  # fmt: skip
+    recorded = learner_recipe(resolve_learner_args(flags)).arguments
+    assert (recorded["inner_optimizer"], recorded["inner_beta2"]) == ("adam", 0.99)
+    assert recorded["learn_inner_hyperparameters"] == "step"
+    assert learner_recipe(resolve_learner_args({"algorithm": "maml"})).arguments[
+        "inner_optimizer"
+    ] == "sgd"  # fmt: skip
+    with pytest.raises(ValueError, match="--inner-optimizer is a setting .* drop it for reptile"):
+        resolve_learner_args({"algorithm": "reptile", "inner_optimizer": "adam"})
+    with pytest.raises(ValueError, match="--inner-alpha is not a hyperparameter of .* adam"):
+        resolve_learner_args({"algorithm": "maml", "inner_optimizer": "adam", "inner_alpha": 0.9})
