@@ -16,6 +16,13 @@ order). Methods:
 * ``higher``: ``higher.innerloop_ctx`` with SGD, one ``backward`` per task; first order
   detaches the inner gradient through ``grad_callback`` (higher has no first-order switch
   that keeps the gradient to theta; ``track_higher_grads=False`` cuts it).
+* ``--inner-optimizer adam``: the same methods with Adam as the inner optimizer
+  (`metalearn.optim.Adam` through ``MAML(inner_optimizer="adam")``; higher's
+  ``DifferentiableAdam`` from ``torch.optim.Adam``), inner step 0.01, betas (0.9, 0.999),
+  eps 1e-8; learn2learn has no differentiable Adam and is skipped. higher adds eps before
+  Adam's bias correction, metalearn (as torch.optim.Adam) after it: with one inner step,
+  higher's eps is ``1e-8 * sqrt(1 - beta2)`` so both compute the same update. The ratio
+  column and the last line are then against higher.
 * ``compile`` (only when named in ``--methods``): ``auto`` under
   `metalearn.algorithms.compiled.CompiledMetaGradient` (the experiments' ``--compile``): each
   vmapped chunk compiled as one graph; minutes of compiling per setting on a CPU.
@@ -40,6 +47,8 @@ Command (learn2learn and higher live in their own venv, see scripts/install_base
     .venv/bin/python scripts/bench_maml.py --quick              # metalearn only
     .venv-baselines/bin/python scripts/bench_maml.py --threads 1 --clock cpu  # busy machine
     .venv-baselines/bin/python scripts/bench_maml.py --profile vmap:q15-second
+    .venv-baselines/bin/python scripts/bench_maml.py --inner-optimizer adam --settings q1-second \
+        --methods auto,higher --threads 1    # inner Adam against higher's DifferentiableAdam
 
 Expected (2 CPU cores): markdown tables of median ms, peak MB and float64 agreement
 (relative differences ~1e-14); the last line is ``speedup_vs_learn2learn: X``, metalearn
@@ -97,6 +106,9 @@ FLOAT64_TOLERANCE = 1e-9
 """Max relative difference of a float64 meta-gradient from metalearn's loop to call it equal."""
 
 
+ADAM = {"lr": 0.01, "beta1": 0.9, "beta2": 0.999, "eps": 1e-8}
+"""The inner Adam of ``--inner-optimizer adam``."""
+
 HEADLINE = "q1-second"
 """The setting of the last line's speedup."""
 
@@ -139,6 +151,9 @@ class BenchArgs:
     under which large freed tensors go back to the kernel and cost page faults next step."""
     profile: str = ""
     """``METHOD:SETTING``: print the top ops of that meta-step (torch.profiler) and exit."""
+    inner_optimizer: Literal["sgd", "adam"] = "sgd"
+    """The inner loop's optimizer: MAML's SGD, or Adam (metalearn.optim against higher's
+    DifferentiableAdam; learn2learn has none)."""
     probe_memory: str = ""
     """Internal: ``METHOD:SETTING`` measured in this (fresh) process; prints one JSON line."""
 
@@ -146,13 +161,26 @@ class BenchArgs:
 # ---------------------------------------------------------------------------- methods
 
 
+def inner_settings(inner_optimizer: str) -> dict[str, object]:
+    """The learner's inner-loop arguments for ``--inner-optimizer``."""
+    if inner_optimizer == "sgd":
+        return {"inner_lr": INNER_LR}
+    return {"inner_lr": ADAM["lr"], "inner_optimizer": "adam", "inner_beta1": ADAM["beta1"],
+            "inner_beta2": ADAM["beta2"], "inner_eps": ADAM["eps"]}  # fmt: skip
+
+
 def metalearn_gradient(
-    model: nn.Module, setting: Setting, vectorize: str, chunk_size: ChunkSize = "auto"
+    model: nn.Module,
+    setting: Setting,
+    vectorize: str,
+    chunk_size: ChunkSize = "auto",
+    inner_optimizer: str = "sgd",
 ) -> MetaGradient:
     cls = FOMAML if setting.first_order else MAML
     learner = cls(
-        model, inner_lr=INNER_LR, inner_steps=1, vectorize=vectorize, chunk_size=chunk_size
-    )
+        model, inner_steps=1, vectorize=vectorize, chunk_size=chunk_size,
+        **inner_settings(inner_optimizer),
+    )  # fmt: skip
 
     def run(tasks: Sequence[Task]) -> None:
         learner.backward(tasks)  # mean query loss over tasks, one backward per chunk
@@ -160,10 +188,20 @@ def metalearn_gradient(
     return run
 
 
-def higher_gradient(model: nn.Module, setting: Setting) -> MetaGradient:
+def higher_gradient(
+    model: nn.Module, setting: Setting, inner_optimizer: str = "sgd"
+) -> MetaGradient:
     import higher
 
-    inner_opt = torch.optim.SGD(model.parameters(), lr=INNER_LR)
+    if inner_optimizer == "adam":
+        # higher's eps is added before the bias correction: at step 1 it is metalearn's
+        # (torch.optim.Adam's) eps times sqrt(1 - beta2), which makes the updates equal.
+        eps = ADAM["eps"] * (1 - ADAM["beta2"]) ** 0.5
+        inner_opt: torch.optim.Optimizer = torch.optim.Adam(
+            model.parameters(), lr=ADAM["lr"], betas=(ADAM["beta1"], ADAM["beta2"]), eps=eps
+        )
+    else:
+        inner_opt = torch.optim.SGD(model.parameters(), lr=INNER_LR)
 
     def detach(grads: list[Tensor]) -> list[Tensor]:
         return [g.detach() for g in grads]  # FOMAML: the inner gradient is a constant
@@ -182,7 +220,9 @@ def higher_gradient(model: nn.Module, setting: Setting) -> MetaGradient:
     return run
 
 
-def compiled_gradient(model: nn.Module, setting: Setting) -> MetaGradient:
+def compiled_gradient(
+    model: nn.Module, setting: Setting, inner_optimizer: str = "sgd"
+) -> MetaGradient:
     """``auto``'s learner under ``--compile``
     (`metalearn.algorithms.compiled.CompiledMetaGradient`).
 
@@ -191,20 +231,22 @@ def compiled_gradient(model: nn.Module, setting: Setting) -> MetaGradient:
     2 cores): keep ``--warmup``.
     """
     cls = FOMAML if setting.first_order else MAML
-    return CompiledMetaGradient(cls(model, inner_lr=INNER_LR, inner_steps=1))
+    return CompiledMetaGradient(cls(model, inner_steps=1, **inner_settings(inner_optimizer)))
 
 
-def make_gradient(method: str, model: nn.Module, setting: Setting) -> MetaGradient:
+def make_gradient(
+    method: str, model: nn.Module, setting: Setting, inner_optimizer: str = "sgd"
+) -> MetaGradient:
     if method in ("loop", "vmap", "auto"):
-        return metalearn_gradient(model, setting, method)
+        return metalearn_gradient(model, setting, method, inner_optimizer=inner_optimizer)
     if method == "whole":
-        return metalearn_gradient(model, setting, "auto", chunk_size=None)
+        return metalearn_gradient(model, setting, "auto", None, inner_optimizer)
     if method == "compile":
-        return compiled_gradient(model, setting)
+        return compiled_gradient(model, setting, inner_optimizer)
     if method == "learn2learn":
         return learn2learn_gradient(model, setting)
     if method == "higher":
-        return higher_gradient(model, setting)
+        return higher_gradient(model, setting, inner_optimizer)
     names = ", ".join(METHODS + OPTIONAL_METHODS)
     raise ValueError(f"unknown method {method!r}; choose from {names}")
 
@@ -213,16 +255,19 @@ def make_step(method: str, setting: Setting, dtype: torch.dtype, args: BenchArgs
     norm = args.baseline_norm if method in BASELINES else "meta"
     model = omniglot_conv4(dtype, args.seed, norm, args.device)
     opt = torch.optim.Adam(model.parameters(), lr=OUTER_LR)
-    return MetaStep(model, make_gradient(method, model, setting), opt)
+    return MetaStep(model, make_gradient(method, model, setting, args.inner_optimizer), opt)
 
 
-def available(methods: Sequence[str]) -> list[str]:
+def available(methods: Sequence[str], inner_optimizer: str = "sgd") -> list[str]:
     """The methods whose package imports; says which baselines are skipped and why."""
     kept = []
     for method in methods:
         if method not in METHODS + OPTIONAL_METHODS:
             names = ", ".join(METHODS + OPTIONAL_METHODS)
             raise ValueError(f"unknown method {method!r} in --methods; choose from {names}")
+        if method == "learn2learn" and inner_optimizer != "sgd":
+            print(f"skipping learn2learn: it has no differentiable {inner_optimizer}")
+            continue
         if method in BASELINES:
             try:
                 __import__(BASELINES[method])
@@ -330,6 +375,7 @@ def memory_in_subprocess(method: str, setting: Setting, args: BenchArgs) -> floa
         sys.executable, os.path.abspath(__file__), "--probe-memory", f"{method}:{setting.name}",
         "--tasks", str(args.tasks), "--baseline-norm", args.baseline_norm,
         "--threads", str(args.threads), "--seed", str(args.seed), "--device", args.device,
+        "--inner-optimizer", args.inner_optimizer,
     ]  # fmt: skip
     return run_memory_probe(cmd, f"{method} {setting.name}")
 
@@ -358,7 +404,18 @@ def profile_step(method: str, setting: Setting, args: BenchArgs, rows: int = 25)
 # ---------------------------------------------------------------------------- reporting
 
 
-def headline(medians: dict[str, dict[str, float]], methods: Sequence[str]) -> str:
+def baseline_of(args: BenchArgs) -> str:
+    """The baseline the ratio column and the last line compare ``auto`` with."""
+    return "learn2learn" if args.inner_optimizer == "sgd" else "higher"
+
+
+def headline(
+    medians: dict[str, dict[str, float]], methods: Sequence[str], baseline: str = "learn2learn"
+) -> str:
+    if baseline == "higher":
+        if "higher" not in methods or HEADLINE not in medians or "auto" not in methods:
+            return f"speedup_vs_higher: n/a (needs higher, setting {HEADLINE} and method auto)"
+        return f"speedup_vs_higher: {medians[HEADLINE]['higher'] / medians[HEADLINE]['auto']:.2f}"
     if "learn2learn" not in methods:
         missing = importlib.util.find_spec("learn2learn") is None
         return f"speedup_vs_learn2learn: n/a (learn2learn not {'installed' if missing else 'run'})"
@@ -385,10 +442,11 @@ def main(args: BenchArgs) -> str:
         method, name = args.profile.split(":")
         profile_step(method, parse_setting(name), args)
         return ""
-    methods = available(args.methods)
+    methods = available(args.methods, args.inner_optimizer)
+    inner = f"inner lr {INNER_LR}" if args.inner_optimizer == "sgd" else f"inner Adam {ADAM}"
     print(
         f"# MAML meta-step, Conv4 (stride 2), {args.tasks} tasks, {WAYS}-way {SHOTS}-shot, "
-        f"1 inner step, inner lr {INNER_LR}\n\ntorch {torch.__version__}, {device_name(args)}, "
+        f"1 inner step, {inner}\n\ntorch {torch.__version__}, {device_name(args)}, "
         f"{torch.get_num_threads()} threads, {os.cpu_count()} CPUs, load average "
         f"{os.getloadavg()[0]:.1f}; baselines' batch norm: {args.baseline_norm}; "
         f"{args.repeats} repeats after {args.warmup} warm-up, interleaved; {args.clock} clock; "
@@ -399,7 +457,7 @@ def main(args: BenchArgs) -> str:
         report_memory(methods, settings, args)
     if args.float64_check:
         report_float64(methods, settings, args)
-    last = headline(medians, methods)
+    last = headline(medians, methods, baseline_of(args))
     print(last)
     return last
 
@@ -413,10 +471,10 @@ def report_times(
         timed = time_methods(methods, setting, args)
         medians[name] = {m: statistics.median(t) for m, t in timed.seconds.items()}
         cells = [f"{1e3 * medians[name][m]:.0f}" for m in methods]
-        ratio = "-"
-        if "auto" in methods and "learn2learn" in methods:
-            low, high = middle_half(paired_ratios(timed, "learn2learn", "auto"))
-            ratio = f"{medians[name]['learn2learn'] / medians[name]['auto']:.2f}x"
+        ratio, base = "-", baseline_of(args)
+        if "auto" in methods and base in methods:
+            low, high = middle_half(paired_ratios(timed, base, "auto"))
+            ratio = f"{medians[name][base] / medians[name]['auto']:.2f}x"
             ratio += f" ({low:.2f}-{high:.2f})"
         rows.append([name, *cells, timed.auto_plan, ratio])
         fault_rows.append([name, *(f"{statistics.median(timed.faults[m]):.0f}" for m in methods)])
@@ -424,7 +482,7 @@ def report_times(
             f"timed {name}: " + ", ".join(f"{m} {c} ms" for m, c in zip(methods, cells)), flush=True
         )
     print(f"\n## Meta-step time, median ms ({args.clock} clock)\n")
-    ratio_header = "learn2learn / auto (rounds' middle half)"
+    ratio_header = f"{baseline_of(args)} / auto (rounds' middle half)"
     print(markdown_table(["setting", *methods, "auto ran", ratio_header], rows) + "\n")
     print(
         "The ratio is of the medians; in brackets, the quartiles of the per-round ratios (each "
@@ -478,6 +536,7 @@ def parse_args(argv: Sequence[str] | None = None) -> BenchArgs:
     p.add_argument("--seed", type=int, default=defaults.seed)
     p.add_argument("--device", default=defaults.device, help="cpu or cuda (cuda:N)")
     p.add_argument("--malloc", choices=("tuned", "default"), default=defaults.malloc)
+    p.add_argument("--inner-optimizer", choices=("sgd", "adam"), default=defaults.inner_optimizer)
     p.add_argument("--profile", default="", metavar="METHOD:SETTING")
     p.add_argument("--probe-memory", default="", help=argparse.SUPPRESS)
     ns = p.parse_args(argv)
@@ -486,7 +545,7 @@ def parse_args(argv: Sequence[str] | None = None) -> BenchArgs:
         methods=ns.methods.split(","), tasks=ns.tasks, float64_check=ns.float64_check,
         memory=ns.memory, baseline_norm=ns.baseline_norm, threads=ns.threads, clock=ns.clock,
         seed=ns.seed, malloc=ns.malloc, device=ns.device,
-        profile=ns.profile, probe_memory=ns.probe_memory,
+        profile=ns.profile, probe_memory=ns.probe_memory, inner_optimizer=ns.inner_optimizer,
     )  # fmt: skip
     if ns.quick:
         args.repeats, args.warmup, args.memory = 3, 1, False

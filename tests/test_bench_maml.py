@@ -37,3 +37,15 @@ def test_a_tiny_run_prints_its_tables_and_says_why_there_is_no_headline(capsys) 
     out = capsys.readouterr().out
     assert last.startswith("speedup_vs_learn2learn: n/a"), last
     assert "| q1-first |" in out and "auto ran" in out
+
+
+def test_inner_adam_runs_and_compares_with_higher(capsys) -> None:
+    args = bench_maml.parse_args(
+        "--tasks 2 --repeats 1 --warmup 0 --settings q1-second --methods auto,learn2learn "
+        "--inner-optimizer adam --no-memory --no-float64-check --malloc default".split()
+    )
+    last = bench_maml.main(args)
+    out = capsys.readouterr().out
+    assert last.startswith("speedup_vs_higher: n/a"), last
+    assert "skipping learn2learn: it has no differentiable adam" in out
+    assert "inner Adam" in out and "higher / auto" in out

@@ -51,6 +51,7 @@ from metalearn.engine import (
     task_loss,
 )
 from metalearn.functional import accumulate_grad
+from metalearn.optim import SGD, InnerOptimizer
 
 __all__ = ["MetaLearner", "MetaLossLearner", "StepMetrics", "accumulate_grad", "check_loop_only"]
 
@@ -167,6 +168,11 @@ class MetaLearner(nn.Module, abc.ABC):
         """The inner learning rate(s) in `metalearn.engine.inner.LearningRate` form."""
         return self.inner_lr
 
+    def inner_update(self) -> InnerOptimizer:
+        """The inner loop's optimizer (`metalearn.optim`): ``SGD()``, MAML's Eq. 1, unless the
+        learner takes another (`metalearn.algorithms.inner_optimizer`)."""
+        return SGD()
+
     def inner_loop(self, steps: int | None = None, first_order: bool | None = None) -> InnerLoop:
         """The inner-loop settings for the current state (learnable rates included)."""
         return InnerLoop(
@@ -176,6 +182,7 @@ class MetaLearner(nn.Module, abc.ABC):
             adapt_keys=self.adapt_keys,
             loss_fn=self.loss_fn,
             checkpoint=self.checkpoint,
+            optimizer=self.inner_update(),
         )
 
     def plan(self, tasks: Sequence[Task], inner: InnerLoop) -> list[Chunk]:
@@ -319,8 +326,9 @@ def _metrics(result: MetaBatch) -> StepMetrics:
 
 
 def _evaluation_loop(inner: InnerLoop) -> InnerLoop:
-    """``inner`` with detached learning rates: evaluation builds no graph to them."""
-    return replace(inner, lr=_detached(inner.lr))
+    """``inner`` with detached learning rates and optimizer hyperparameters: evaluation
+    builds no graph to them."""
+    return replace(inner, lr=_detached(inner.lr), optimizer=inner.optimizer.detached())
 
 
 def _detached(tree: Mapping | Sequence | Tensor | float) -> Mapping | Sequence | Tensor | float:

@@ -1,4 +1,7 @@
-"""MAML, first-order MAML and ANIL: `MetaLossLearner` with different inner-loop settings."""
+"""MAML, first-order MAML and ANIL: `MetaLossLearner` with different inner-loop settings.
+
+All three take an inner optimizer (`metalearn.algorithms.inner_optimizer`): SGD by default.
+"""
 
 from __future__ import annotations
 
@@ -6,16 +9,16 @@ from typing import Any
 
 from torch import nn
 
-from metalearn.algorithms.base import MetaLossLearner
+from metalearn.algorithms.inner_optimizer import InnerOptimizerLearner
 
 __all__ = ["ANIL", "FOMAML", "MAML"]
 
 
-class MAML(MetaLossLearner):
+class MAML(InnerOptimizerLearner):
     """Model-Agnostic Meta-Learning (Finn et al., 2017), exact second order by default."""
 
 
-class FOMAML(MetaLossLearner):
+class FOMAML(InnerOptimizerLearner):
     """First-order MAML (Finn et al., 2017, Sec. 5.2): inner gradients treated as constants."""
 
     fixed_arguments = ("first_order",)
@@ -26,7 +29,7 @@ class FOMAML(MetaLossLearner):
         super().__init__(model, first_order=True, **kwargs)
 
 
-class ANIL(MetaLossLearner):
+class ANIL(InnerOptimizerLearner):
     """Almost No Inner Loop (Raghu et al., 2020): adapt only the head, meta-learn all.
 
     Args:

@@ -4,8 +4,10 @@ MAML's inner update (Finn et al., 2017, Eq. 1), repeated ``steps`` times::
 
     phi_{s+1} = phi_s - alpha_s * grad_phi L_support(phi_s)
 
-with ``phi_0 = theta``. By default the update is kept in the autograd graph, so the outer
-loss differentiates through it exactly (second order). ``first_order=True`` treats each
+with ``phi_0 = theta``; ``InnerLoop.optimizer`` replaces this update by another
+differentiable optimizer's (`metalearn.optim`: momentum, Nesterov, Adam, RMSprop), whose
+state is carried from step to step. By default the update is kept in the autograd graph, so
+the outer loss differentiates through it exactly (second order). ``first_order=True`` treats each
 inner gradient as a constant (FOMAML). Nothing is updated in place: each step returns a new
 dict, so ``theta`` is untouched and the graph from ``theta`` to ``phi`` is explicit.
 
@@ -19,7 +21,7 @@ checkpointing's saved-tensor hooks. Arguments that need Python-level control flo
 from __future__ import annotations
 
 from collections.abc import Callable, Collection, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -29,6 +31,7 @@ from torch.func import functional_call, grad_and_value
 from torch.utils.checkpoint import checkpoint as torch_checkpoint
 
 from metalearn.engine.task import NonFiniteLossError, StopRule
+from metalearn.optim import SGD, InnerOptimizer, State
 
 __all__ = [
     "InnerLoop",
@@ -53,7 +56,7 @@ LearningRate = _StepRate | Sequence[_StepRate]
 by inner step (MAML++'s per-layer per-step rates, LSLR). A list shorter than the number of
 steps repeats its last entry."""
 
-StepFn = Callable[..., tuple[dict[str, Tensor], Tensor]]
+StepFn = Callable[..., tuple[dict[str, Tensor], State, Tensor]]
 
 
 @dataclass
@@ -69,6 +72,8 @@ class InnerLoop:
         loss_fn: ``loss_fn(outputs, y) -> Tensor[]``.
         checkpoint: recompute each inner step in the backward pass instead of storing its
             activations (loop path only), so memory does not grow with steps.
+        optimizer: the inner update (`metalearn.optim`); ``SGD()`` is Eq. 1 and carries no
+            state. ``lr`` is its step size.
     """
 
     steps: int = 1
@@ -77,6 +82,7 @@ class InnerLoop:
     adapt_keys: Collection[str] | None = None
     loss_fn: LossFn = F.cross_entropy
     checkpoint: bool = False
+    optimizer: InnerOptimizer = field(default_factory=SGD)
 
 
 def lr_for(lr: LearningRate, name: str, step: int) -> float | Tensor | None:
@@ -110,12 +116,13 @@ def adapt(
     checkpoint: bool = False,
     check_finite: bool = False,
     task_index: int | None = None,
+    optimizer: InnerOptimizer | None = None,
 ) -> dict[str, Tensor]:
     """Adapt ``params`` to one task's support set; returns the new (fast) parameter dict.
 
     `adapt_with_losses` without the per-step losses; the arguments are the same.
     """
-    inner = InnerLoop(steps, lr, first_order, adapt_keys, loss_fn, checkpoint)
+    inner = InnerLoop(steps, lr, first_order, adapt_keys, loss_fn, checkpoint, optimizer or SGD())
     return run_inner_loop(
         model, params, support, inner, buffers=buffers, model_kwargs=model_kwargs,
         regularizer=regularizer, stop=stop, check_finite=check_finite, task_index=task_index,
@@ -139,6 +146,7 @@ def adapt_with_losses(
     checkpoint: bool = False,
     check_finite: bool = False,
     task_index: int | None = None,
+    optimizer: InnerOptimizer | None = None,
 ) -> tuple[dict[str, Tensor], Tensor]:
     """Run the inner loop on one task and return the fast weights and the support losses.
 
@@ -155,13 +163,14 @@ def adapt_with_losses(
         check_finite: raise `NonFiniteLossError` as soon as a support loss is not finite
             (loop path only; under vmap the caller checks the returned losses).
         task_index: the task's index in its meta-batch, for error messages.
+        optimizer: the inner update (`metalearn.optim`); None: ``SGD()``, Eq. 1.
 
     Returns:
         ``(fast_params, support_losses)``: a new dict with every key of ``params`` (adapted
         where a learning rate applies) and the support loss before each step taken,
         ``Tensor[steps_taken]`` (empty when no step was taken).
     """
-    inner = InnerLoop(steps, lr, first_order, adapt_keys, loss_fn, checkpoint)
+    inner = InnerLoop(steps, lr, first_order, adapt_keys, loss_fn, checkpoint, optimizer or SGD())
     return run_inner_loop(
         model, params, support, inner, buffers=buffers, model_kwargs=model_kwargs,
         regularizer=regularizer, stop=stop, check_finite=check_finite, task_index=task_index,
@@ -213,11 +222,16 @@ def run_inner_loop(
 
     step_fn: StepFn = _checkpointed_step if inner.checkpoint else _step
     losses: list[Tensor] = []
+    # The optimizer's state (momentum, Adam's moments) of every adaptable parameter, carried
+    # from step to step; a parameter not adapted at a step keeps its state.
+    state = inner.optimizer.init({k: fast[k] for k in keys})
     for step in range(inner.steps):
         active = [k for k in keys if lr_for(inner.lr, k, step) is not None]
         adapted = {k: fast[k] for k in active}
         rest = {k: v for k, v in fast.items() if k not in adapted}
-        new, loss = step_fn(support_loss, adapted, rest, inner.lr, step, inner.first_order)
+        rates = {k: lr_for(inner.lr, k, step) for k in active}
+        own = {k: state[k] for k in active}
+        new, new_state, loss = step_fn(support_loss, adapted, rest, inner, rates, own, step)
         if check_finite or stop is not None:
             value = float(loss.detach())  # a sync point: loop path only
             if check_finite and not torch.isfinite(loss):
@@ -226,6 +240,7 @@ def run_inner_loop(
                 break
         losses.append(loss)
         fast.update(new)
+        state.update(new_state)
     if not losses:  # no step taken: an empty loss record on the task's device and dtype
         return fast, x.new_zeros(0, dtype=_float_dtype(x))
     return fast, torch.stack(losses)
@@ -244,20 +259,21 @@ def _step(
     support_loss: Callable[[dict[str, Tensor], dict[str, Tensor]], Tensor],
     adapted: dict[str, Tensor],
     rest: dict[str, Tensor],
-    lr: LearningRate,
+    inner: InnerLoop,
+    rates: dict[str, float | Tensor],
+    state: State,
     step: int,
-    first_order: bool,
-) -> tuple[dict[str, Tensor], Tensor]:
-    """One gradient step on the adapted subset; returns (new subset, loss before the step)."""
-    if first_order:
+) -> tuple[dict[str, Tensor], State, Tensor]:
+    """One optimizer step on the adapted subset: (new subset, its new state, loss before)."""
+    if inner.first_order:
         # FOMAML: the gradient at phi_s is a constant for the outer loss (Finn et al., Sec 5.2).
         adapted_in = {k: v.detach() for k, v in adapted.items()}
         grads, loss = grad_and_value(support_loss)(adapted_in, rest)
         grads = {k: g.detach() for k, g in grads.items()}
     else:
         grads, loss = grad_and_value(support_loss)(adapted, rest)
-    new = {k: adapted[k] - lr_for(lr, k, step) * grads[k] for k in adapted}
-    return new, loss
+    new, new_state = inner.optimizer.update(adapted, grads, state, lr=rates, step=step)
+    return new, new_state, loss
 
 
 def _grads_or_zeros(loss: Tensor, inputs: list[Tensor], create_graph: bool) -> list[Tensor]:
@@ -270,28 +286,38 @@ def _checkpointed_step(
     support_loss: Callable[[dict[str, Tensor], dict[str, Tensor]], Tensor],
     adapted: dict[str, Tensor],
     rest: dict[str, Tensor],
-    lr: LearningRate,
+    inner: InnerLoop,
+    rates: dict[str, float | Tensor],
+    state: State,
     step: int,
-    first_order: bool,
-) -> tuple[dict[str, Tensor], Tensor]:
+) -> tuple[dict[str, Tensor], State, Tensor]:
     """`_step` under activation checkpointing (``checkpoint=True``, the memory feature).
 
     torch.func.grad refuses saved-tensor hooks (which checkpointing installs), so the inner
     gradient here comes from ``torch.autograd.grad(create_graph=True)``; the maths is the same.
+    The optimizer's state goes in and out of the checkpointed function as tensors.
     """
     names, rest_names = list(adapted), list(rest)
-    rates = [lr_for(lr, k, step) for k in names]
+    slots = inner.optimizer.slots()
+    n, first_order = len(names), inner.first_order
+    flat_state = [t for k in names for t in state[k]]
 
     def run(*tensors: Tensor) -> tuple[Tensor, ...]:
-        a = dict(zip(names, tensors[: len(names)]))
-        r = dict(zip(rest_names, tensors[len(names) :]))
+        a = dict(zip(names, tensors[:n]))
+        r = dict(zip(rest_names, tensors[n : n + len(rest_names)]))
+        flat = tensors[n + len(rest_names) :]
+        s = {k: tuple(flat[i * slots : (i + 1) * slots]) for i, k in enumerate(names)}
         inputs = {k: v.detach().requires_grad_() for k, v in a.items()} if first_order else a
         with torch.enable_grad():
             loss = support_loss(inputs, r)
             grads = _grads_or_zeros(loss, list(inputs.values()), not first_order)
         if first_order:
             grads = [g.detach() for g in grads]
-        return (*(v - rate * g for v, rate, g in zip(a.values(), rates, grads)), loss)
+        new, new_s = inner.optimizer.update(a, dict(zip(names, grads)), s, lr=rates, step=step)
+        return (*new.values(), *(t for k in names for t in new_s[k]), loss)
 
-    *new, loss = torch_checkpoint(run, *adapted.values(), *rest.values(), use_reentrant=False)
-    return dict(zip(names, new)), loss
+    *out, loss = torch_checkpoint(
+        run, *adapted.values(), *rest.values(), *flat_state, use_reentrant=False
+    )
+    new_state = {k: tuple(out[n + i * slots : n + (i + 1) * slots]) for i, k in enumerate(names)}
+    return dict(zip(names, out[:n])), new_state, loss

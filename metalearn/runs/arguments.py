@@ -91,6 +91,23 @@ class LearnerArgs:
     first_order_steps: int | None = None
     """MAML++ only: meta-steps of first-order meta-gradients before exact second order;
     none: 25000 (the reference's 50 epochs of 500 steps)."""
+    inner_optimizer: Literal["sgd", "momentum", "nesterov", "adam", "rmsprop"] | None = None
+    """maml, fomaml, anil: the inner loop's differentiable optimizer (metalearn.optim), its
+    step size --inner-lr (Adam and RMSprop move each entry by about that much: try 0.01);
+    none: sgd (MAML's update)."""
+    inner_momentum: float | None = None
+    """--inner-optimizer momentum or nesterov: the momentum; none: 0.9."""
+    inner_beta1: float | None = None
+    """--inner-optimizer adam: beta1; none: 0.9."""
+    inner_beta2: float | None = None
+    """--inner-optimizer adam: beta2; none: 0.999."""
+    inner_eps: float | None = None
+    """--inner-optimizer adam or rmsprop: eps; none: 1e-8."""
+    inner_alpha: float | None = None
+    """--inner-optimizer rmsprop: the mean square's decay; none: 0.99."""
+    learn_inner_hyperparameters: Literal["none", "tensor", "step"] | None = None
+    """maml, fomaml, anil: meta-learn the inner step size and the optimizer's decay rates,
+    one per parameter tensor (tensor) or per tensor and inner step (step); none: fixed."""
 
 
 @dataclass

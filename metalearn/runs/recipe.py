@@ -34,7 +34,13 @@ import torch
 from torch import nn
 
 from metalearn.algorithms import MetaLearner
-from metalearn.algorithms.registry import LEARNERS, complete_arguments, make_learner
+from metalearn.algorithms.inner_optimizer import optimizer_hyperparameters
+from metalearn.algorithms.registry import (
+    LEARNERS,
+    complete_arguments,
+    learner_arguments,
+    make_learner,
+)
 from metalearn.data import (
     IMAGE_SET_NAMES,
     EpisodicSampler,
@@ -99,7 +105,13 @@ LEARNER_FLAGS = {
     "vectorize": "vectorize", "chunk_size": "chunk_size", "gradient_checkpointing": "checkpoint",
     "checkpoint": "checkpoint", "cg_damping": "cg_damping", "lora_rank": "rank",
     "msl_steps": "msl_steps", "first_order_steps": "first_order_steps",
+    "inner_optimizer": "inner_optimizer", "inner_momentum": "inner_momentum",
+    "inner_beta1": "inner_beta1", "inner_beta2": "inner_beta2", "inner_eps": "inner_eps",
+    "inner_alpha": "inner_alpha", "learn_inner_hyperparameters": "learn_inner_hyperparameters",
 }  # fmt: skip
+# The inner optimizer's flags (`metalearn.algorithms.inner_optimizer`), for the refusals.
+_OPTIMIZER_FLAGS = ("inner_optimizer", "inner_momentum", "inner_beta1", "inner_beta2",
+                    "inner_eps", "inner_alpha", "learn_inner_hyperparameters")  # fmt: skip
 # Flags that belong to one algorithm, with the algorithm they belong to (for the refusal).
 _OWN_FLAGS = {"cg_damping": "imaml", "lora_rank": "lora", "msl_steps": "mamlpp",
               "first_order_steps": "mamlpp"}  # fmt: skip
@@ -260,6 +272,7 @@ def resolve_learner_args(args: Mapping[str, Any]) -> dict[str, Any]:
             resolved[key] = value
     own = complete_arguments(algorithm, {})
     _check_head_flags(algorithm, resolved, own)
+    _check_optimizer_flags(algorithm, resolved, own)
     for flag_name, owner in _OWN_FLAGS.items():
         if flag_name not in resolved:
             continue
@@ -296,6 +309,24 @@ def _check_head_flags(algorithm: str, args: Mapping[str, Any], own: Mapping[str,
         raise ValueError(f"--train-ways {train_ways} with --algorithm {algorithm}: it adapts the "
                          f"model's {ways}-way head, so it trains {ways}-way; drop --train-ways or "
                          f"use an algorithm that sizes its head per task ({sized})")  # fmt: skip
+
+
+def _check_optimizer_flags(algorithm: str, args: Mapping[str, Any], own: Mapping[str, Any]) -> None:
+    """Refuse the inner optimizer's flags for a learner without one, and a hyperparameter
+    flag the chosen optimizer does not read."""
+    given = [flag for flag in _OPTIMIZER_FLAGS if args.get(flag) is not None]
+    if "inner_optimizer" not in own:
+        if given:
+            takers = ", ".join(n for n in LEARNERS if "inner_optimizer" in learner_arguments(n))
+            raise ValueError(f"--{given[0].replace('_', '-')} is a setting of the inner "
+                             f"optimizer of {takers}; drop it for {algorithm}")  # fmt: skip
+        return
+    name = args.get("inner_optimizer") or own["inner_optimizer"]
+    reads = optimizer_hyperparameters(name)
+    for flag in given:
+        if flag.startswith("inner_") and flag != "inner_optimizer" and flag not in reads:
+            raise ValueError(f"--{flag.replace('_', '-')} is not a hyperparameter of "
+                             f"--inner-optimizer {name}; drop it")  # fmt: skip
 
 
 def learner_recipe(args: Mapping[str, Any]) -> LearnerRecipe:
