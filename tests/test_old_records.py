@@ -104,3 +104,16 @@ def test_another_experiments_checkpoint_is_refused_in_one_line(tmp_path):
         fs.main(fs.parse_args(["--resume", "--run-name", "r", "--out-dir", str(tmp_path),
                                "--dataset", "omniglot"]))  # fmt: skip
     assert "\n" not in str(err.value)
+
+
+@needs_omniglot
+def test_a_flag_the_old_record_predates_is_refused_on_resume_not_dropped(tmp_path):
+    (tmp_path / "omniglot-maml").mkdir()
+    shutil.copy(RECORDS / "omniglot-maml.ckpt", tmp_path / "omniglot-maml" / "checkpoint.pt")
+    args = om.parse_args(["--resume", "--run-name", "omniglot-maml", "--out-dir", str(tmp_path),
+                          "--iterations", "3", "--data-root", str(DATA),
+                          "--inner-optimizer", "adam"])  # fmt: skip
+    with pytest.raises(UserError, match="--inner-optimizer adam differs from the resumed run's "
+                                        "default") as err:  # fmt: skip
+        om.main(args)
+    assert "\n" not in str(err.value)

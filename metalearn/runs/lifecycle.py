@@ -126,7 +126,8 @@ def merge_resumed_args(
         if key not in changeable:
             flag = "--" + key.replace("_", "-")
             raise UserError(
-                f"{flag} {value} differs from the resumed run's {saved[key]}; drop {flag} to "
+                f"{flag} {value} differs from the resumed run's "
+                f"{'default' if saved[key] is None else saved[key]}; drop {flag} to "
                 f"continue that run, or start a new one with --run-name (on resume only "
                 f"{', '.join('--' + c.replace('_', '-') for c in sorted(changeable))} may change)"
             )

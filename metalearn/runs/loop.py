@@ -314,7 +314,10 @@ def start_from(exp: Experiment, args: Any) -> tuple[Any, Recipe, dict | None]:
         return args, make_recipe(exp, args), None
     saved = _read(path)
     recipe = _saved_recipe(exp, path, saved)
-    merged = merge_resumed_args(upgrade_args(saved["args"]), flatten(args), RESUMABLE)
+    # A flag the record predates ran at its default: a resume that sets it otherwise is
+    # refused like any other change, not dropped.
+    recorded = {**flatten(exp.args_type()), **upgrade_args(saved["args"])}
+    merged = merge_resumed_args(recorded, flatten(args), RESUMABLE)
     require(merged["iterations"] >= saved["iteration"],
             f"--iterations {merged['iterations']} is below the {saved['iteration']} steps "
             f"{path} already holds; pass at least {saved['iteration']}")  # fmt: skip
@@ -329,7 +332,13 @@ def parse_args(exp: Experiment, argv: Sequence[str] | None = None) -> Any:
     args = parse_dataclass(exp.args_type, argv, description=description, presets=exp.presets)
     if not args.tracking.resume:
         return args
-    path = checkpoint_path(resolve_args(exp, args))
+    # Only the run's folder is checked here: the other checks need the saved values
+    # (a MAML run resumed with --inner-momentum is not the default preset's Proto-MAML).
+    require(args.tracking.run_name is not None,
+            "--resume continues the run named by --run-name: pass --run-name NAME (its "
+            "folder under --out-dir)")  # fmt: skip
+    _check_run_folder(args.tracking.out_dir, args.tracking.run_name)
+    path = checkpoint_path(args)
     if not path.is_file():  # start_from names it (or rank 0 holds it, under torchrun)
         return args
     saved = _read(path)
