@@ -19,6 +19,7 @@ import torch
 from torch import Tensor, nn
 from torch.export import Dim, ExportedProgram
 
+from metalearn.deploy.archive import load_program
 from metalearn.deploy.run_checkpoint import is_run_checkpoint
 
 __all__ = [
@@ -175,12 +176,16 @@ def _move_into_place(tmp: Path, path: Path, overwrite: bool) -> None:
 def load_exported(path: str | os.PathLike) -> tuple[ExportedProgram, dict[str, Any]]:
     """Read a ``.pt2`` written by `export_adapted`: ``(program, metadata)``.
 
+    Every pickled member is read as tensors only (`metalearn.deploy.archive.load_program`):
+    torch's own fallback to ``weights_only=False`` never runs.
+
     Raises:
         FileNotFoundError: no file at ``path``.
+        ValueError: a member holds pickled objects (the file was altered).
     """
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"no exported program at {path}; write one with export_adapted")
     extra = {_METADATA: ""}
-    program = torch.export.load(path, extra_files=extra)
+    program = load_program(path, extra)
     return program, json.loads(extra[_METADATA] or "{}")
