@@ -99,6 +99,7 @@ LEARNER_FLAGS = {
     "vectorize": "vectorize", "chunk_size": "chunk_size", "gradient_checkpointing": "checkpoint",
     "checkpoint": "checkpoint", "cg_damping": "cg_damping", "lora_rank": "rank",
     "msl_steps": "msl_steps", "first_order_steps": "first_order_steps",
+    "on_nonfinite": "on_nonfinite",
 }  # fmt: skip
 # Flags that belong to one algorithm, with the algorithm they belong to (for the refusal).
 _OWN_FLAGS = {"cg_damping": "imaml", "lora_rank": "lora", "msl_steps": "mamlpp",
