@@ -47,7 +47,9 @@ def predict(
         ValueError: an AOT package's path without ``trust=True``, or an altered ``.pt2``.
     """
     if isinstance(model, (str, os.PathLike)):
-        model = load_aot(model, trust=trust)[0] if is_aot_package(model) else load_exported(model)[0]
+        model = (
+            load_aot(model, trust=trust)[0] if is_aot_package(model) else load_exported(model)[0]
+        )
     run = model.module() if isinstance(model, ExportedProgram) else model
     with torch.inference_mode():
         probabilities = torch.softmax(run(x), dim=-1)
