@@ -154,8 +154,9 @@ def write_atomically(
         try:
             write(tmp)
         except OSError as err:  # a full disk, a quota: nothing replaced, one line
-            raise ValueError(f"could not write {path}: {err.strerror or err}; free space "
-                             "there or choose another --out; nothing was replaced") from None  # fmt: skip
+            reason = err.strerror or str(err)
+            raise ValueError(f"could not write {path}: {reason}; free space there or choose "
+                             "another --out; nothing was replaced") from None  # fmt: skip
         os.chmod(tmp, 0o644)
         _move_into_place(Path(tmp), path, overwrite)
     finally:

@@ -23,10 +23,10 @@ resumed segments there.
 from __future__ import annotations
 
 import json
-import warnings
 import subprocess
 import sys
 import time
+import warnings
 from collections.abc import Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
