@@ -3,7 +3,7 @@
 * An exported program (``.pt2``, `load_program`) holds a graph, tensors and pickled
   members (its sample inputs, some constants). ``torch.export.load`` reads those pickles
   with ``weights_only=True`` first and, when that fails, retries with
-  ``weights_only=False``, which runs whatever the pickle names: a replaced
+  ``weights_only`` off, which runs whatever the pickle names: a replaced
   ``data/sample_inputs/model.pt`` would run code. `load_program` forces every
   ``torch.load`` the load makes to ``weights_only=True`` (torch's own
   ``TORCH_FORCE_WEIGHTS_ONLY_LOAD`` switch), so such a member is refused in one line.

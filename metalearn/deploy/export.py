@@ -190,7 +190,7 @@ def load_exported(path: str | os.PathLike) -> tuple[ExportedProgram, dict[str, A
     """Read a ``.pt2`` written by `export_adapted`: ``(program, metadata)``.
 
     Every pickled member is read as tensors only (`metalearn.deploy.archive.load_program`):
-    torch's own fallback to ``weights_only=False`` never runs.
+    torch's own fallback to an unrestricted unpickler never runs.
 
     Raises:
         FileNotFoundError: no file at ``path``.
