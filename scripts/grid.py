@@ -49,6 +49,7 @@ from metalearn.deploy import read_run_checkpoint
 from metalearn.runs import loop
 from metalearn.runs.cli import flag, flat_fields, parse_dataclass
 from metalearn.runs.lifecycle import UserError
+from metalearn.runs.lock import describe, run_holder
 from metalearn.runs.recipe import Recipe, read_recipe
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -188,13 +189,20 @@ def make_cells(settings: dict[str, list[str]], seeds: tuple[int, ...] | list[int
 
 def status(cell: Cell, out_dir: str) -> str:
     """What the cell's run folder holds: ``"new"`` (no checkpoint), ``"done"`` (a finished
-    run of the cell's recipe), ``"stopped"`` (an unfinished one: resume it) or ``"differs"``
-    (a run of another recipe under the cell's name: refused)."""
+    run of the cell's recipe), ``"stopped"`` (an unfinished one: resume it), ``"differs"``
+    (a run of another recipe under the cell's name: refused), ``"running"`` (a live process
+    holds its run lock: skipped) or ``"damaged"`` (an unreadable checkpoint: skipped)."""
     path = Path(out_dir) / cell.name / "checkpoint.pt"
+    if run_holder(path.parent) is not None:
+        return "running"
     if not path.is_file():
         return "new"
-    saved = read_run_checkpoint(path)
-    if cell_key(read_recipe(saved)) != cell.key:
+    try:
+        saved = read_run_checkpoint(path)
+        key = cell_key(read_recipe(saved))
+    except ValueError:  # truncated, empty, or not a run's checkpoint
+        return "damaged"
+    if key != cell.key:
         return "differs"
     return "done" if saved.get("results") else "stopped"
 
@@ -204,6 +212,19 @@ def results(cell: Cell, out_dir: str) -> dict[str, float] | None:
     if status(cell, out_dir) != "done":
         return None
     return read_run_checkpoint(Path(out_dir) / cell.name / "checkpoint.pt")["results"]
+
+
+def skip_note(cell: Cell, state: str, out_dir: Path) -> str | None:
+    """The one line a skipped cell (``"running"`` or ``"damaged"``) prints, else None."""
+    folder = out_dir / cell.name
+    if state == "running":
+        holder = run_holder(folder)
+        by = describe(holder) if holder else "a process that has just ended"
+        return f"SKIPPED {cell.name}: running now, by {by}; run the grid again when it ends"
+    if state == "damaged":
+        return (f"SKIPPED {cell.name}: {folder / 'checkpoint.pt'} cannot be read (truncated, "
+                "empty or not a run's); move it away and run the grid again")  # fmt: skip
+    return None
 
 
 def run_all(cells: list[Cell], args: Args) -> dict[str, int]:
@@ -218,9 +239,14 @@ def run_all(cells: list[Cell], args: Args) -> dict[str, int]:
           + (f", {len(refused)} refused" if refused else ""))  # fmt: skip
     for name in refused:
         print(f"REFUSED {name}: its folder holds a run of another recipe; move it away")
+    for cell in cells:
+        note = skip_note(cell, states[cell.name], Path(args.out_dir))
+        if note:
+            print(note)
     experiment = ROOT / "experiments" / f"{args.experiment}.py"
     running: dict[str, subprocess.Popen] = {}
     codes: dict[str, int] = {name: 2 for name in refused}
+    codes |= {c.name: 2 for c in cells if states[c.name] == "damaged"}
     while todo or running:
         while todo and len(running) < args.jobs:
             cell = todo.pop(0)

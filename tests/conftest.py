@@ -53,6 +53,7 @@ def _isolated_wandb(tmp_path, monkeypatch):
 # module is marked in one place.
 SLOW_MODULES = {
     "test_bench_curvature",
+    "test_bad_input",
     "test_bench_memory",
     "test_compare_runs",
     "test_compiled",

@@ -12,7 +12,7 @@ The pipeline, one function per step (``scripts/export_adapted.py`` is the comman
     program, meta = load_exported("adapted.pt2")
     prediction = predict(program, images)                         # classes, probabilities
     compile_aot(program, "adapted.aoti.pt2", metadata=meta)      # AOTInductor, ~30 s
-    package, meta = load_aot("adapted.aoti.pt2")                  # predict takes it too
+    package, meta = load_aot("adapted.aoti.pt2", trust=True)     # native code: trusted only
 
 One concept per module: `run_checkpoint` (a run's checkpoint and the learner in it),
 `adapt` (the inner loop on a support set), `model` (the adapted network, batch norm

@@ -20,6 +20,7 @@ from typing import Any
 import torch
 from torch.export import ExportedProgram
 
+from metalearn.deploy.archive import check_members, check_trusted
 from metalearn.deploy.export import check_export_target, sibling_path, write_atomically
 
 __all__ = ["AOT_SUFFIX", "aot_package_path", "compile_aot", "is_aot_package", "load_aot"]
@@ -111,15 +112,17 @@ def is_aot_package(path: str | os.PathLike) -> bool:
         return False
 
 
-def load_aot(path: str | os.PathLike) -> tuple[Any, dict[str, Any]]:
+def load_aot(path: str | os.PathLike, *, trust: bool = False) -> tuple[Any, dict[str, Any]]:
     """Load a package written by `compile_aot`: ``(model, metadata)``.
 
     ``model(x)`` maps images ``[B, C, H, W]`` to logits ``[B, ways]``, on the device the
-    package was compiled for.
+    package was compiled for. Loading runs the package's native code, so it needs
+    ``trust=True``: pass it only for packages you compiled or whose author you trust.
 
     Raises:
         FileNotFoundError: no file at ``path``.
-        ValueError: the file is not an AOTInductor package.
+        ValueError: the file is not an AOTInductor package, it is not trusted
+            (`UntrustedPackageError`), or a member's name leaves its folder.
     """
     path = Path(path)
     if not path.is_file():
@@ -129,5 +132,7 @@ def load_aot(path: str | os.PathLike) -> tuple[Any, dict[str, Any]]:
             f"{path} is not an AOTInductor package (an exported program? read it with "
             "load_exported)"
         )
+    check_trusted(path, trust)
+    check_members(path)
     model = torch._inductor.aoti_load_package(str(path))
     return model, json.loads(model.get_metadata().get(_METADATA) or "{}")

@@ -8,6 +8,7 @@ when asked (``overwrite=True``), and a training checkpoint never: exporting over
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import tempfile
@@ -19,6 +20,7 @@ import torch
 from torch import Tensor, nn
 from torch.export import Dim, ExportedProgram
 
+from metalearn.deploy.archive import load_program
 from metalearn.deploy.run_checkpoint import is_run_checkpoint
 
 __all__ = [
@@ -118,8 +120,12 @@ def export_adapted(
     program = torch.export.export(model, (example_x,), dynamic_shapes=dynamic)
     extra = {_METADATA: json.dumps(dict(metadata or {}))}
     # torch.export.save warns unless the name ends in .pt2, so the temporary file does too.
+    # Serialised in memory, then written by Python: torch's C++ file writer aborts the
+    # process on a full disk, where Python's write raises OSError (ENOSPC).
+    buffer = io.BytesIO()
+    torch.export.save(program, buffer, extra_files=extra)
     write_atomically(
-        path, lambda tmp: torch.export.save(program, tmp, extra_files=extra), overwrite=overwrite
+        path, lambda tmp: Path(tmp).write_bytes(buffer.getvalue()), overwrite=overwrite
     )
     return path
 
@@ -137,12 +143,20 @@ def write_atomically(
         write: called with the temporary file's name; writes the whole file there.
         overwrite: replace an existing ``path``.
         suffix: the temporary name's ending (torch's writers want ``.pt2``).
+
+    Raises:
+        ValueError: ``write`` failed with an ``OSError`` (a full disk): nothing replaced.
     """
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.stem}.", suffix=suffix)
     os.close(fd)
     try:
-        write(tmp)
+        try:
+            write(tmp)
+        except OSError as err:  # a full disk, a quota: nothing replaced, one line
+            reason = err.strerror or str(err)
+            raise ValueError(f"could not write {path}: {reason}; free space there or choose "
+                             "another --out; nothing was replaced") from None  # fmt: skip
         os.chmod(tmp, 0o644)
         _move_into_place(Path(tmp), path, overwrite)
     finally:
@@ -175,12 +189,16 @@ def _move_into_place(tmp: Path, path: Path, overwrite: bool) -> None:
 def load_exported(path: str | os.PathLike) -> tuple[ExportedProgram, dict[str, Any]]:
     """Read a ``.pt2`` written by `export_adapted`: ``(program, metadata)``.
 
+    Every pickled member is read as tensors only (`metalearn.deploy.archive.load_program`):
+    torch's own fallback to an unrestricted unpickler never runs.
+
     Raises:
         FileNotFoundError: no file at ``path``.
+        ValueError: a member holds pickled objects (the file was altered).
     """
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"no exported program at {path}; write one with export_adapted")
     extra = {_METADATA: ""}
-    program = torch.export.load(path, extra_files=extra)
+    program = load_program(path, extra)
     return program, json.loads(extra[_METADATA] or "{}")

@@ -208,7 +208,7 @@ def _compile_and_time(
         start = time.perf_counter()
         compile_aot(program, aot_path, metadata=meta, overwrite=overwrite)
         changes["aot_seconds"] = time.perf_counter() - start
-        package, _ = load_aot(aot_path)
+        package, _ = load_aot(aot_path, trust=True)  # compiled just now, here
         changes.update(aot_path=aot_path, aot_max_abs_diff=_max_abs_diff(package, model, x))
         forms["AOTInductor package"] = (package, one)
     if tensorrt:

@@ -28,6 +28,8 @@ class Prediction(NamedTuple):
 def predict(
     model: nn.Module | ExportedProgram | Callable[[Tensor], Tensor] | str | os.PathLike,
     x: Tensor,
+    *,
+    trust: bool = False,
 ) -> Prediction:
     """Classify images under ``torch.inference_mode()``.
 
@@ -36,12 +38,18 @@ def predict(
             or the path of an exported ``.pt2`` or of an AOT package (``.aoti.pt2``).
         x: images ``[B, C, H, W]``. Under ``norm="transductive"`` the batch is normalised
             together (predict a query set in one call); under ``"support"`` each image alone.
+        trust: load an AOT package's path (its native code runs); a ``.pt2`` needs none.
 
     Returns:
         A `Prediction`: ``classes [B]`` and ``probabilities [B, ways]``.
+
+    Raises:
+        ValueError: an AOT package's path without ``trust=True``, or an altered ``.pt2``.
     """
     if isinstance(model, (str, os.PathLike)):
-        model = load_aot(model)[0] if is_aot_package(model) else load_exported(model)[0]
+        model = (
+            load_aot(model, trust=trust)[0] if is_aot_package(model) else load_exported(model)[0]
+        )
     run = model.module() if isinstance(model, ExportedProgram) else model
     with torch.inference_mode():
         probabilities = torch.softmax(run(x), dim=-1)

@@ -77,6 +77,9 @@ class LearnerArgs:
     fomaml (first order by definition), reptile, or mamlpp (see --first-order-steps)."""
     eval_inner_steps: int = 10
     """Inner steps at validation and test time."""
+    on_nonfinite: Literal["raise", "skip"] = "raise"
+    """A task whose loss turns NaN or infinite: raise (the run stops, naming the meta-step,
+    task and inner step) or skip it (left out of the meta-gradient; recorded)."""
     outer_lr: float | None = None
     """Outer step size; none: the learner's (Adam 1e-3; Reptile: SGD with epsilon 1.0,
     annealed linearly to 0 as in Nichol et al.)."""

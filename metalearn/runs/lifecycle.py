@@ -38,6 +38,7 @@ __all__ = [
     "RunState",
     "Stopped",
     "UserError",
+    "diverged",
     "latest_segment",
     "merge_resumed_args",
     "require",
@@ -50,6 +51,29 @@ T = TypeVar("T")
 
 class UserError(Exception):
     """A mistake the user can fix (bad value, missing data, a run that exists): one line."""
+
+
+def diverged(err: FloatingPointError, step: int) -> UserError:
+    """The one line a run that diverged at meta-step ``step`` ends with.
+
+    Args:
+        err: the engine's `NonFiniteLossError` (``kind``, ``task_index``, ``step``: the
+            inner step, None for a query loss) or `AllTasksSkippedError` (``n_tasks``).
+        step: the meta-step (1-based) whose tasks gave the non-finite loss.
+    """
+    if hasattr(err, "n_tasks"):  # AllTasksSkippedError: skipping already on
+        return UserError(
+            f"meta-step {step}: all {err.n_tasks} tasks had non-finite losses under "
+            "--on-nonfinite skip; the run diverged: lower --inner-lr or --outer-lr, or check "
+            "the data for NaNs (the checkpoint keeps the last finite step)"
+        )
+    task = f", task {err.task_index}" if err.task_index is not None else ""
+    inner = f", inner step {err.step}" if err.step is not None else ""
+    return UserError(
+        f"meta-step {step}{task}{inner}: non-finite {err.kind} loss ({err.value}); the run "
+        "diverged: lower --inner-lr or --outer-lr, check the data for NaNs, or pass "
+        "--on-nonfinite skip to drop such tasks (recorded in the run)"
+    )
 
 
 class Stopped(KeyboardInterrupt):

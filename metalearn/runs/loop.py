@@ -49,7 +49,7 @@ from metalearn.algorithms.compiled import CompiledMetaGradient
 from metalearn.algorithms.curvature import PROBE_SEED, meta_curvature, support_curvature
 from metalearn.checkpoint import load_checkpoint, save_checkpoint
 from metalearn.data import EpisodicSampler
-from metalearn.engine import Task
+from metalearn.engine import AllTasksSkippedError, NonFiniteLossError, Task
 from metalearn.runs import lock
 from metalearn.runs.cli import flag, flatten, parse_dataclass, unflatten
 from metalearn.runs.evaluation import TEST_SEED, VAL_SEED, evaluate_tasks
@@ -57,6 +57,7 @@ from metalearn.runs.lifecycle import (
     RunState,
     Stopped,
     UserError,
+    diverged,
     merge_resumed_args,
     require,
     signals_held,
@@ -214,8 +215,22 @@ def check_args(exp: Experiment, args: Any) -> None:
     require(not a["resume"] or a["run_name"] is not None,
             "--resume continues the run named by --run-name: pass --run-name NAME (its "
             "folder under --out-dir)")  # fmt: skip
+    _check_device(a["device"])
     _check_run_folder(a["out_dir"], a["run_name"])
     exp.check(args)
+
+
+def _check_device(device: str) -> None:
+    """Refuse a device this torch cannot use, before anything loads (torch would raise an
+    AssertionError at the first tensor moved there)."""
+    try:
+        kind = torch.device(device).type
+    except (RuntimeError, ValueError):
+        raise UserError(f"--device {device}: not a torch device; e.g. cpu, cuda, cuda:1") from None
+    if kind == "cuda" and not torch.cuda.is_available():
+        build = "built without CUDA" if torch.version.cuda is None else "seeing no CUDA device"
+        raise UserError(f"--device {device}: this torch ({torch.__version__}) is {build}; "
+                        "pass --device cpu")  # fmt: skip
 
 
 def _check_run_folder(out_dir: str, run_name: str | None) -> None:
@@ -471,6 +486,8 @@ def train(
                 distributed.check_same(learner.parameters())  # a diverged rank fails loudly
                 if distributed.is_main():
                     save_checkpoint(path, snapshot)
+    except (NonFiniteLossError, AllTasksSkippedError) as err:  # in its step or validation
+        raise diverged(err, state.iteration + 1) from None
     finally:
         # Ctrl-C / SIGTERM / an error: keep the last completed step, so --resume continues.
         # No collective here: the other ranks may be gone.

@@ -108,6 +108,7 @@ LEARNER_FLAGS = {
     "inner_optimizer": "inner_optimizer", "inner_momentum": "inner_momentum",
     "inner_beta1": "inner_beta1", "inner_beta2": "inner_beta2", "inner_eps": "inner_eps",
     "inner_alpha": "inner_alpha", "learn_inner_hyperparameters": "learn_inner_hyperparameters",
+    "on_nonfinite": "on_nonfinite",
 }  # fmt: skip
 # The inner optimizer's flags (`metalearn.algorithms.inner_optimizer`), for the refusals.
 _OPTIMIZER_FLAGS = ("inner_optimizer", "inner_momentum", "inner_beta1", "inner_beta2",

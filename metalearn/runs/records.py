@@ -26,6 +26,7 @@ import json
 import subprocess
 import sys
 import time
+import warnings
 from collections.abc import Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -251,10 +252,17 @@ def _wandb_file(run_dir: Path) -> Path:
     if run_dir.is_file():
         return run_dir
     files = sorted(run_dir.glob("*.wandb"))
-    if len(files) != 1:
+    if not files:
         raise FileNotFoundError(
-            f"{run_dir} holds {len(files)} .wandb files; pass one run folder or one .wandb file"
+            f"{run_dir} holds no .wandb file; pass a wandb/offline-run-* folder"
         )
+    if len(files) > 1:  # e.g. a file copied in: read the newest, name the others
+        chosen = max(files, key=lambda f: (f.stat().st_mtime_ns, f.name))
+        others = ", ".join(f.name for f in files if f != chosen)
+        warnings.warn(f"{run_dir} holds {len(files)} .wandb files; reading {chosen.name}, the "
+                      f"last written (not {others}); pass a .wandb file to read another",
+                      stacklevel=3)  # fmt: skip
+        return chosen
     return files[0]
 
 
@@ -298,7 +306,7 @@ def offline_artifacts(run_dir: str | Path) -> list[OfflineArtifact]:
     """The artifacts an offline run folder logged, in logging order (read with ``wandb leet``).
 
     Raises:
-        FileNotFoundError: not a run folder (or one with several .wandb files).
+        FileNotFoundError: not a run folder (one with several .wandb files reads the newest).
         RunReadError: the file cannot be read.
     """
     file = _wandb_file(Path(run_dir))
