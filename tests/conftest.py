@@ -63,6 +63,7 @@ SLOW_MODULES = {
     "test_grid",
     "test_omniglot_experiment",
     "test_run_records",
+    "test_seam_matrix",
     "test_sine_experiment",
     "test_transfer_check",
     "test_within_alphabet",

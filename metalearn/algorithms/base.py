@@ -23,13 +23,14 @@ chunks' gradients (`metalearn.engine.accumulate.ChunkedMetaGradient`).
 from __future__ import annotations
 
 import abc
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, replace
-from typing import ClassVar
+from typing import ClassVar, NamedTuple
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.func import functional_call
 
 from metalearn.engine import (
     AllTasksSkippedError,
@@ -45,6 +46,7 @@ from metalearn.engine import (
     Task,
     TaskFn,
     Vectorize,
+    lr_for,
     plan,
     run_inner_loop,
     run_meta_batch,
@@ -53,7 +55,14 @@ from metalearn.engine import (
 from metalearn.functional import accumulate_grad
 from metalearn.optim import SGD, InnerOptimizer
 
-__all__ = ["MetaLearner", "MetaLossLearner", "StepMetrics", "accumulate_grad", "check_loop_only"]
+__all__ = [
+    "InnerStart",
+    "MetaLearner",
+    "MetaLossLearner",
+    "StepMetrics",
+    "accumulate_grad",
+    "check_loop_only",
+]
 
 
 @dataclass
@@ -68,6 +77,16 @@ class StepMetrics:
     """Tasks dropped for a non-finite loss."""
     vectorized: int = 0
     """Tasks that ran under vmap."""
+
+
+class InnerStart(NamedTuple):
+    """Where a task's inner loop starts, and the support loss its first step descends."""
+
+    loss: Callable[[dict[str, Tensor]], Tensor]
+    """``adapted -> L_s``: the support loss as a function of the weights the first inner step
+    adapts, every other input (the rest of theta, buffers, replaced heads) held fixed."""
+    adapted: dict[str, Tensor]
+    """The adapted weights' starting values phi_0 (detached), name -> tensor."""
 
 
 class MetaLearner(nn.Module, abc.ABC):
@@ -214,6 +233,20 @@ class MetaLearner(nn.Module, abc.ABC):
         """
         return {}
 
+    def inner_start(self, task: Task) -> InnerStart:
+        """The support loss of ``task`` at the point this learner's inner loop starts.
+
+        MAML's inner loop starts at theta and its first step adapts the parameters that have
+        a learning rate at step 0 (``adapt_keys``). Learners that start elsewhere override
+        this (Proto-MAML's prototype head, MAML++'s step-0 batch-norm copies), so that what
+        is measured there (`metalearn.algorithms.curvature.support_curvature`) is where the
+        algorithm is. The loss holds no regulariser (iMAML's proximal term).
+
+        Raises:
+            ValueError: no parameter is adapted at the first inner step.
+        """
+        return support_start(self, _detached(self.theta()), task.support, task)
+
     # ------------------------------------------------------------------ using a learner
 
     def adapt(self, task: Task, steps: int | None = None) -> dict[str, Tensor]:
@@ -317,6 +350,40 @@ class MetaLossLearner(MetaLearner):
                 part = None
             total.add(chunk.tasks, part)
         return _metrics(total.finish())
+
+
+def support_start(
+    learner: MetaLearner,
+    start: Mapping[str, Tensor],
+    data: tuple[Tensor, Tensor],
+    task: Task,
+) -> InnerStart:
+    """The `InnerStart` of an inner loop from ``start`` (every parameter, detached) on
+    ``data`` ``(x [N, ...], y [N])``: the parameters with a rate at step 0 are the variables
+    (as `metalearn.engine.inner` selects them), the others and the buffers are held fixed.
+
+    Raises:
+        ValueError: no parameter is adapted at the first inner step.
+    """
+    lr = learner.learning_rate()
+    keys = [
+        k for k in start
+        if (learner.adapt_keys is None or k in learner.adapt_keys) and lr_for(lr, k, 0) is not None
+    ]  # fmt: skip
+    if not keys:
+        raise ValueError(
+            f"{type(learner).__name__} adapts no parameter at its first inner step; give it "
+            "a learning rate for some parameter (or adapt_keys naming some)"
+        )
+    x, y = data
+    fixed = {**learner.buffers_dict(), **{k: v for k, v in start.items() if k not in keys}}
+    kwargs = dict(task.model_kwargs)
+
+    def loss(adapted: dict[str, Tensor]) -> Tensor:
+        out = functional_call(learner.model, {**fixed, **adapted}, (x,), kwargs)
+        return learner.loss_fn(out, y)
+
+    return InnerStart(loss, {k: start[k] for k in keys})
 
 
 def _metrics(result: MetaBatch) -> StepMetrics:

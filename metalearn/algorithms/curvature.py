@@ -2,8 +2,9 @@
 
 Two Hessians matter while a MAML-family learner meta-trains:
 
-* the Hessian of a task's support loss with respect to the adapted parameters, at theta
-  (where the inner loop starts), whose top eigenvalue says whether the inner step is
+* the Hessian of a task's support loss with respect to the adapted parameters, where the
+  learner's inner loop starts (`MetaLearner.inner_start`: theta for MAML, theta with the
+  prototype head for Proto-MAML, ...), whose top eigenvalue says whether the inner step is
   stable (`support_curvature`);
 * the Hessian of the meta-loss (the mean query loss after the inner loop, differentiated
   through it) with respect to theta, whose top eigenvalue and trace describe the sharpness
@@ -18,15 +19,14 @@ tasks every time, so the logged values form one comparable series over a run.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from typing import NamedTuple
 
 import torch
 from torch import Tensor
-from torch.func import functional_call
 
 from metalearn.algorithms import MetaLearner, MetaLossLearner
-from metalearn.engine import Task, lr_for, meta_batch
+from metalearn.engine import Task, meta_batch
 from metalearn.second_order import (
     DEFAULT_HVP_METHOD,
     HVPMethod,
@@ -61,7 +61,8 @@ def support_curvature(
     generator: torch.Generator | None = None,
     hvp_method: HVPMethod = DEFAULT_HVP_METHOD,
 ) -> Tensor:
-    """Top eigenvalue of each task's support-loss Hessian at theta, w.r.t. the adapted weights.
+    """Top eigenvalue of each task's support-loss Hessian where the inner loop starts, w.r.t.
+    the adapted weights.
 
     The inner loop is gradient descent on the support loss L_s from phi_0 = theta. Near a
     minimum L_s is a quadratic, L_s(phi) ~ 1/2 (phi - phi*)' H (phi - phi*), and one step
@@ -71,14 +72,16 @@ def support_curvature(
     ``2 / inner_lr`` (the experiments log both) says whether the first inner step, at
     theta, is in the regime where plain gradient descent diverges.
 
-    The support loss is ``learner.loss_fn`` of the model on the support set, with the
-    parameters the inner loop's first step adapts (``adapt_keys`` and a learning rate at
-    step 0) as variables and the others held at theta. It holds no regulariser (iMAML's
-    proximal term would add its lambda to every eigenvalue) and uses the model's own
-    parameters throughout (MAML++'s per-step batch-norm copies are not substituted).
+    The learner says where its inner loop starts (`MetaLearner.inner_start`): the support
+    loss as a function of the parameters the first inner step adapts (``adapt_keys`` with
+    a learning rate at step 0), the others held where the loop starts them: theta for MAML,
+    theta with the prototype head for Proto-MAML (theta's own head is never used), step 0's
+    batch-norm copies for MAML++, the adapters and head for LoRA. It holds no regulariser
+    (iMAML's proximal term would add its lambda to every eigenvalue). Learned rates
+    (Meta-SGD, MAML++) do not move the start, so the Hessian is the loss's own.
 
     Args:
-        learner: any `MetaLearner`; its theta is read, not changed.
+        learner: a `MetaLearner` with an inner loop; its theta is read, not changed.
         tasks: T tasks (support ``(x [N_s, ...], y [N_s])``).
         iterations: Lanczos' HVP budget per task (its Krylov dimension).
         tol: Lanczos' relative tolerance on the eigenvalue.
@@ -87,50 +90,21 @@ def support_curvature(
 
     Returns:
         ``Tensor[T]`` (float64, CPU): the top eigenvalue of each task's support loss.
+
+    Raises:
+        ValueError: no tasks, or a learner with no inner loop (ProtoNet, R2D2, MetaOptNet).
     """
     if not tasks:
         raise ValueError("tasks is empty; pass at least one Task to measure the support loss on")
-    theta = {k: v.detach() for k, v in learner.theta().items()}
-    keys = _adapted_keys(learner, theta)
     values = []
     for task in tasks:
-        loss = _support_loss(learner, theta, keys, task)
-        adapted = {k: theta[k] for k in keys}
+        start = learner.inner_start(task)
         result = top_eigenvalues(
-            loss, adapted, max_iter=iterations, tol=tol, generator=generator,
+            start.loss, start.adapted, max_iter=iterations, tol=tol, generator=generator,
             hvp_method=hvp_method,
         )  # fmt: skip
         values.append(float(result.eigenvalues[0]))
     return torch.tensor(values, dtype=torch.float64)
-
-
-def _adapted_keys(learner: MetaLearner, theta: Mapping[str, Tensor]) -> list[str]:
-    """The parameters the inner loop's first step adapts (as `metalearn.engine.inner` selects
-    them)."""
-    lr = learner.learning_rate()
-    keys = [
-        k for k in theta
-        if (learner.adapt_keys is None or k in learner.adapt_keys) and lr_for(lr, k, 0) is not None
-    ]  # fmt: skip
-    if not keys:
-        raise ValueError(
-            f"{type(learner).__name__} adapts no parameter at its first inner step; give it "
-            "a learning rate for some parameter (or adapt_keys naming some)"
-        )
-    return keys
-
-
-def _support_loss(learner: MetaLearner, theta: Mapping[str, Tensor], keys: list[str], task: Task):
-    """``adapted -> L_s``: the task's support loss as a function of the adapted weights."""
-    x, y = task.support
-    fixed = {**learner.buffers_dict(), **{k: v for k, v in theta.items() if k not in keys}}
-    kwargs = dict(task.model_kwargs)
-
-    def loss(adapted: dict[str, Tensor]) -> Tensor:
-        out = functional_call(learner.model, {**fixed, **adapted}, (x,), kwargs)
-        return learner.loss_fn(out, y)
-
-    return loss
 
 
 def meta_curvature(

@@ -34,7 +34,7 @@ import torch
 from torch import Tensor, nn
 from torch.func import functional_call
 
-from metalearn.algorithms.base import MetaLossLearner, _detached
+from metalearn.algorithms.base import InnerStart, MetaLossLearner, _detached
 from metalearn.engine import NonFiniteLossError, Task, TaskCall, TaskFn, TaskResult, accuracy
 
 __all__ = [
@@ -181,6 +181,17 @@ class HeadLearner(MetaLossLearner):
     def task_fn(self) -> TaskFn:
         """`head_task_loss` with this learner's head."""
         return partial(head_task_loss, learner=self)
+
+    def inner_start(self, task: Task) -> InnerStart:
+        """Refused: the head is solved in closed form, no inner loop descends a support loss.
+
+        Raises:
+            ValueError: always, naming the learner.
+        """
+        raise ValueError(
+            f"{type(self).__name__} solves its head in closed form and has no inner loop, so "
+            "there is no support loss where an inner loop starts; measure a MAML-family learner"
+        )
 
     def adapt(self, task: Task, steps: int | None = None) -> dict[str, Tensor]:
         """theta with the model's head replaced by the task's solved head, detached.

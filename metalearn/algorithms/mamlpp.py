@@ -36,7 +36,13 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from metalearn.algorithms.base import MetaLossLearner, _detached, _evaluation_loop
+from metalearn.algorithms.base import (
+    InnerStart,
+    MetaLossLearner,
+    _detached,
+    _evaluation_loop,
+    support_start,
+)
 from metalearn.algorithms.metasgd import adapted_names, keyed_names
 from metalearn.engine import (
     InnerLoop,
@@ -322,6 +328,12 @@ class MAMLpp(MetaLossLearner):
         return partial(
             multi_step_task_loss, step_weights=self.step_weights(), step_params=self.step_params()
         )
+
+    def inner_start(self, task: Task) -> InnerStart:
+        """The support loss at theta with step 0's batch-norm copies (BNWB), over the
+        parameters with a step-0 rate (LSLR): where MAML++'s first inner step is taken."""
+        start = {**_detached(self.theta()), **_at(_detached(self.step_params()), 0)}
+        return support_start(self, start, task.support, task)
 
     def adapt(self, task: Task, steps: int | None = None) -> dict[str, Tensor]:
         """Fast weights for one task, detached, with the final step's batch-norm copies."""

@@ -31,7 +31,13 @@ import torch
 from torch import Tensor, nn
 from torch.func import functional_call
 
-from metalearn.algorithms.base import MetaLossLearner, _detached, _evaluation_loop
+from metalearn.algorithms.base import (
+    InnerStart,
+    MetaLossLearner,
+    _detached,
+    _evaluation_loop,
+    support_start,
+)
 from metalearn.engine import Task, TaskCall, TaskFn, TaskResult, run_inner_loop, task_loss
 
 __all__ = ["ProtoMAML", "prototype_head", "proto_task_loss"]
@@ -117,6 +123,15 @@ class ProtoMAML(MetaLossLearner):
     def task_fn(self) -> TaskFn:
         """`proto_task_loss` on this learner's head."""
         return partial(proto_task_loss, head=self.head)
+
+    def inner_start(self, task: Task) -> InnerStart:
+        """The support loss at theta with its head set by `prototype_head`: where Proto-MAML's
+        inner loop starts (theta's own head is never used)."""
+        theta, buffers = _detached(self.theta()), self.buffers_dict()
+        with torch.no_grad():
+            head = prototype_head(self.model, theta, task.support, head=self.head,
+                                  buffers=buffers, model_kwargs=task.model_kwargs)  # fmt: skip
+        return support_start(self, {**theta, **head}, task.support, task)
 
     def adapt(self, task: Task, steps: int | None = None) -> dict[str, Tensor]:
         """Fast weights for one task, detached, from the prototype head."""

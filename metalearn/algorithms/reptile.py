@@ -24,11 +24,13 @@ from torch import Tensor, nn
 from torch.func import functional_call
 
 from metalearn.algorithms.base import (
+    InnerStart,
     MetaLearner,
     StepMetrics,
     _detached,
     accumulate_grad,
     check_loop_only,
+    support_start,
 )
 from metalearn.engine import AllTasksSkippedError, NonFiniteLossError, Task, accuracy, adapt
 
@@ -130,14 +132,23 @@ class Reptile(MetaLearner):
             float(torch.stack(losses).mean()), float(torch.stack(accs).mean()), skipped, 0
         )
 
+    def inner_start(self, task: Task) -> InnerStart:
+        """The loss at theta on the data the inner loop trains on (support, plus the query
+        with ``train_on_query``)."""
+        return support_start(self, _detached(self.theta()), self._train_data(task), task)
+
+    def _train_data(self, task: Task) -> tuple[Tensor, Tensor]:
+        """The task's training data: the support set, or support + query (dim 0)."""
+        if not self.train_on_query:
+            return task.support
+        return (torch.cat([task.support[0], task.query[0]]),
+                torch.cat([task.support[1], task.query[1]]))  # fmt: skip
+
     def _adapt_task(
         self, theta: dict[str, Tensor], task: Task, index: int
     ) -> tuple[dict[str, Tensor], Tensor, Tensor]:
         """phi_i, and the query loss and accuracy at phi_i (all without a graph)."""
-        data = task.support
-        if self.train_on_query:
-            data = (torch.cat([task.support[0], task.query[0]]),
-                    torch.cat([task.support[1], task.query[1]]))  # fmt: skip
+        data = self._train_data(task)
         buffers = dict(self.model.named_buffers())
         with torch.no_grad():  # torch.func.grad inside adapt still differentiates
             fast = adapt(

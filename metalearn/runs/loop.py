@@ -562,7 +562,7 @@ def measure_curvature(learner: MetaLearner, probe: Sequence) -> dict[str, float]
     """The ``curv/`` metrics of the learner's current theta on the probe tasks.
 
     ``curv/support_top_eig`` (mean over the probe tasks) and ``curv/support_top_eig_max``:
-    the top eigenvalue of each task's support-loss Hessian at theta, beside
+    the top eigenvalue of each task's support-loss Hessian where the inner loop starts, beside
     ``curv/two_over_inner_lr``, the eigenvalue above which the inner step of rate
     ``inner_lr`` (the configured one; learned rates differ) diverges on a quadratic
     (`metalearn.algorithms.curvature.support_curvature`). ``curv/meta_top_eig``,

@@ -9,7 +9,7 @@ import torch
 from torch import Tensor
 
 from metalearn.functional import Tree, flatten_tree, unflatten_like
-from metalearn.second_order._checks import check_scalar
+from metalearn.second_order._checks import check_params, check_scalar
 
 __all__ = ["hessian"]
 
@@ -36,6 +36,7 @@ def hessian(
     Returns:
         Tensor of shape ``[n, n]``.
     """
+    check_params(params, uniform=True)
     flat = flatten_tree(params).detach()
 
     def f_flat(x: Tensor) -> Tensor:

@@ -13,6 +13,7 @@ import torch
 from torch import Tensor
 
 from metalearn.functional import Tree, flatten_tree, tree_leaves, unflatten_like
+from metalearn.second_order._checks import check_params
 from metalearn.second_order._random import generator_device
 from metalearn.second_order.hessian_vector import DEFAULT_HVP_METHOD, HVPMethod, hvp
 
@@ -62,6 +63,7 @@ def top_eigenvalues(
     Returns:
         An `EigenResult` with ``eigenvalues`` of shape ``[k]`` and k eigenvector trees.
     """
+    check_params(params, uniform=True)
     n = sum(t.numel() for t in tree_leaves(params))
     if not 1 <= k <= n:
         raise ValueError(f"k must be between 1 and the number of parameters ({n}), got {k}")

@@ -51,7 +51,7 @@ from torch import Tensor
 from torch.func import grad, jvp, vjp
 
 from metalearn.functional import Tree, tree_leaves, tree_map, tree_unflatten
-from metalearn.second_order._checks import check_same_structure, check_scalar
+from metalearn.second_order._checks import check_like, check_scalar
 
 __all__ = [
     "DEFAULT_HVP_METHOD",
@@ -93,8 +93,12 @@ def hvp(
 
     Returns:
         H v as a tree shaped like ``params`` (each leaf ``[*p_i]``).
+
+    Raises:
+        ValueError: ``v`` differs from ``params`` in structure, a shape, a dtype or a device
+            (one check for every method, `metalearn.second_order._checks.check_like`).
     """
-    check_same_structure(params, v)
+    check_like(params, v)
     if method not in HVP_METHODS:
         raise ValueError(f"unknown HVP method {method!r}; choose one of {HVP_METHODS}")
     # torch.func compares containers by exact type (dict vs OrderedDict, tuple vs list): give v
@@ -252,11 +256,8 @@ def hvp_double_backward(
     loss = check_scalar(loss, "loss")
     if not loss.requires_grad:
         raise ValueError("loss has no graph (requires_grad=False); compute it with grad enabled")
-    if isinstance(v, Tensor):
-        v = _split_flat(v, params)
-    else:
-        v = list(v)
-        check_same_structure(params, v)
+    v = _split_flat(v, params) if isinstance(v, Tensor) else list(v)
+    check_like(params, v)
     with torch.enable_grad():
         products = _grad_of_grad(
             loss, params, v, create_graph, retain_graph=retain_graph or create_graph

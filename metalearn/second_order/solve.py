@@ -9,6 +9,7 @@ from typing import NamedTuple
 import torch
 
 from metalearn.functional import Tree, tree_axpy, tree_dot, tree_map
+from metalearn.second_order._checks import check_like, check_params
 
 __all__ = ["CGResult", "conjugate_gradient"]
 
@@ -55,6 +56,9 @@ def conjugate_gradient(
         A `CGResult` with the solution tree ``x``, iterations used, final residual norm and
         whether the tolerance was met.
     """
+    check_params(b, "b")
+    if x0 is not None:
+        check_like(b, x0, "x0")
     if max_iter < 1:
         raise ValueError(f"max_iter must be >= 1, got {max_iter}")
     if damping < 0:

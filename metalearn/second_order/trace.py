@@ -10,6 +10,7 @@ import torch
 from torch import Tensor
 
 from metalearn.functional import Tree, tree_dot, tree_map
+from metalearn.second_order._checks import check_params
 from metalearn.second_order._random import generator_device
 from metalearn.second_order.hessian_vector import DEFAULT_HVP_METHOD, HVPMethod, hvp
 
@@ -47,6 +48,7 @@ def hessian_trace(
     Returns:
         A `TraceEstimate` (estimate, standard error, samples).
     """
+    check_params(params)
     if samples < 2:
         raise ValueError(f"samples must be >= 2 to estimate a standard error, got {samples}")
     device = generator_device(generator)
