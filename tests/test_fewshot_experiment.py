@@ -221,3 +221,8 @@ def test_a_hostile_data_file_is_one_line_and_runs_nothing(tmp_path):
     assert done.returncode == 2 and not marker.exists()
     (line,) = done.stderr.strip().splitlines()
     assert f"mini-imagenet-cache-train.pkl: refusing to unpickle {name}:" in line
+
+
+def test_defaults_are_the_command_line_without_flags():
+    """Args() and the command line with no flags agree on every field (one source)."""
+    assert fs.parse_args([]) == fs.Args()
