@@ -44,9 +44,10 @@ VARIANTS: dict[str, Callable[[], AbstractContextManager]] = {
 }
 
 
-def make_step(vectorize: str, tasks: int = 16) -> Callable[[], None]:
+def make_step(vectorize: str, tasks: int = 16) -> tuple[Callable[[], None], MAML]:
     """One MAML meta-step on Conv4: ``tasks`` tasks of 5-way 1-shot, 5 query per class
-    (support ``[5, 1, 28, 28]``, query ``[25, 1, 28, 28]``), then an Adam update."""
+    (support ``[5, 1, 28, 28]``, query ``[25, 1, 28, 28]``), then an Adam update; and the
+    learner it updates."""
     torch.manual_seed(0)
     learner = MAML(Conv4(ways=5), inner_lr=0.4, inner_steps=1, vectorize=vectorize)
     opt = torch.optim.Adam(learner.parameters(), lr=1e-3)
@@ -62,7 +63,7 @@ def make_step(vectorize: str, tasks: int = 16) -> Callable[[], None]:
         learner.backward(batch)
         opt.step()
 
-    return step
+    return step, learner
 
 
 def guarded(
@@ -95,7 +96,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, float]:
     a = parse_args(argv)
     torch.set_num_threads(a.threads)
     clock = time.process_time if a.clock == "cpu" else time.perf_counter
-    step = make_step(a.vectorize)
+    step, _ = make_step(a.vectorize)
     fns = {name: guarded(step, context) for name, context in VARIANTS.items()}
     times = time_round_robin(fns, a.repeats, 1, "cpu", clock, collect=True)
     medians = {name: statistics.median(t) for name, t in times.items()}
