@@ -536,8 +536,9 @@ def run_sparse(a: argparse.Namespace) -> None:
     for density in DENSITIES:
         mats = sparse_formats(random_sparse(n, density))
         products = {name: sparse_matmul(m, rhs) for name, m in mats.items()}
-        for name in ("COO", "CSR"):
-            if not torch.allclose(products[name], products["dense"], rtol=1e-4, atol=1e-4):
+        scale = products["dense"].abs().max()
+        for name in ("COO", "CSR"):  # float32 sums in another order: relative to the largest
+            if (products[name] - products["dense"]).abs().max() > 1e-5 * scale:
                 raise AssertionError(f"density {density}: the {name} product differs from dense")
         fns = {name: lambda m=m: sparse_matmul(m, rhs) for name, m in mats.items()}
         times = time_round_robin(fns, a.repeats, a.warmup, "cpu", time.process_time, collect=True)
