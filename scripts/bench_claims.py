@@ -1,5 +1,11 @@
-"""Measure three PyTorch-practice claims on metalearn's workloads (``docs/claims.md``, 7-9).
+"""Measure PyTorch-practice claims on metalearn's workloads (``docs/claims.md`` 1, 2, 4, 8-10).
 
+* ``contiguity`` (claim 1): ops on a transposed view against the same values contiguous, at
+  Conv4's shapes; the usual fix (``.contiguous()`` first) and its fresh-memory control.
+* ``sparse`` (claim 2): dense, COO and CSR storage and matmul time at four densities.
+* ``branch`` (claim 4): `metalearn.models.dynamic.dynamic_conv` with no, one and both blocks
+  skipped (and its layers without the branch): forward and MAML adapt+predict time, and
+  the FLOPs skipped.
 * ``dynamic``: does skipping `metalearn.models.dynamic.DynamicBlock`s leave accuracy unchanged?
   A ``dynamic_conv`` network is meta-trained with MAML on Omniglot 5-way 1-shot, once with
   every block always taken and once with each block skipped at random per task (stochastic
@@ -22,6 +28,7 @@ compared forms compute the same thing.
 
 Command::
 
+    .venv/bin/python scripts/bench_claims.py --only contiguity --only sparse --only branch
     .venv/bin/python scripts/bench_claims.py --only permute --only inference
     .venv/bin/python scripts/bench_claims.py --only dynamic --data-root ../shared/data/omniglot
 
