@@ -1,5 +1,11 @@
-"""Measure three PyTorch-practice claims on metalearn's workloads (``docs/claims.md``, 7-9).
+"""Measure PyTorch-practice claims on metalearn's workloads (``docs/claims.md`` 1, 2, 4, 8-10).
 
+* ``contiguity`` (claim 1): ops on a transposed view against the same values contiguous, at
+  Conv4's shapes; the usual fix (``.contiguous()`` first) and its fresh-memory control.
+* ``sparse`` (claim 2): dense, COO and CSR storage and matmul time at four densities.
+* ``branch`` (claim 4): `metalearn.models.dynamic.dynamic_conv` with no, one and both blocks
+  skipped (and its layers without the branch): forward and MAML adapt+predict time, and
+  the FLOPs skipped.
 * ``dynamic``: does skipping `metalearn.models.dynamic.DynamicBlock`s leave accuracy unchanged?
   A ``dynamic_conv`` network is meta-trained with MAML on Omniglot 5-way 1-shot, once with
   every block always taken and once with each block skipped at random per task (stochastic
@@ -22,6 +28,7 @@ compared forms compute the same thing.
 
 Command::
 
+    .venv/bin/python scripts/bench_claims.py --only contiguity --only sparse --only branch
     .venv/bin/python scripts/bench_claims.py --only permute --only inference
     .venv/bin/python scripts/bench_claims.py --only dynamic --data-root ../shared/data/omniglot
 
@@ -36,18 +43,23 @@ import dataclasses
 import random
 import statistics
 import time
+import warnings
 from collections.abc import Callable, Sequence
 
 import torch
 import torch.nn.functional as F
 from benchtools import (
+    Setting,
     markdown_table,
+    omniglot_conv4,
+    omniglot_tasks,
     peak_memory_bytes,
     retained_bytes,
     run_header,
     time_round_robin,
 )
 from torch import Tensor, nn
+from torch.utils.flop_counter import FlopCounterMode
 
 from metalearn.algorithms import MAML
 from metalearn.data import EpisodicSampler, load_omniglot, omniglot_samplers
@@ -57,7 +69,7 @@ from metalearn.models import Conv4
 from metalearn.models.dynamic import dynamic_conv
 from metalearn.runs.evaluation import TEST_SEED, accuracy_interval
 
-SECTIONS = ("dynamic", "permute", "inference")
+SECTIONS = ("contiguity", "sparse", "branch", "dynamic", "permute", "inference")
 
 # ------------------------------------------------------------------------------ dynamic
 
@@ -390,6 +402,230 @@ def run_inference(a: argparse.Namespace) -> None:
         print(f"* {what}: {message}")
 
 
+# --------------------------------------------------------------------------- contiguity
+
+
+def transposed(shape: tuple[int, ...], seed: int = 0) -> Tensor:
+    """A tensor of ``shape`` whose last two dimensions are a transposed view (strides swapped)."""
+    *lead, h, w = shape
+    return torch.randn(*lead, w, h, generator=torch.Generator().manual_seed(seed)).transpose(-1, -2)
+
+
+def view_raises(x: Tensor) -> bool:
+    """Whether ``x.view(-1)`` raises (it does when the strides cannot be flattened)."""
+    try:
+        x.view(-1)
+    except RuntimeError:
+        return True
+    return False
+
+
+def reshape_copies(x: Tensor) -> bool:
+    """Whether ``x.reshape(-1)`` copied (a new storage) rather than returned a view."""
+    return x.reshape(-1).untyped_storage().data_ptr() != x.untyped_storage().data_ptr()
+
+
+def repeated(fn: Callable[[], object], n: int) -> Callable[[], None]:
+    """``fn`` called ``n`` times: one timed sample of an op under a millisecond."""
+
+    def run() -> None:
+        for _ in range(n):
+            fn()
+
+    return run
+
+
+def conv4_fwd_bwd(x: Tensor, copy: bool = False) -> Callable[[], None]:
+    """Forward + backward of MAML's Omniglot Conv4 on images ``x`` ``[N, 1, 28, 28]``;
+    ``copy=True`` makes the input contiguous inside each call (the fix, timed with it)."""
+    model, y = omniglot_conv4(torch.float32, seed=0), torch.arange(x.shape[0]) % 5
+
+    def run() -> None:
+        model.zero_grad(set_to_none=True)
+        F.cross_entropy(model(x.contiguous() if copy else x), y).backward()
+
+    return run
+
+
+def contiguity_ops(scale: int) -> dict[str, tuple[Tensor, Callable[[Tensor], object] | None]]:
+    """op name -> (transposed input, op) at Conv4's shapes (``scale`` 1) or tiny ones."""
+    n, hidden, d = (80, 64, 1024) if scale == 1 else (4, 8, 16)
+    act = transposed((n, hidden, 14, 14))
+    weight, other = torch.randn(hidden, hidden, 3, 3), torch.randn(act.shape)
+    matrix = torch.randn(d, d)
+    return {
+        "conv2d 3x3/2 (block 2)": (act, lambda x: F.conv2d(x, weight, stride=2, padding=1)),
+        "matmul (left transposed)": (transposed((d, d), 2), lambda a: a @ matrix),
+        "add (other operand contiguous)": (act, lambda x: x + other),
+        "relu": (act, torch.relu),
+        "sum over N,H,W (batch norm's)": (act, lambda x: x.sum((0, 2, 3))),
+        "sum over last dim": (act, lambda x: x.sum(-1)),
+        "Conv4 forward+backward": (transposed((n, 1, 28, 28), 1), None),
+    }
+
+
+def run_contiguity(a: argparse.Namespace) -> None:
+    x = transposed((80, 64, 14, 14))
+    checks = {"x.view(-1) raises": view_raises(x), "x.reshape(-1) copies": reshape_copies(x),
+              "contiguous copy's reshape copies": reshape_copies(x.contiguous())}  # fmt: skip
+    rows = []
+    for name, (x_t, op) in contiguity_ops(a.scale).items():
+        x_c = x_t.contiguous()
+        if op is None:
+            fns = {"contiguous": conv4_fwd_bwd(x_c), "transposed": conv4_fwd_bwd(x_t),
+                   "copy+op": conv4_fwd_bwd(x_t, copy=True)}  # fmt: skip
+            calls = 1
+        else:
+            fns = {
+                "contiguous": lambda op=op, x=x_c: op(x),
+                "transposed": lambda op=op, x=x_t: op(x),
+                "copy+op": lambda op=op, x=x_t: op(x.contiguous()),
+                # Control: the same fresh allocation and copy, from a contiguous source.
+                "clone+op": lambda op=op, x=x_c: op(x.clone()),
+                "copy alone": lambda x=x_t: x.contiguous(),
+            }
+            calls = 10
+        timed = {k: repeated(f, calls) for k, f in fns.items()}
+        times = time_round_robin(timed, a.repeats, a.warmup, "cpu", time.process_time, collect=True)
+        ms = {k: statistics.median(t) * 1e3 / calls for k, t in times.items()}
+        c = ms["contiguous"]
+        rows.append([name, "x".join(map(str, x_t.shape)), f"{c:.3f}", f"{ms['transposed']:.3f}",
+                     f"{ms['transposed'] / c:.2f}", f"{ms['copy alone']:.3f}" if "copy alone" in ms
+                     else "(inside)", f"{ms['copy+op'] / c:.2f}",
+                     f"{ms['clone+op'] / c:.2f}" if "clone+op" in ms else ""])  # fmt: skip
+    print(f"\n{run_header()}; {a.repeats} repeats after {a.warmup} warm-ups, medians; ops under "
+          "a millisecond timed over 10 calls per sample\n")  # fmt: skip
+    header = ["op", "input", "contiguous ms", "transposed ms", "ratio", "`.contiguous()` ms",
+              "copy+op ratio", "clone+op ratio"]  # fmt: skip
+    print(markdown_table(header, rows))
+    print(f"\nchecks on a transposed [80, 64, 14, 14]: {checks}")
+
+
+# ------------------------------------------------------------------------------- sparse
+
+DENSITIES = (0.001, 0.01, 0.1, 0.5)
+
+
+def random_sparse(n: int, density: float, seed: int = 0) -> Tensor:
+    """A dense ``[n, n]`` float32 matrix with about ``density * n * n`` non-zeros."""
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(n, n, generator=g) * (torch.rand(n, n, generator=g) < density)
+
+
+def sparse_formats(dense: Tensor) -> dict[str, Tensor]:
+    """The same matrix as ``dense``, ``COO`` (coalesced) and ``CSR``."""
+    with warnings.catch_warnings():  # "Sparse CSR tensor support is in beta state"
+        warnings.simplefilter("ignore", UserWarning)
+        csr = dense.to_sparse_csr()
+    return {"dense": dense, "COO": dense.to_sparse_coo().coalesce(), "CSR": csr}
+
+
+def storage_bytes(t: Tensor) -> int:
+    """Bytes held by the tensor's own buffers (values plus any index arrays)."""
+    if t.layout == torch.sparse_coo:
+        parts = [t.indices(), t.values()]
+    elif t.layout == torch.sparse_csr:
+        parts = [t.crow_indices(), t.col_indices(), t.values()]
+    else:
+        parts = [t]
+    return sum(p.numel() * p.element_size() for p in parts)
+
+
+def sparse_matmul(m: Tensor, rhs: Tensor) -> Tensor:
+    """``m @ rhs`` for any of the three layouts (``torch.sparse.mm`` for COO)."""
+    return torch.sparse.mm(m, rhs) if m.layout == torch.sparse_coo else m @ rhs
+
+
+def run_sparse(a: argparse.Namespace) -> None:
+    n, k = (4096, 64) if a.scale == 1 else (256, 8)
+    rhs = torch.randn(n, k, generator=torch.Generator().manual_seed(1))
+    rows = []
+    for density in DENSITIES:
+        mats = sparse_formats(random_sparse(n, density))
+        products = {name: sparse_matmul(m, rhs) for name, m in mats.items()}
+        scale = products["dense"].abs().max()
+        for name in ("COO", "CSR"):  # float32 sums in another order: relative to the largest
+            if (products[name] - products["dense"]).abs().max() > 1e-5 * scale:
+                raise AssertionError(f"density {density}: the {name} product differs from dense")
+        fns = {name: lambda m=m: sparse_matmul(m, rhs) for name, m in mats.items()}
+        times = time_round_robin(fns, a.repeats, a.warmup, "cpu", time.process_time, collect=True)
+        ms = {name: statistics.median(t) * 1e3 for name, t in times.items()}
+        mb = [f"{storage_bytes(m) / 2**20:.1f}" for m in mats.values()]
+        ratios = [f"{ms['dense'] / ms['COO']:.2f}", f"{ms['dense'] / ms['CSR']:.2f}"]
+        rows.append([f"{100 * density:g}%", *mb, *(f"{v:.2f}" for v in ms.values()), *ratios])
+    print(f"\n{run_header()}; [{n}, {n}] sparse x [{n}, {k}] dense, float32, {a.repeats} "
+          f"repeats after {a.warmup} warm-ups, medians; products = dense (checked)\n")  # fmt: skip
+    header = ["density", "dense MB", "COO MB", "CSR MB", "dense ms", "COO ms", "CSR ms",
+              "dense / COO time", "dense / CSR time"]  # fmt: skip
+    print(markdown_table(header, rows))
+
+
+# ------------------------------------------------------------------------------- branch
+
+BRANCHES = {"none skipped": (False, False), "block 2 skipped": (False, True),
+            "both skipped": (True, True)}  # fmt: skip
+
+
+class Residual(nn.Module):
+    """``body(x) + x``: a `DynamicBlock` with its branch taken away."""
+
+    def __init__(self, body: nn.Module) -> None:
+        super().__init__()
+        self.body = body
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.body(x) + x
+
+
+def branch_fns(net: nn.Module, x: Tensor, tasks: list[Task]) -> dict[str, dict]:
+    """The timed calls: ``forward`` of ``x`` per branch (and the same layers with no branch,
+    ``nn.Sequential``), ``adapt+predict`` (MAML's ``evaluate``, 1 inner step) per branch."""
+    static = nn.Sequential(net.stem, *(Residual(b.body) for b in net.blocks), net.head)
+    forward = {"static `nn.Sequential` (no branch)": lambda: static(x)}
+    forward |= {name: lambda s=s: net(x, skip=s) for name, s in BRANCHES.items()}
+    learner, half = MAML(net, inner_lr=0.4, inner_steps=1), len(tasks) // 2
+    skips = {name: [s] * len(tasks) for name, s in BRANCHES.items()}
+    skips["mixed (half none, half both)"] = [BRANCHES["none skipped"]] * half + [
+        BRANCHES["both skipped"]] * (len(tasks) - half)  # fmt: skip
+    evaluate = {}
+    for name, flags in skips.items():
+        branched = [dataclasses.replace(t, model_kwargs={"skip": f}) for t, f in zip(tasks, flags)]
+        evaluate[name] = lambda t=branched: learner.evaluate(t)
+    return {"forward": forward, "adapt+predict": evaluate}
+
+
+def run_branch(a: argparse.Namespace) -> None:
+    hidden, batch, n_tasks = (64, 80, 16) if a.scale == 1 else (8, 10, 4)
+    torch.manual_seed(0)
+    net = dynamic_conv(in_channels=1, ways=5, hidden=hidden, depth=2).eval()
+    x = torch.rand(batch, 1, 28, 28, generator=torch.Generator().manual_seed(0))
+    flops = {}
+    for name, skip in BRANCHES.items():
+        with FlopCounterMode(display=False) as counter, torch.no_grad():
+            net(x, skip=skip)
+        flops[name] = counter.get_total_flops()
+    tasks = omniglot_tasks(Setting(5, False), n_tasks, torch.float32, seed=0)
+    ms = {}
+    for kind, fns in branch_fns(net, x, tasks).items():
+        with torch.no_grad():
+            times = time_round_robin(fns, a.repeats, a.warmup, "cpu", time.process_time, True)
+        ms[kind] = {name: statistics.median(t) * 1e3 for name, t in times.items()}
+    rows = []
+    for name in ms["forward"] | ms["adapt+predict"]:
+        saved = f"{100 * (1 - flops[name] / flops['none skipped']):.0f}%" if name in flops else ""
+        cells = [name, saved]
+        for kind_ms in ms.values():
+            base = kind_ms["none skipped"]
+            cells += ([f"{kind_ms[name]:.1f}", f"{100 * (1 - kind_ms[name] / base):.0f}%"]
+                      if name in kind_ms else ["", ""])  # fmt: skip
+        rows.append(cells)
+    print(f"\n{run_header()}; dynamic_conv(hidden={hidden}), {a.repeats} repeats after "
+          f"{a.warmup} warm-ups, medians\n")  # fmt: skip
+    header = ["branch", "FLOPs saved (forward)", f"forward of {batch} ms", "time saved",
+              f"adapt+predict, {n_tasks} tasks ms", "time saved"]  # fmt: skip
+    print(markdown_table(header, rows))
+
+
 # --------------------------------------------------------------------------------- main
 
 
@@ -409,6 +645,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--test-tasks", type=int, default=600)
     p.add_argument("--eval-steps", type=int, default=10, help="inner steps at test")
     p.add_argument("--hidden", type=int, default=64)
+    p.add_argument("--scale", type=int, choices=(0, 1), default=1,
+                   help="contiguity, sparse, branch: 1 documented sizes, 0 tiny")  # fmt: skip
     a = p.parse_args(argv)
     counts = (a.threads, a.repeats, a.view_calls, a.small_batch_calls, a.train_steps,
               a.meta_batch, a.test_tasks, a.hidden)  # fmt: skip
@@ -422,7 +660,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 def main(argv: Sequence[str] | None = None) -> None:
     a = parse_args(argv)
     torch.set_num_threads(a.threads)
-    runs = {"dynamic": run_dynamic, "permute": run_permute, "inference": run_inference}
+    runs = {"contiguity": run_contiguity, "sparse": run_sparse, "branch": run_branch,
+            "dynamic": run_dynamic, "permute": run_permute, "inference": run_inference}  # fmt: skip
     for section in a.only or SECTIONS:
         print(f"## {section}", flush=True)
         runs[section](a)

@@ -8,6 +8,9 @@ What: one full meta-step (the learner's ``backward`` over a meta-batch, then Ada
   hidden=32, pool="max", head="flatten", image_size=84)`` (32,901 parameters);
 * ``--model resnet12``: ``ResNet12(in_channels=3, ways=5)`` (widths 64-160-320-640,
   12,427,525 parameters);
+* ``--model conv4-28``: MAML's Omniglot network, ``Conv4(in_channels=1, ways=5, hidden=64,
+  pool="stride")`` (112,261 parameters), on 1x28x28 images (the rest as above, inner
+  learning rate included: time and memory do not depend on it);
 
 and ``--algorithm maml`` (exact second order), ``fomaml`` (first order) or ``anil`` (the head
 adapted, second order through it). ``--chunk-size`` and ``--checkpoint`` are the learner's
@@ -57,7 +60,7 @@ from metalearn.engine import ChunkSize, Task
 from metalearn.models import Conv4, ResNet12
 
 WAYS, SHOTS, IMAGE_SIZE, INNER_LR, OUTER_LR = 5, 1, 84, 0.01, 1e-3
-MODELS = ("conv4-84", "resnet12")
+MODELS = ("conv4-84", "resnet12", "conv4-28")
 ALGORITHMS = {"maml": MAML, "fomaml": FOMAML, "anil": ANIL}
 FITS_GB = 8.0
 """The budget the table's last column checks the peak RSS against."""
@@ -108,8 +111,15 @@ class Workload:
 # ---------------------------------------------------------------------------- the step
 
 
+def image_shape(model: str) -> tuple[int, int, int]:
+    """The input of ``--model``: Omniglot's 1x28x28 for ``conv4-28``, else 3x84x84."""
+    return (1, 28, 28) if model == "conv4-28" else (3, IMAGE_SIZE, IMAGE_SIZE)
+
+
 def make_model(name: str) -> nn.Module:
-    """The network of ``--model`` at its paper's size (3x84x84 input, 5 ways)."""
+    """The network of ``--model`` at its paper's size (`image_shape` input, 5 ways)."""
+    if name == "conv4-28":
+        return Conv4(in_channels=1, ways=WAYS, hidden=64, pool="stride")
     if name == "conv4-84":
         return Conv4(
             in_channels=3, ways=WAYS, hidden=32, pool="max", head="flatten", image_size=IMAGE_SIZE
@@ -117,9 +127,10 @@ def make_model(name: str) -> nn.Module:
     return ResNet12(in_channels=3, ways=WAYS, widths=(64, 160, 320, 640))
 
 
-def make_tasks(work: Workload) -> list[Task]:
-    """``work.tasks`` random 5-way 1-shot tasks of 3x84x84 images, ``work.query`` per class."""
-    return random_tasks(work.tasks, WAYS, SHOTS, work.query, (3, IMAGE_SIZE, IMAGE_SIZE), work.seed)
+def make_tasks(work: Workload, model: str = "conv4-84") -> list[Task]:
+    """``work.tasks`` random 5-way 1-shot tasks of ``image_shape(model)`` images,
+    ``work.query`` per class."""
+    return random_tasks(work.tasks, WAYS, SHOTS, work.query, image_shape(model), work.seed)
 
 
 def make_learner(config: Config, work: Workload) -> MetaLearner:
@@ -139,7 +150,7 @@ def probe(config: Config, work: Workload) -> dict[str, object]:
         limit = int(work.limit_gb * 2**30)
         resource.setrlimit(resource.RLIMIT_DATA, (limit, limit))
     learner = make_learner(config, work)
-    tasks = make_tasks(work)
+    tasks = make_tasks(work, config.model)
     opt = torch.optim.Adam(learner.parameters(), lr=OUTER_LR)
     seconds: list[float] = []
 
@@ -209,7 +220,8 @@ HEADER = (
 def main(configs: Sequence[Config], work: Workload) -> str:
     """Measure each configuration in its own process; print and return the markdown table."""
     print(
-        f"# Meta-step memory, 3x{IMAGE_SIZE}x{IMAGE_SIZE} random images, {WAYS}-way {SHOTS}-shot, "
+        f"# Meta-step memory, random images ({'x'.join(map(str, image_shape(configs[0].model)))}"
+        f" for {configs[0].model}), {WAYS}-way {SHOTS}-shot, "
         f"{work.query} query per class, {work.tasks} tasks, {work.inner_steps} inner steps\n\n"
         f"torch {torch.__version__}, {work.threads or torch.get_num_threads()} threads, "
         f"{os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f}; one warm-up step, then "

@@ -136,6 +136,52 @@ def test_bad_arguments_are_one_line_and_exit_2(capsys) -> None:
         assert exit_info.value.code == 2 and message in capsys.readouterr().err
 
 
+# ------------------------------------------------- contiguity, sparse, branch (claims 1, 2, 4)
+
+
+def test_transposed_input_has_the_contiguous_values_and_view_refuses_it() -> None:
+    x = bench_claims.transposed((2, 3, 4, 5))
+    assert x.shape == (2, 3, 4, 5) and not x.is_contiguous() and x.stride()[-2:] == (1, 4)
+    assert bench_claims.view_raises(x) and not bench_claims.view_raises(x.contiguous())
+    assert bench_claims.reshape_copies(x) and not bench_claims.reshape_copies(x.contiguous())
+
+
+def test_sparse_formats_hold_the_matrix_and_count_their_own_buffers() -> None:
+    dense = bench_claims.random_sparse(64, 0.1)
+    nnz = int((dense != 0).sum())
+    mats = bench_claims.sparse_formats(dense)
+    rhs = torch.randn(64, 3)
+    for name, m in mats.items():
+        assert torch.allclose(bench_claims.sparse_matmul(m, rhs), dense @ rhs, atol=1e-5), name
+    # dense: 4 B per entry; COO: two int64 indices and a float32 per non-zero (20 B);
+    # CSR: 65 int64 row pointers, then an int64 column and a float32 per non-zero (12 B)
+    sizes = {name: bench_claims.storage_bytes(m) for name, m in mats.items()}
+    assert sizes == {"dense": 64 * 64 * 4, "COO": 20 * nnz, "CSR": 65 * 8 + 12 * nnz}
+
+
+def test_static_branchless_network_equals_the_dynamic_one_with_no_skip() -> None:
+    torch.manual_seed(0)
+    net = bench_claims.dynamic_conv(in_channels=1, ways=5, hidden=4, depth=2).eval()
+    x = torch.rand(3, 1, 28, 28)
+    tasks = benchtools.omniglot_tasks(benchtools.Setting(1, False), 2, torch.float32, seed=0)
+    fns = bench_claims.branch_fns(net, x, tasks)
+    forward = {name: fn() for name, fn in fns["forward"].items()}
+    assert torch.equal(forward["static `nn.Sequential` (no branch)"], forward["none skipped"])
+    # skipping both blocks leaves the stem's output: the head of the stem alone
+    assert torch.allclose(forward["both skipped"], net.head(net.stem(x)))
+    assert not torch.allclose(forward["both skipped"], forward["none skipped"])
+
+
+def test_tiny_contiguity_sparse_and_branch_runs_print_their_tables(capsys) -> None:
+    tiny = ["--repeats", "1", "--warmup", "0", "--scale", "0"]
+    bench_claims.main(["--only", "contiguity", "--only", "sparse", "--only", "branch", *tiny])
+    out = capsys.readouterr().out
+    rows = [line for line in out.splitlines() if line.startswith("| ") and "---" not in line]
+    # contiguity: 7 ops; sparse: 4 densities; branch: static, 3 branches, mixed; 3 headers
+    assert len(rows) == 7 + 4 + 5 + 3
+    assert "'x.view(-1) raises': True" in out
+
+
 # ------------------------------------------------------------------------------ dynamic
 
 

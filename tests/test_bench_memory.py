@@ -64,3 +64,13 @@ def test_a_run_over_the_limit_says_so() -> None:
     table = bench_memory.main([bench_memory.Config("conv4-84", "fomaml")], work)
     row = [c.strip() for c in table.splitlines()[-1].strip("|").split("|")]
     assert row[5] == "over 0.3 GB" and row[-1] == "no"
+
+
+def test_the_omniglot_conv4_gets_omniglot_images() -> None:
+    work = dataclasses.replace(TINY, tasks=2, query=1)
+    tasks = bench_memory.make_tasks(work, "conv4-28")
+    model = bench_memory.make_model("conv4-28")
+    assert tasks[0].support[0].shape == (5, 1, 28, 28) and tasks[0].query[0].shape == (5, 1, 28, 28)
+    assert sum(p.numel() for p in model.parameters()) == 112_261  # MAML's Omniglot Conv4
+    assert model(tasks[0].query[0]).shape == (5, 5)
+    assert bench_memory.make_tasks(work)[0].support[0].shape == (5, 3, 84, 84)
