@@ -80,9 +80,7 @@ def compile_aot(
     # C++ file writer aborts the process on a full disk, where Python's write raises
     # OSError (ENOSPC), which `write_atomically` turns into one line, the old file kept.
     buffer = io.BytesIO()
-    torch._inductor.aoti_compile_and_package(
-        program, package_path=buffer, inductor_configs=configs
-    )
+    torch._inductor.aoti_compile_and_package(program, package_path=buffer, inductor_configs=configs)
     write_atomically(
         path, lambda tmp: Path(tmp).write_bytes(buffer.getvalue()), overwrite=overwrite
     )
