@@ -5,7 +5,9 @@ four rows. Two compiles in all (about 30 s each), shared by the module's tests."
 
 from __future__ import annotations
 
+import errno
 import importlib.util
+import os
 import sys
 from pathlib import Path
 from types import SimpleNamespace
@@ -68,7 +70,8 @@ def packages(tmp_path_factory) -> SimpleNamespace:
     paths = {"support": report.aot_path, "transductive": package}
     query = load_support_folder(make_support_folder(tmp, shots=3, offset=5)).x  # 15 images
     return SimpleNamespace(report=report, out=out, models=models, paths=paths, meta=meta,
-                           support=support, query=query, tmp=tmp)  # fmt: skip
+                           support=support, query=query, tmp=tmp, checkpoint=checkpoint,
+                           folder=folder)  # fmt: skip
 
 
 @pytest.mark.slow
@@ -129,6 +132,34 @@ def test_the_latency_table_has_the_four_forms(packages) -> None:
     assert [c[0].strip() for c in cells] == FORMS
     assert all(c[1] == "cpu" and float(c[2]) > 0 for c in cells)
     assert cells[0][3].strip() == "1x"
+
+
+@pytest.mark.slow
+def test_a_full_disk_while_writing_the_package_is_one_line_and_keeps_the_old_one(
+    packages, tmp_path, monkeypatch, capsys
+) -> None:
+    out = tmp_path / "adapted.pt2"
+    package = aot_package_path(out)
+    package.write_bytes(b"the previous package")
+    write_bytes = Path.write_bytes
+
+    def full_for_the_package(self: Path, data: bytes) -> int:  # the .pt2 itself is written
+        if self.name.startswith(f".{package.stem}."):  # the package's temporary file
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        return write_bytes(self, data)
+
+    monkeypatch.setattr(Path, "write_bytes", full_for_the_package)
+    code = script.cli(["--checkpoint", str(packages.checkpoint), "--support",
+                       str(packages.folder), "--out", str(out), "--aot", "--overwrite",
+                       "--latency-repeats", "3"])  # fmt: skip
+    monkeypatch.undo()
+    err = capsys.readouterr().err
+    assert code == 2 and err == (
+        f"export_adapted.py: error: could not write {package}: No space left on device; free "
+        "space there or choose another --out; nothing was replaced\n"
+    )
+    assert package.read_bytes() == b"the previous package"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["adapted.aoti.pt2", "adapted.pt2"]
 
 
 def test_measure_latency_times_every_form_after_its_warm_up() -> None:

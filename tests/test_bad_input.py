@@ -72,12 +72,30 @@ def test_shapes_the_split_cannot_give(tmp_path, flags, message):
 
 @needs_data
 def test_a_diverging_run_names_the_meta_step_and_the_flag(tmp_path):
-    line = _run(tmp_path, "--algorithm", "maml", "--inner-lr", "200", "--inner-steps", "5",
+    line = _run(tmp_path, "--algorithm", "maml", "--inner-lr", "1e30", "--inner-steps", "5",
                 "--run-name", "d")  # fmt: skip
     assert line.startswith("error: meta-step ") and ", task " in line
     assert "non-finite" in line and "--on-nonfinite skip" in line and "\n" not in line
     saved = torch.load(tmp_path / "runs" / "d" / "checkpoint.pt", weights_only=True)
     assert saved["recipe"]["learner"]["arguments"]["on_nonfinite"] == "raise"
+
+
+def test_an_overflowing_meta_gradient_is_not_taken_even_when_skipping(tmp_path):
+    # --inner-lr 200 on a fewshot image folder: the losses stay finite (about 1e18) while the
+    # meta-gradient overflows; --on-nonfinite skip drops tasks with non-finite losses only.
+    from image_set_fixtures import write_folder
+
+    folder = write_folder(tmp_path / "folder")
+    line = _run(tmp_path, "--dataset", "folder", "--data-root", str(folder), "--image-size",
+                "16", "--channels", "1", "--ways", "3", "--shots", "1", "--hidden", "4",
+                "--inner-lr", "200", "--inner-steps", "5", "--on-nonfinite", "skip",
+                "--run-name", "d", script="fewshot_maml")  # fmt: skip
+    assert line.startswith("error: meta-step 1: non-finite meta-gradient of model.")
+    assert "from finite losses" in line and "the step was not taken" in line
+    saved = torch.load(tmp_path / "runs" / "d" / "checkpoint.pt", weights_only=True)
+    assert saved["iteration"] == 0
+    assert saved["recipe"]["learner"]["arguments"]["on_nonfinite"] == "skip"
+    assert all(v.isfinite().all() for v in saved["learner"].values() if v.is_floating_point())
 
 
 @needs_data

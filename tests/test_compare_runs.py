@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from test_run_records import damage, offline_run
+from test_run_records import damage, offline_run, wandb_file
 
 from metalearn.runs.records import read_offline_runs
 
@@ -312,3 +312,28 @@ def test_help_lists_each_flag_once_and_a_bad_flag_is_one_line(capsys):
         assert len(re.findall(rf"(?<![\w-]){name}(?=[ ,])", out)) == 1, name
     assert "did you mean --group-by" in usage_error(capsys, "x", "--group_bye", "seed")
     assert "give the runs to compare" in usage_error(capsys)
+
+
+def test_a_run_folder_with_two_wandb_files_is_ranked_once_with_a_warning(tmp_path):
+    runs = {name: offline_run(tmp_path, {0: {"val/acc": acc}, 1: {"val/acc": acc + 0.1}},
+                              name=name, config={"inner_lr": lr})
+            for name, acc, lr in (("a", 0.5, 0.1), ("b", 0.6, 0.4))}  # fmt: skip
+    original = wandb_file(runs["a"])
+    copy = original.with_name("run-copy.wandb")  # e.g. a file copied into the folder by hand
+    copy.write_bytes(original.read_bytes())
+    written = original.stat().st_mtime
+    os.utime(copy, (written - 60, written - 60))  # the copy is the older file
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "compare_runs.py"), str(tmp_path),
+         "--metrics", "val/acc", "--format", "json"],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    out = json.loads(done.stdout)
+    assert [r["label"] for r in out["rows"]] == ["a", "b"]  # each run once
+    finals = {r["label"]: r["metrics"]["val/acc"]["final"]["value"] for r in out["rows"]}
+    assert finals == {"a": pytest.approx(0.6), "b": pytest.approx(0.7)}
+    assert out["metrics"][0]["best_row"] == "b"
+    warning = [line for line in done.stderr.splitlines() if "2 .wandb files" in line]
+    assert len(warning) == 1 and str(runs["a"]) in warning[0], done.stderr
+    assert f"reading {original.name}, the last written (not run-copy.wandb)" in warning[0]

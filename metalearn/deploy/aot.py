@@ -10,6 +10,7 @@ A package runs on the kind of device, and CPU instruction set, it was compiled f
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import zipfile
@@ -61,7 +62,8 @@ def compile_aot(
     Raises:
         FileExistsError: see `check_export_target`; nothing is compiled or written.
         ValueError: ``path`` does not end in ``.pt2``, ``program`` has no example inputs,
-            or no C++ compiler is found.
+            or no C++ compiler is found; or the package could not be written (a full
+            disk), with any previous file at ``path`` kept.
     """
     path = check_export_target(path, overwrite=overwrite, source=source, label="the --aot package")
     if path.suffix != ".pt2":
@@ -74,12 +76,14 @@ def compile_aot(
     check_compiler()
     configs = {"aot_inductor.metadata": {_METADATA: json.dumps(dict(metadata or {}))}}
 
-    def write(tmp: str) -> None:
-        torch._inductor.aoti_compile_and_package(
-            program, package_path=tmp, inductor_configs=configs
-        )
-
-    write_atomically(path, write, overwrite=overwrite)
+    # Packaged in memory, then written by Python, as `export_adapted` writes a .pt2: torch's
+    # C++ file writer aborts the process on a full disk, where Python's write raises
+    # OSError (ENOSPC), which `write_atomically` turns into one line, the old file kept.
+    buffer = io.BytesIO()
+    torch._inductor.aoti_compile_and_package(program, package_path=buffer, inductor_configs=configs)
+    write_atomically(
+        path, lambda tmp: Path(tmp).write_bytes(buffer.getvalue()), overwrite=overwrite
+    )
     return path
 
 

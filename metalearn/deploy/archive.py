@@ -9,9 +9,10 @@
   ``TORCH_FORCE_WEIGHTS_ONLY_LOAD`` switch), so such a member is refused in one line.
 * An AOTInductor package (``.aoti.pt2``) is a zipped shared library: loading it runs the
   library's native code, which no check can make safe. `check_trusted` refuses it unless
-  the caller says it trusts the package's author (``trust=True``, ``--trust-package``),
-  and `check_members` refuses an archive whose member names would be extracted outside
-  its folder (``../x``, ``/abs``: a zip-slip).
+  the caller says it trusts the package's author (``trust=True``; no command line loads
+  a package it did not compile itself, so none offers a flag for it), and
+  `check_members` refuses an archive whose member names would be extracted outside its
+  folder (``../x``, ``/abs``: a zip-slip).
 """
 
 from __future__ import annotations
@@ -87,7 +88,7 @@ def check_trusted(path: str | os.PathLike, trust: bool) -> None:
         raise UntrustedPackageError(
             f"{path} is an AOTInductor package: loading it runs the native code (a shared "
             "library) inside it; load only packages you compiled or whose author you trust, "
-            "with trust=True (--trust-package)"
+            "with trust=True"
         )
 
 

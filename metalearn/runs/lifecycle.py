@@ -53,14 +53,31 @@ class UserError(Exception):
     """A mistake the user can fix (bad value, missing data, a run that exists): one line."""
 
 
+class NonFiniteGradientError(FloatingPointError):
+    """The meta-gradient of a step is NaN or infinite while its losses are finite (a loss
+    so large its gradient overflows); the step is not taken."""
+
+    def __init__(self, parameters: list[str]) -> None:
+        self.parameters = parameters
+        super().__init__(f"non-finite meta-gradient of {', '.join(parameters)}")
+
+
 def diverged(err: FloatingPointError, step: int) -> UserError:
     """The one line a run that diverged at meta-step ``step`` ends with.
 
     Args:
         err: the engine's `NonFiniteLossError` (``kind``, ``task_index``, ``step``: the
-            inner step, None for a query loss) or `AllTasksSkippedError` (``n_tasks``).
+            inner step, None for a query loss), `AllTasksSkippedError` (``n_tasks``) or
+            `NonFiniteGradientError`.
         step: the meta-step (1-based) whose tasks gave the non-finite loss.
     """
+    if isinstance(err, NonFiniteGradientError):  # finite losses: skipping tasks cannot help
+        more = f" (and {len(err.parameters) - 1} more)" if len(err.parameters) > 1 else ""
+        return UserError(
+            f"meta-step {step}: non-finite meta-gradient of {err.parameters[0]}{more} from "
+            "finite losses; the run diverged: lower --inner-lr or --outer-lr (the step was "
+            "not taken; the checkpoint keeps the last finite step)"
+        )
     if hasattr(err, "n_tasks"):  # AllTasksSkippedError: skipping already on
         return UserError(
             f"meta-step {step}: all {err.n_tasks} tasks had non-finite losses under "

@@ -54,6 +54,7 @@ from metalearn.runs import lock
 from metalearn.runs.cli import flag, flatten, parse_dataclass, unflatten
 from metalearn.runs.evaluation import TEST_SEED, VAL_SEED, evaluate_tasks
 from metalearn.runs.lifecycle import (
+    NonFiniteGradientError,
     RunState,
     Stopped,
     UserError,
@@ -486,7 +487,7 @@ def train(
                 distributed.check_same(learner.parameters())  # a diverged rank fails loudly
                 if distributed.is_main():
                     save_checkpoint(path, snapshot)
-    except (NonFiniteLossError, AllTasksSkippedError) as err:  # in its step or validation
+    except (NonFiniteLossError, AllTasksSkippedError, NonFiniteGradientError) as err:
         raise diverged(err, state.iteration + 1) from None
     finally:
         # Ctrl-C / SIGTERM / an error: keep the last completed step, so --resume continues.
@@ -523,6 +524,7 @@ def meta_step(
     opt.zero_grad(set_to_none=True)
     metrics = (learner.backward if backward is None else backward)(tasks)
     metrics = distributed.average_meta_step(learner, metrics, len(tasks))
+    _check_finite_gradient(learner)
     opt.step()
     seconds = time.perf_counter() - start
     return {
@@ -530,6 +532,15 @@ def meta_step(
         **scheduled, "perf/step_s": seconds, "perf/tasks_per_s": t.meta_batch / seconds,
         "perf/vectorized_tasks": metrics.vectorized, "train/skipped": metrics.skipped,
     }  # fmt: skip
+
+
+def _check_finite_gradient(learner: MetaLearner) -> None:
+    """Raise `NonFiniteGradientError` before the optimizer writes NaN into the weights:
+    finite losses can still give an overflowing meta-gradient (one sync for all tensors)."""
+    named = [(name, p.grad) for name, p in learner.named_parameters() if p.grad is not None]
+    if not named or bool(torch.stack([g.isfinite().all() for _, g in named]).all()):
+        return
+    raise NonFiniteGradientError([name for name, g in named if not g.isfinite().all()])
 
 
 def meta_gradient(args: Any, learner: MetaLearner) -> MetaGradient:
