@@ -50,7 +50,7 @@ def test_a_changed_flag_after_the_separator_makes_new_cells(tmp_path):
     base = ["--set", "inner_lr=0.1,0.4", "--out-dir", str(tmp_path), "--"]
     first = names(base)
     assert names(base) == first  # the same grid: the same cells
-    for changed in (["--hidden", "32"], ["--algorithm=fomaml"], ["--preset", "cpu-20w1s",
+    for changed in (["--hidden", "32"], ["--algorithm=fomaml"], ["--ways", "20",
                     "--split", "alphabet"]):  # fmt: skip
         assert not set(names([*base, *changed])) & set(first), changed
     # Where the data lives and how much memory a step takes are not what a cell computes.

@@ -150,11 +150,12 @@ def test_the_presets_parse_to_their_recipes():
 
     lake = flatten(om.parse_args(["--preset", "cpu-20w1s", "--no-track"]))
     assert (lake["algorithm"], lake["ways"], lake["shots"], lake["split"]) == (
-        "protomaml", 20, 1, "alphabet",
+        "protonet", 20, 1, "alphabet",
     )  # fmt: skip
     assert (lake["eval_protocol"], lake["train_tasks"], lake["augment"]) == (
-        "within-alphabet", "within-alphabet", True,
+        "within-alphabet", "episodic", True,
     )  # fmt: skip
+    assert lake["train_ways"] == 60
     assert (lake["meta_batch"], lake["query"], lake["iterations"]) == (8, 3, 3000)
     default = flatten(om.parse_args(["--no-track"]))
     assert (default["algorithm"], default["ways"], default["split"]) == ("protomaml", 5, "maml")
