@@ -15,13 +15,12 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from torch import nn
+from test_higher_interop import _grads, _mlp, _tasks
 
 from metalearn.algorithms import MAML
 from metalearn.engine import Task
-from metalearn.models import MLP
 
-WAYS, SHOTS, QUERIES, FEATURES, STEPS = 3, 2, 3, 5, 3
+STEPS = 3
 
 CASES = {
     "momentum": (torch.optim.SGD, dict(lr=0.3, momentum=0.8), dict(inner_momentum=0.8)),
@@ -32,25 +31,6 @@ CASES = {
     "rmsprop": (torch.optim.RMSprop, dict(lr=0.02, alpha=0.9, eps=1e-3),
                 dict(inner_alpha=0.9, inner_eps=1e-3)),
 }  # fmt: skip
-
-
-def _tasks(n: int = 3) -> list[Task]:
-    gen = torch.Generator().manual_seed(0)
-
-    def split(per_class: int) -> tuple[torch.Tensor, torch.Tensor]:
-        x = torch.randn(WAYS * per_class, FEATURES, generator=gen, dtype=torch.float64)
-        return x, torch.arange(WAYS).repeat_interleave(per_class)
-
-    return [Task(support=split(SHOTS), query=split(QUERIES)) for _ in range(n)]
-
-
-def _mlp() -> nn.Module:
-    torch.manual_seed(0)
-    return MLP(FEATURES, [8, 8], WAYS, activation=nn.Tanh).double()
-
-
-def _grads(model: nn.Module) -> dict[str, torch.Tensor]:
-    return {name: p.grad.clone() for name, p in model.named_parameters()}
 
 
 def _highers(kind: str, tasks: list[Task]) -> tuple[float, dict[str, torch.Tensor]]:
