@@ -213,11 +213,8 @@ def check_args(exp: Experiment, args: Any) -> None:
     require(a["threads"] >= 0,
             f"--threads {a['threads']}: must be at least 1, or 0 for torch's default")  # fmt: skip
     require(0 <= a["seed"] < 2**32, f"--seed {a['seed']}: must be in [0, 2**32)")
-    require(not a["resume"] or a["run_name"] is not None,
-            "--resume continues the run named by --run-name: pass --run-name NAME (its "
-            "folder under --out-dir)")  # fmt: skip
     _check_device(a["device"])
-    _check_run_folder(a["out_dir"], a["run_name"])
+    _check_run_folder(a["out_dir"], a["run_name"], a["resume"])
     exp.check(args)
 
 
@@ -234,9 +231,13 @@ def _check_device(device: str) -> None:
                         "pass --device cpu")  # fmt: skip
 
 
-def _check_run_folder(out_dir: str, run_name: str | None) -> None:
-    """Refuse a run name that is not one folder name, and an --out-dir that cannot be
-    written, before anything runs (a run that cannot checkpoint would lose its work)."""
+def _check_run_folder(out_dir: str, run_name: str | None, resume: bool) -> None:
+    """Refuse a resume without a run name, a run name that is not one folder name, and an
+    --out-dir that cannot be written, before anything runs (a run that cannot checkpoint
+    would lose its work)."""
+    require(not resume or run_name is not None,
+            "--resume continues the run named by --run-name: pass --run-name NAME (its "
+            "folder under --out-dir)")  # fmt: skip
     if run_name is not None:
         require(run_name not in ("", ".", "..") and "/" not in run_name
                 and "\\" not in run_name and "\0" not in run_name,
@@ -350,10 +351,7 @@ def parse_args(exp: Experiment, argv: Sequence[str] | None = None) -> Any:
         return args
     # Only the run's folder is checked here: the other checks need the saved values
     # (a MAML run resumed with --inner-momentum is not the default preset's Proto-MAML).
-    require(args.tracking.run_name is not None,
-            "--resume continues the run named by --run-name: pass --run-name NAME (its "
-            "folder under --out-dir)")  # fmt: skip
-    _check_run_folder(args.tracking.out_dir, args.tracking.run_name)
+    _check_run_folder(args.tracking.out_dir, args.tracking.run_name, resume=True)
     path = checkpoint_path(args)
     if not path.is_file():  # start_from names it (or rank 0 holds it, under torchrun)
         return args
