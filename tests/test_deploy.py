@@ -268,3 +268,20 @@ def test_export_adapted_writes_over_a_file_only_when_asked_and_never_over_a_chec
     with pytest.raises(FileExistsError, match="training checkpoint, never overwritten"):
         export_adapted(model, support.x, checkpoint, overwrite=True)
     assert checkpoint.read_bytes() == before
+
+
+def test_predict_refuses_images_of_another_shape_in_one_line(tmp_path):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(4, 3))
+    dynamic = export_adapted(model, torch.randn(2, 1, 2, 2), tmp_path / "d.pt2")
+    static = export_adapted(model, torch.randn(2, 1, 2, 2), tmp_path / "s.pt2",
+                            dynamic_batch=False)  # fmt: skip
+    assert predict(dynamic, torch.randn(5, 1, 2, 2)).classes.shape == (5,)
+    cases = [(dynamic, (5, 1, 3, 3), "[B, 1, 2, 2]"), (dynamic, (1, 2, 2), "[B, 1, 2, 2]"),
+             (static, (5, 1, 2, 2), "[2, 1, 2, 2]")]  # fmt: skip
+    for path, shape, wanted in cases:
+        with pytest.raises(ValueError) as info:
+            predict(path, torch.randn(shape))
+        message = str(info.value)
+        assert "\n" not in message
+        assert message.startswith(f"images of shape {list(shape)}; this program takes {wanted}")

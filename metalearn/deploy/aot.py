@@ -136,7 +136,7 @@ def load_aot(path: str | os.PathLike, *, trust: bool = False) -> tuple[Any, dict
             f"{path} is not an AOTInductor package (an exported program? read it with "
             "load_exported)"
         )
+    check_members(path)  # names first: no message may depend on a member that escapes
     check_trusted(path, trust)
-    check_members(path)
     model = torch._inductor.aoti_load_package(str(path))
     return model, json.loads(model.get_metadata().get(_METADATA) or "{}")

@@ -6,7 +6,10 @@
   ``weights_only`` off, which runs whatever the pickle names: a replaced
   ``data/sample_inputs/model.pt`` would run code. `load_program` forces every
   ``torch.load`` the load makes to ``weights_only=True`` (torch's own
-  ``TORCH_FORCE_WEIGHTS_ONLY_LOAD`` switch), so such a member is refused in one line.
+  ``TORCH_FORCE_WEIGHTS_ONLY_LOAD`` switch), so such a member is refused in one line. The
+  other ways a ``.pt2`` runs code on loading (opaque objects, libraries, shape expressions,
+  guards, node targets) are refused before torch reads the file by
+  `metalearn.deploy.program_check`.
 * An AOTInductor package (``.aoti.pt2``) is a zipped shared library: loading it runs the
   library's native code, which no check can make safe. `check_trusted` refuses it unless
   the caller says it trusts the package's author (``trust=True``; no command line loads
@@ -35,6 +38,7 @@ __all__ = ["UntrustedPackageError", "check_members", "check_trusted", "load_prog
 _FORCE = "TORCH_FORCE_WEIGHTS_ONLY_LOAD"  # torch.load reads it on every call
 _UNFORCE = "TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD"  # must not be set with _FORCE (torch raises)
 _ENV_LOCK = threading.Lock()
+_AOTI = "/data/aotinductor/"  # where an archive keeps AOTInductor's shared libraries
 
 
 class UntrustedPackageError(ValueError):
@@ -79,16 +83,22 @@ def load_program(path: str | os.PathLike, extra_files: dict[str, str]) -> Export
 
 
 def check_trusted(path: str | os.PathLike, trust: bool) -> None:
-    """Refuse an AOTInductor package unless ``trust``: loading it runs native code.
+    """Refuse an archive holding an AOTInductor library unless ``trust``: loading it runs
+    native code.
 
     Raises:
-        UntrustedPackageError: ``trust`` is False.
+        UntrustedPackageError: ``trust`` is False and a member lies under
+            ``data/aotinductor/`` (named in the message).
     """
-    if not trust:
+    if trust:
+        return
+    with zipfile.ZipFile(path) as archive:
+        library = next((n for n in archive.namelist() if _AOTI in f"/{n}"), None)
+    if library is not None:
         raise UntrustedPackageError(
-            f"{path} is an AOTInductor package: loading it runs the native code (a shared "
-            "library) inside it; load only packages you compiled or whose author you trust, "
-            "with trust=True"
+            f"{path} is an AOTInductor package (it holds the library {library!r}): loading "
+            "it runs the native code inside it; load only packages you compiled or whose "
+            "author you trust, with trust=True"
         )
 
 

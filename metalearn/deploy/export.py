@@ -12,6 +12,7 @@ import io
 import json
 import os
 import tempfile
+import zipfile
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
@@ -21,6 +22,7 @@ from torch import Tensor, nn
 from torch.export import Dim, ExportedProgram
 
 from metalearn.deploy.archive import load_program
+from metalearn.deploy.program_check import check_program_archive, check_targets
 from metalearn.deploy.run_checkpoint import is_run_checkpoint
 
 __all__ = [
@@ -186,19 +188,36 @@ def _move_into_place(tmp: Path, path: Path, overwrite: bool) -> None:
         os.replace(tmp, path)
 
 
-def load_exported(path: str | os.PathLike) -> tuple[ExportedProgram, dict[str, Any]]:
+def load_exported(
+    path: str | os.PathLike, *, trust: bool = False
+) -> tuple[ExportedProgram, dict[str, Any]]:
     """Read a ``.pt2`` written by `export_adapted`: ``(program, metadata)``.
 
-    Every pickled member is read as tensors only (`metalearn.deploy.archive.load_program`):
-    torch's own fallback to an unrestricted unpickler never runs.
+    Before torch reads anything, `check_program_archive` checks the member list and the
+    configs (no pickled weight or constant, no custom or opaque object, no AOTInductor
+    library unless ``trust``, no member name leaving the archive, shape expressions, guards
+    and node targets within their grammars); every pickled member torch still reads (the
+    sample inputs) is read as tensors only (`load_program`); after loading, every call in
+    the graph is checked to be a torch operator (`check_targets`).
+
+    Args:
+        path: the ``.pt2`` file.
+        trust: allow an AOTInductor library inside the archive (torch opens it, running its
+            native code): only for packages you compiled or whose author you trust.
 
     Raises:
         FileNotFoundError: no file at ``path``.
-        ValueError: a member holds pickled objects (the file was altered).
+        ValueError: the file was altered or is no exported program (one line naming the
+            member); `UntrustedPackageError` for an AOTInductor library without ``trust``.
     """
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"no exported program at {path}; write one with export_adapted")
+    try:
+        check_program_archive(path, trust=trust)
+    except zipfile.BadZipFile:
+        raise ValueError(f"{path} is not a .pt2 archive (not a zip file)") from None
     extra = {_METADATA: ""}
     program = load_program(path, extra)
+    check_targets(path, program)
     return program, json.loads(extra[_METADATA] or "{}")

@@ -44,13 +44,46 @@ def predict(
         A `Prediction`: ``classes [B]`` and ``probabilities [B, ways]``.
 
     Raises:
-        ValueError: an AOT package's path without ``trust=True``, or an altered ``.pt2``.
+        ValueError: an AOT package's path without ``trust=True``, an altered ``.pt2``, or
+            images of another shape than an exported program takes.
     """
     if isinstance(model, (str, os.PathLike)):
         model = (
-            load_aot(model, trust=trust)[0] if is_aot_package(model) else load_exported(model)[0]
+            load_aot(model, trust=trust)[0]
+            if is_aot_package(model)
+            else load_exported(model, trust=trust)[0]
         )
+    if isinstance(model, ExportedProgram):
+        check_input_shape(model, x)
     run = model.module() if isinstance(model, ExportedProgram) else model
     with torch.inference_mode():
         probabilities = torch.softmax(run(x), dim=-1)
     return Prediction(probabilities.argmax(-1), probabilities)
+
+
+def check_input_shape(program: ExportedProgram, x: Tensor) -> None:
+    """Refuse images whose shape the exported program was not exported for (it would fail
+    with a bare ``AssertionError: Guard failed``).
+
+    Raises:
+        ValueError: the shape of ``x`` against the program's, where a batch dimension
+            exported as dynamic may take any size.
+    """
+    user_inputs = [
+        spec.arg.name
+        for spec in program.graph_signature.input_specs
+        if spec.kind == spec.kind.USER_INPUT
+    ]
+    node = next(
+        n for n in program.graph.nodes if n.op == "placeholder" and n.name == user_inputs[0]
+    )
+    expected = node.meta["val"].shape
+    fits = x.dim() == len(expected) and all(
+        not isinstance(size, int) or size == got for size, got in zip(expected, x.shape)
+    )
+    if not fits:
+        wanted = ", ".join("B" if not isinstance(s, int) else str(s) for s in expected)
+        raise ValueError(
+            f"images of shape {list(x.shape)}; this program takes [{wanted}]: resize the "
+            "images as the package's metadata says (image_shape), one batch of one size"
+        )
