@@ -4,7 +4,7 @@
 `metalearn.deploy.archive.load_program` forces to tensors:
 
 * a constant declared ``"use_pickle": true`` as an opaque object is read with plain
-  ``pickle.loads``, and a custom (TorchBind) object with TorchScript's unpickler;
+  ``pickle`` (its ``loads``), and a custom (TorchBind) object with TorchScript's unpickler;
 * a member under ``data/aotinductor/`` is a shared library that the load opens (its
   constructor runs), whatever the file is named;
 * every symbolic shape's ``expr_str`` is parsed by ``sympy.sympify``, which evaluates
