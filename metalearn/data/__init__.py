@@ -51,6 +51,7 @@ from metalearn.data.omniglot import (
 )
 from metalearn.data.sampler import Augmentation, EpisodicSampler, check_generator
 from metalearn.data.sine import SineTasks, sine
+from metalearn.data.sizes import PublishedSizes, check_task_sizes, published_sizes
 from metalearn.data.tiered_imagenet import load_tiered_imagenet
 
 __all__ = [
@@ -104,4 +105,7 @@ __all__ = [
     "resolve_data_root",
     "safe_extract",
     "sine",
+    "PublishedSizes",
+    "check_task_sizes",
+    "published_sizes",
 ]
