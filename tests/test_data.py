@@ -130,7 +130,7 @@ def test_cache_hit_miss_and_invalidation(tiny, tmp_path, monkeypatch):
         raise AssertionError("decoded although the cache should have hit")
 
     with monkeypatch.context() as patch:
-        patch.setattr(om, "_decode_all", no_decoding)
+        patch.setattr(om, "decode_many", no_decoding)
         hit = _load(tiny, cache)
     assert torch.equal(hit.images, first.images) and hit.characters == first.characters
 

@@ -96,7 +96,7 @@ def test_mini_imagenet_cache_hits_and_sizes(mini_csv, tmp_path, monkeypatch):
         raise AssertionError("decoded although the cache should have hit")
 
     with monkeypatch.context() as patch:
-        patch.setattr(image_set_module, "_decode_many", no_decoding)
+        patch.setattr(image_set_module, "decode_many", no_decoding)
         again = _quiet(load_mini_imagenet, mini_csv, "val", cache_dir=tmp_path)
     assert torch.equal(first.images, again.images) and first.fingerprint == again.fingerprint
     small = _quiet(load_mini_imagenet, mini_csv, "val", cache_dir=tmp_path, image_size=32)

@@ -1,6 +1,7 @@
 """The package's rooms import downwards only (docs/design.md, "Layers"): every module of
 metalearn is read with ast and each of its metalearn imports must come from its own room or
-one on a lower floor."""
+one on a lower floor. The data sets stand below the engine: they build `Task`s (from the
+foundations' `metalearn.task`) and never import the engine."""
 
 from __future__ import annotations
 
@@ -10,8 +11,8 @@ from pathlib import Path
 PACKAGE = Path(__file__).resolve().parents[1] / "metalearn"
 FLOORS = {
     "functional": 1, "autograd": 1, "allocator": 1, "checkpoint": 1, "distributed": 1,
-    "second_order": 1, "debug": 1, "implicit": 1, "optim": 1, "__init__": 1,
-    "engine": 2, "models": 3, "data": 4, "algorithms": 5, "runs": 6, "deploy": 7,
+    "second_order": 1, "debug": 1, "implicit": 1, "optim": 1, "task": 1, "__init__": 1,
+    "data": 2, "engine": 3, "models": 4, "algorithms": 5, "runs": 6, "deploy": 7,
 }  # fmt: skip
 
 
@@ -63,3 +64,11 @@ def test_the_engine_steps_go_down_in_order():
         for imported in imports(PACKAGE / "engine" / f"{step}.py"):
             if imported.startswith("metalearn.engine."):
                 assert order.index(imported.split(".")[2]) < i, (step, imported)
+
+
+def test_the_data_sets_import_no_engine():
+    data = sorted((PACKAGE / "data").rglob("*.py"))
+    assert data and FLOORS["data"] < FLOORS["engine"]
+    for path in data:
+        engine = {n for n in imports(path) if room(n) == "engine"}
+        assert not engine, f"{path.relative_to(PACKAGE)} imports {sorted(engine)}"

@@ -26,40 +26,32 @@ from metalearn.data.benchmarks import (
     image_set_samplers,
     load_image_set,
 )
+from metalearn.data.cache import default_cache_dir
 from metalearn.data.cifar import load_cifar_fs, load_fc100
 from metalearn.data.cub import load_cub
-from metalearn.data.decoding import ImageFormat
-from metalearn.data.folders import (
-    IMAGE_SUFFIXES,
-    OMNIGLOT_FORMAT,
-    SupportSet,
-    load_images,
-    load_support_folder,
-)
+from metalearn.data.decoding import OMNIGLOT_FORMAT, RESAMPLE_FILTERS, ImageFormat, decode_image
+from metalearn.data.download import ZipSource, safe_extract
+from metalearn.data.folders import IMAGE_SUFFIXES, SupportSet, load_images, load_support_folder
 from metalearn.data.image_folder import load_image_folder
 from metalearn.data.image_set import IMAGE_SPLITS, ImageSet
 from metalearn.data.interop import from_learn2learn, task_from_l2l_batch
 from metalearn.data.mini_imagenet import load_mini_imagenet
 from metalearn.data.omniglot import (
     OMNIGLOT_ZIPS,
-    RESAMPLE_FILTERS,
     SPLIT_ROTATIONS,
     SPLITS,
     SUBSETS,
     OmniglotImages,
-    ZipSource,
-    decode_image,
-    default_cache_dir,
     download_omniglot,
     ensure_omniglot,
     load_omniglot,
     omniglot_samplers,
     omniglot_splits,
     resolve_data_root,
-    safe_extract,
 )
 from metalearn.data.sampler import Augmentation, EpisodicSampler, check_generator
 from metalearn.data.sine import SineTasks, sine
+from metalearn.data.sizes import PublishedSizes, check_task_sizes, published_sizes
 from metalearn.data.tiered_imagenet import load_tiered_imagenet
 
 __all__ = [
@@ -113,4 +105,7 @@ __all__ = [
     "resolve_data_root",
     "safe_extract",
     "sine",
+    "PublishedSizes",
+    "check_task_sizes",
+    "published_sizes",
 ]

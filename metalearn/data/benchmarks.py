@@ -28,7 +28,7 @@ import torch
 from metalearn.data.augment import standard_augmentation
 from metalearn.data.cifar import load_cifar_fs, load_fc100
 from metalearn.data.cub import load_cub
-from metalearn.data.decoding import ImageFormat
+from metalearn.data.decoding import OMNIGLOT_FORMAT, ImageFormat
 from metalearn.data.image_folder import load_image_folder
 from metalearn.data.image_set import IMAGE_SPLITS, ImageSet, check_split
 from metalearn.data.mini_imagenet import load_mini_imagenet
@@ -90,7 +90,9 @@ IMAGE_SETS: Mapping[str, ImageSetEntry] = {
     "cub": ImageSetEntry(load_cub, "resized-crop", (3, 84), resizable=True),
     "folder": ImageSetEntry(load_image_folder, "resized-crop", (3, 84), resizable=True,
                             grayscale=True),
-    "omniglot": ImageSetEntry(_load_omniglot, "character", (1, 28), resizable=True, invert=True),
+    "omniglot": ImageSetEntry(_load_omniglot, "character",
+                              (OMNIGLOT_FORMAT.channels, OMNIGLOT_FORMAT.size), resizable=True,
+                              invert=OMNIGLOT_FORMAT.invert),
 }  # fmt: skip
 IMAGE_SET_NAMES = tuple(IMAGE_SETS)
 

@@ -1,14 +1,18 @@
-"""How an image file becomes a network's input: a run's `ImageFormat`.
+"""How an image file becomes uint8 pixels: the one decoder of every data set and run.
 
-A run records the format its training images had (`metalearn.runs.recipe`), and everything
-that later feeds the network files (a deployed model's support folder, a transfer check)
-decodes them with `ImageFormat.decode`, the same code that built the training data:
+Two decodings, each one function:
 
-* Omniglot: grayscale, resized, inverted so that ink is 255 and paper 0
-  (`metalearn.data.omniglot.decode_image`, which builds the Omniglot cache);
-* every other data set: RGB or grayscale, resized with Pillow's LANCZOS filter
-  (`metalearn.data.image_set.decode_picture`, which builds the decoded caches; the sets
-  shipped as arrays were resized the same way by their authors).
+* Omniglot's ink (`decode_image`): grayscale, resized, inverted so that ink is 255 and paper
+  0, as MAML's data generator computes ``1 - png / 255``;
+* every other image (`decode_picture`): RGB or grayscale, resized with Pillow's LANCZOS
+  filter (the preprocessing of mini-ImageNet's 84x84 images; the sets shipped as arrays
+  were resized the same way by their authors).
+
+A run records the format its training images had (`ImageFormat`, in its recipe), and
+everything that later feeds the network files (a deployed model's support folder, a
+transfer check) decodes them with `ImageFormat.decode`, the same code that built the
+training cache. `decode_many` decodes a whole data set, in a forked process pool when it is
+large; the loaders cache what it returns (`metalearn.data.cache`).
 
 The network sees ``uint8 / 255``, values in [0, 1], with no per-channel normalisation: the
 backbones' batch norm normalises.
@@ -16,15 +20,107 @@ backbones' batch norm normalises.
 
 from __future__ import annotations
 
+import io
 import os
+import sys
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
+import torch
+from torch import Tensor
 
-from metalearn.data.image_set import decode_picture
-from metalearn.data.omniglot import RESAMPLE_FILTERS, decode_image
+__all__ = [
+    "OMNIGLOT_FORMAT",
+    "RESAMPLE_FILTERS",
+    "ImageFormat",
+    "UndecodableImage",
+    "decode_image",
+    "decode_many",
+    "decode_picture",
+]
 
-__all__ = ["ImageFormat"]
+RESAMPLE_FILTERS = ("lanczos", "bilinear", "nearest")
+_POOL_MIN_IMAGES = 2000  # below this, process start-up costs more than it saves
+_CHUNK = 256  # images per job handed to a worker
+
+
+def decode_image(path: str, size: int, resample: str) -> np.ndarray:
+    """Decode one drawing as Omniglot's are: grayscale, resized, inverted to ink.
+
+    Args:
+        path: an image file PIL can open (Omniglot's are binary PNGs, black strokes on white).
+        size: side of the square output, in pixels.
+        resample: one of `RESAMPLE_FILTERS`: ``"lanczos"`` or ``"bilinear"`` resize the
+            grayscale image; ``"nearest"`` resizes the image in its own mode (binary for
+            Omniglot) as MAML's preprocessing did, then converts it to grayscale.
+
+    Returns:
+        uint8 ``[size, size]``: the ink, 255 on a stroke and 0 on the background.
+
+    Raises:
+        ValueError: ``resample`` is unknown, or the file cannot be opened or decoded (the
+            message names it).
+    """
+    from PIL import Image
+
+    if resample not in RESAMPLE_FILTERS:
+        raise ValueError(f"resample must be one of {RESAMPLE_FILTERS}, got {resample!r}")
+
+    filters = {"lanczos": Image.Resampling.LANCZOS, "bilinear": Image.Resampling.BILINEAR}
+    try:
+        with Image.open(path) as image:
+            if resample == "nearest":  # what MAML's script got: mode "1" forces NEAREST
+                small = image.resize((size, size), Image.Resampling.NEAREST)
+                gray = np.asarray(small.convert("L"))
+            else:
+                gray = np.asarray(image.convert("L").resize((size, size), filters[resample]))
+    except Exception as err:  # any decoder failure: name the file, then stop
+        raise ValueError(
+            f"cannot decode {path} ({type(err).__name__}: {err}); the file is corrupt: "
+            "re-extract or re-download its zip"
+        ) from None
+    return 255 - gray
+
+
+def decode_picture(
+    source: str | bytes, size: int, channels: int = 3, *, exact: bool = False
+) -> np.ndarray:
+    """Decode one image file (a path, or its encoded bytes) to uint8 ``[channels, size, size]``.
+
+    Colour images are converted to RGB (``channels=3``) or grayscale (``1``) and resized to a
+    ``size`` square with Pillow's LANCZOS filter (the preprocessing of mini-ImageNet's
+    84x84 images); an image already that size is left untouched.
+
+    Args:
+        exact: refuse an image that is not already ``size`` square (sets published at one
+            size: tiered-ImageNet's PNGs, R2-D2's CIFAR-FS) instead of resizing it.
+
+    Raises:
+        ValueError: the image cannot be opened or decoded, or ``exact`` and it has another
+            size (the message names it).
+    """
+    from PIL import Image
+
+    what = "an encoded image" if isinstance(source, bytes) else source
+    try:
+        with Image.open(io.BytesIO(source) if isinstance(source, bytes) else source) as image:
+            found = image.size
+            image = image.convert("RGB" if channels == 3 else "L")
+            if image.size != (size, size) and not exact:
+                image = image.resize((size, size), Image.Resampling.LANCZOS)
+            pixels = np.asarray(image)
+    except Exception as err:  # any decoder failure: name the file, then stop
+        raise ValueError(
+            f"cannot decode {what} ({type(err).__name__}: {err}); the file is corrupt: "
+            "re-extract or re-download it"
+        ) from None
+    if exact and found != (size, size):
+        raise ValueError(
+            f"{what} is {found[0]}x{found[1]} pixels, the published images are {size}x{size}; "
+            "the file is not the published one: re-download it"
+        )
+    return pixels[None] if pixels.ndim == 2 else pixels.transpose(2, 0, 1)
 
 
 @dataclass(frozen=True)
@@ -69,3 +165,92 @@ class ImageFormat:
             return decode_image(str(path), self.size, self.resample)[None]
         # A writable copy: Pillow's buffer is read-only, which torch.from_numpy warns about.
         return np.array(decode_picture(str(path), self.size, self.channels))
+
+
+OMNIGLOT_FORMAT = ImageFormat(28, 1, invert=True)
+"""Omniglot's images as MAML trains on them: 28 px, grayscale, ink 255 on 0, LANCZOS."""
+
+
+class UndecodableImage(ValueError):
+    """A source that does not decode; ``position`` is its index in `decode_many`'s sources."""
+
+    def __init__(self, position: int, message: str) -> None:
+        super().__init__(message)
+        self.position = position
+
+    def __reduce__(self):  # rebuilt from (position, message) when a worker process raises it
+        return type(self), (self.position, str(self))
+
+
+def _decode_chunk(job: tuple[Callable[..., np.ndarray], Sequence, int]) -> np.ndarray:
+    decode, sources, first = job
+    pictures = []
+    for offset, source in enumerate(sources):
+        try:
+            pictures.append(decode(source))
+        except ValueError as err:  # carries the position back from a worker process
+            raise UndecodableImage(first + offset, str(err)) from None
+    return np.stack(pictures)
+
+
+def decode_many(
+    sources: Sequence[str | bytes],
+    decode: Callable[[str | bytes], np.ndarray],
+    *,
+    workers: int | None = None,
+    desc: str = "images",
+    progress: bool = False,
+) -> Tensor:
+    """Decode every source, in a forked process pool when there are many.
+
+    Args:
+        sources: image paths or encoded images, in order.
+        decode: one source to a uint8 array, the same shape for all (`decode_image` or
+            `decode_picture` with their sizes bound by `functools.partial`: it is sent to
+            the worker processes, so a module-level function, not a lambda).
+        workers: decoding processes; 0 decodes in this process; None picks the CPU count
+            (at most 8) for 2000 sources or more and 0 below.
+        desc: the data set, in the progress bar and messages.
+        progress: show a progress bar.
+
+    Returns:
+        uint8 ``[N, *decode's shape]``, row ``i`` decoded from ``sources[i]``.
+
+    Raises:
+        UndecodableImage: a source that does not decode (a ValueError carrying its position
+            in ``sources``; the message names the file).
+        ValueError: no sources.
+    """
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+
+    from PIL import Image  # noqa: F401  (imported before forking, not in each child)
+    from tqdm.auto import tqdm
+
+    if not len(sources):
+        raise ValueError(f"{desc}: no images to decode")
+    jobs = [(decode, sources[i : i + _CHUNK], i) for i in range(0, len(sources), _CHUNK)]
+    # fork, as torch's DataLoader does on Linux: spawn/forkserver children re-import the
+    # caller's __main__ (fails from stdin) and pay torch's import; the children only run
+    # PIL and numpy. Elsewhere fork is unsafe (macOS) or absent (Windows): decode here.
+    can_fork = sys.platform.startswith("linux")
+    if workers is None:
+        many = len(sources) >= _POOL_MIN_IMAGES and can_fork
+        workers = min(os.cpu_count() or 1, 8) if many else 0
+    bar = tqdm(total=len(sources), desc=f"{desc}: decoding", unit="img", disable=not progress)
+    arrays = []
+    with bar:
+        if workers <= 1 or not can_fork:
+            for job in jobs:
+                arrays.append(_decode_chunk(job))
+                bar.update(len(arrays[-1]))
+        else:
+            # An executor, not multiprocessing.Pool: a killed worker raises instead of hanging.
+            pool = ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("fork"))
+            try:
+                for array in pool.map(_decode_chunk, jobs):
+                    arrays.append(array)
+                    bar.update(len(array))
+            finally:  # on a corrupt file, stop now rather than after decoding the rest
+                pool.shutdown(cancel_futures=True)
+    return torch.from_numpy(np.concatenate(arrays))

@@ -15,7 +15,7 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-from metalearn.data.decoding import ImageFormat
+from metalearn.data.decoding import OMNIGLOT_FORMAT, ImageFormat
 
 __all__ = [
     "IMAGE_SUFFIXES",
@@ -26,8 +26,6 @@ __all__ = [
 ]
 
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".bmp", ".gif", ".tif", ".tiff", ".webp")
-OMNIGLOT_FORMAT = ImageFormat(28, 1, invert=True)
-"""The Omniglot experiments' images: 28 px, grayscale, ink 1 on 0."""
 
 
 class SupportSet(NamedTuple):

@@ -5,29 +5,28 @@ An `ImageSet` is one split of a benchmark (or of a user's folder): every image a
 every loader in `metalearn.data` returns and what `EpisodicSampler` draws tasks from.
 
 Images come either from arrays the data set ships (pickles, ``.npz``), used as they are, or
-from image files (JPEG/PNG, or encoded PNG bytes in a pickle) decoded once and cached as
-Omniglot's are: a ``.pt`` file in `default_cache_dir` keyed on a fingerprint of the
-sources' paths, sizes and modification times, so the data root may be read-only and any
-change to the files rebuilds the cache. The cache is memory-mapped when read back, so a
-set larger than memory (tiered-ImageNet's 9.5 GB of training images) loads pages as tasks
-touch them.
+from image files (JPEG/PNG, or encoded PNG bytes in a pickle) decoded once
+(`metalearn.data.decoding.decode_picture`) and cached as Omniglot's are
+(`metalearn.data.cache`: a ``.pt`` file keyed on a fingerprint of the sources' paths, sizes
+and modification times, so the data root may be read-only and any change to the files
+rebuilds the cache). The cache is memory-mapped when read back, so a set larger than memory
+(tiered-ImageNet's 9.5 GB of training images) loads pages as tasks touch them.
 """
 
 from __future__ import annotations
 
-import io
 import os
-import sys
 import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
-import numpy as np
 import torch
 from torch import Tensor
 
-from metalearn.data.omniglot import _fingerprint, _load_cache, _write_cache, default_cache_dir
+from metalearn.data.cache import cached, default_cache_dir, fingerprint
+from metalearn.data.decoding import UndecodableImage, decode_many, decode_picture
 from metalearn.data.sampler import Augmentation, EpisodicSampler
 
 __all__ = [
@@ -43,7 +42,6 @@ __all__ = [
 
 IMAGE_SPLITS = ("train", "val", "test")
 _CACHE_FORMAT = 1  # bump when the cached tensors' meaning changes
-_POOL_MIN_IMAGES = 2000  # below this, process start-up costs more than it saves
 
 
 @dataclass(frozen=True)
@@ -188,101 +186,6 @@ def warn_on_counts(image_set: ImageSet, expected: int) -> None:
         )
 
 
-def decode_picture(
-    source: str | bytes, size: int, channels: int = 3, *, exact: bool = False
-) -> np.ndarray:
-    """Decode one image file (a path, or its encoded bytes) to uint8 ``[channels, size, size]``.
-
-    Colour images are converted to RGB (``channels=3``) or grayscale (``1``) and resized to a
-    ``size`` square with Pillow's LANCZOS filter (the preprocessing of mini-ImageNet's
-    84x84 images); an image already that size is left untouched.
-
-    Args:
-        exact: refuse an image that is not already ``size`` square (sets published at one
-            size: tiered-ImageNet's PNGs, R2-D2's CIFAR-FS) instead of resizing it.
-
-    Raises:
-        ValueError: the image cannot be opened or decoded, or ``exact`` and it has another
-            size (the message names it).
-    """
-    from PIL import Image
-
-    what = "an encoded image" if isinstance(source, bytes) else source
-    try:
-        with Image.open(io.BytesIO(source) if isinstance(source, bytes) else source) as image:
-            found = image.size
-            image = image.convert("RGB" if channels == 3 else "L")
-            if image.size != (size, size) and not exact:
-                image = image.resize((size, size), Image.Resampling.LANCZOS)
-            pixels = np.asarray(image)
-    except Exception as err:  # any decoder failure: name the file, then stop
-        raise ValueError(
-            f"cannot decode {what} ({type(err).__name__}: {err}); the file is corrupt: "
-            "re-extract or re-download it"
-        ) from None
-    if exact and found != (size, size):
-        raise ValueError(
-            f"{what} is {found[0]}x{found[1]} pixels, the published images are {size}x{size}; "
-            "the file is not the published one: re-download it"
-        )
-    return pixels[None] if pixels.ndim == 2 else pixels.transpose(2, 0, 1)
-
-
-class _BadImage(ValueError):
-    """A source that does not decode: ``args`` are its position in the sources and why."""
-
-
-def _decode_chunk(job: tuple[Sequence[str | bytes], int, int, bool, int]) -> np.ndarray:
-    sources, size, channels, exact, first = job
-    pictures = []
-    for offset, source in enumerate(sources):
-        try:
-            pictures.append(decode_picture(source, size, channels, exact=exact))
-        except ValueError as err:  # carries the position back from a worker process
-            raise _BadImage(first + offset, str(err)) from None
-    return np.stack(pictures)
-
-
-def _decode_many(
-    sources: Sequence[str | bytes],
-    size: int,
-    channels: int,
-    workers: int | None,
-    desc: str,
-    exact: bool = False,
-) -> Tensor:
-    """Decode every source, in a forked process pool when there are many; ``[N, ch, S, S]``.
-
-    Raises:
-        _BadImage: a source that does not decode, with its position in ``sources``.
-    """
-    import multiprocessing
-    from concurrent.futures import ProcessPoolExecutor
-
-    from PIL import Image  # noqa: F401  (imported before forking, not in each child)
-
-    chunk = 256
-    jobs = [
-        (sources[i : i + chunk], size, channels, exact, i) for i in range(0, len(sources), chunk)
-    ]
-    # fork, for the reasons `metalearn.data.omniglot._decode_all` gives; elsewhere decode here.
-    can_fork = sys.platform.startswith("linux")
-    if workers is None:
-        many = len(sources) >= _POOL_MIN_IMAGES and can_fork
-        workers = min(os.cpu_count() or 1, 8) if many else 0
-    if workers <= 1 or not can_fork:
-        arrays = [_decode_chunk(job) for job in jobs]
-    else:
-        pool = ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("fork"))
-        try:
-            arrays = list(pool.map(_decode_chunk, jobs))
-        finally:  # on a corrupt file, stop now rather than after decoding the rest
-            pool.shutdown(cancel_futures=True)
-    if not arrays:
-        raise ValueError(f"{desc}: no images to decode")
-    return torch.from_numpy(np.concatenate(arrays))
-
-
 def cached_decode(
     name: str,
     root: Path,
@@ -326,22 +229,19 @@ def cached_decode(
     Warns:
         UserWarning: the cache could not be written.
     """
-    entries = [(list(files),)]
-    fingerprint = _fingerprint(root, entries, f"{_CACHE_FORMAT}|{size}|{channels}|{key}")
+    fingerprinted = fingerprint(root, files, f"{_CACHE_FORMAT}|{size}|{channels}|{key}")
     cache = Path(cache_dir) if cache_dir is not None else default_cache_dir()
-    path = cache / f"{name}-{size}px-{fingerprint[:20]}.pt"
-    cached = _load_cache(path, fingerprint, what=name, mmap=True)
-    if cached is not None:
-        return cached["images"], fingerprint
-    try:
-        images = _decode_many(sources(), size, channels, workers, name, exact)
-    except _BadImage as bad:
-        position, message = bad.args
-        raise ValueError(
-            message if describe is None else f"{describe(position)}: {message}"
-        ) from None
-    _write_cache(path, {"images": images, "fingerprint": fingerprint}, name)
-    return images, fingerprint
+    decode = partial(decode_picture, size=size, channels=channels, exact=exact)
+
+    def build() -> dict:
+        try:
+            return {"images": decode_many(sources(), decode, workers=workers, desc=name)}
+        except UndecodableImage as bad:
+            message = str(bad) if describe is None else f"{describe(bad.position)}: {bad}"
+            raise ValueError(message) from None
+
+    path = cache / f"{name}-{size}px-{fingerprinted[:20]}.pt"
+    return cached(path, fingerprinted, build, what=name, mmap=True)["images"], fingerprinted
 
 
 def image_set_from_files(

@@ -42,7 +42,7 @@ from typing import Any, Protocol
 import torch
 from torch import Tensor
 
-from metalearn.engine import Task
+from metalearn.task import Task
 
 __all__ = ["TaskSet", "from_learn2learn", "task_from_l2l_batch"]
 

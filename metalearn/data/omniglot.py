@@ -19,37 +19,37 @@ Pixels, and how they relate to MAML's reference code (cbfinn/maml):
 * Strokes are 1 and background 0: MAML's data generator computes ``1.0 - png / 255``
   (its comment: "invert"). The cache stores this ink in uint8 (255 = stroke).
 
-Decoding 32,460 PNGs takes a few seconds on two cores; the result is cached as one uint8
-tensor in a writable cache directory (``$METALEARN_CACHE`` or ``~/.cache/metalearn``), keyed
-on a fingerprint of the file list, sizes and modification times, so the data root may be
-read-only and any change to the files rebuilds the cache.
+Decoding 32,460 PNGs (`metalearn.data.decoding`, by `OMNIGLOT_FORMAT` or another
+`ImageFormat`, the code that later decodes a deployed model's support images) takes a few
+seconds on two cores; the result is cached as one uint8 tensor (`metalearn.data.cache`), so
+the data root may be read-only and any change to the files rebuilds the cache. Downloading
+and extracting the zips is `metalearn.data.download`'s.
 """
 
 from __future__ import annotations
 
-import hashlib
-import http.client
 import os
 import re
-import stat
-import sys
-import tempfile
-import urllib.error
-import urllib.request
-import warnings
-import zipfile
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from pathlib import Path, PurePosixPath
+from pathlib import Path
 
-import numpy as np
 import torch
 from torch import Tensor
 
-from metalearn.checkpoint import save_checkpoint
+from metalearn.data.cache import cached, default_cache_dir, fingerprint
+from metalearn.data.decoding import (
+    OMNIGLOT_FORMAT,
+    RESAMPLE_FILTERS,
+    ImageFormat,
+    decode_image,
+    decode_many,
+)
+from metalearn.data.download import ZipSource, download_folders, safe_extract
 from metalearn.data.sampler import Augmentation, EpisodicSampler
 
 __all__ = [
+    "OMNIGLOT_FORMAT",
     "OMNIGLOT_ZIPS",
     "RESAMPLE_FILTERS",
     "SPLITS",
@@ -71,22 +71,9 @@ __all__ = [
 
 SUBSETS = ("images_background", "images_evaluation")
 SPLITS = ("maml", "alphabet")
-RESAMPLE_FILTERS = ("lanczos", "bilinear", "nearest")
 # Quarter turns that make new classes, per split: MAML rotates (Santoro et al., 2016);
 # Lake et al.'s background/evaluation protocol does not.
 SPLIT_ROTATIONS = {"maml": (0, 1, 2, 3), "alphabet": (0,)}
-_CACHE_FORMAT = 1  # bump when the cached tensor's meaning changes
-_POOL_MIN_FILES = 2000  # below this, process start-up costs more than it saves
-
-
-@dataclass(frozen=True)
-class ZipSource:
-    """Where one official zip lives and its expected MD5 (None: not checked)."""
-
-    url: str
-    md5: str | None
-
-
 _URL = "https://github.com/brendenlake/omniglot/raw/master/python/{}.zip"
 # MD5s as published in torchvision's `Omniglot.zips_md5` (torchvision/datasets/omniglot.py);
 # they could not be re-checked against a download from this workplace (no network).
@@ -135,12 +122,6 @@ class OmniglotImages:
         return images.to(device=device, dtype=dtype).div_(255).unsqueeze(2)
 
 
-def default_cache_dir() -> Path:
-    """``$METALEARN_CACHE`` if set, else ``~/.cache/metalearn``."""
-    env = os.environ.get("METALEARN_CACHE")
-    return Path(env).expanduser() if env else Path.home() / ".cache" / "metalearn"
-
-
 def resolve_data_root(data_root: str | os.PathLike | None = None) -> Path:
     """The data root: ``data_root``, else ``$METALEARN_DATA``, else ``<cache>/omniglot``."""
     if data_root is not None:
@@ -172,8 +153,9 @@ def _how_to_get(root: Path, sources: Mapping[str, ZipSource]) -> str:
     return (
         f"Omniglot was not found at {root} (expected {' and '.join(s + '/' for s in SUBSETS)} "
         f"there). Download {urls}, unzip both into one folder, and point the data root at it "
-        "(--data-root, or the METALEARN_DATA environment variable); or give an empty or "
-        "missing folder with download=True and network access to have them downloaded."
+        "(--data-root, or the METALEARN_DATA environment variable); or, with network "
+        "access, leave both unset to have them downloaded into "
+        f"{default_cache_dir() / 'omniglot'}."
     )
 
 
@@ -234,88 +216,14 @@ def download_omniglot(
 
     Each zip is checked against its MD5 (when known) and its members' CRCs, then extracted
     into a temporary folder inside ``root`` and moved into place, so an interrupted
-    download never leaves a half-extracted subset that looks complete.
+    download never leaves a half-extracted subset that looks complete
+    (`metalearn.data.download.download_folders`).
 
     Returns:
         The SHA-256 of each downloaded zip, by subset (to record alongside a run).
     """
-    root = Path(root)
-    root.mkdir(parents=True, exist_ok=True)
-    digests = {}
-    for subset in subsets:
-        source = sources[subset]
-        zip_path = root / f".{subset}.zip"
-        digests[subset] = _fetch(source, zip_path, root, sources)
-        with tempfile.TemporaryDirectory(dir=root, prefix=".extract-") as tmp:
-            safe_extract(zip_path, tmp)
-            if not (Path(tmp) / subset).is_dir():
-                raise ValueError(f"{source.url} does not contain the folder {subset}/")
-            os.replace(Path(tmp) / subset, root / subset)
-        zip_path.unlink()
-    return digests
-
-
-def _fetch(source: ZipSource, dest: Path, root: Path, sources: Mapping[str, ZipSource]) -> str:
-    """Stream ``source.url`` to ``dest``, check its MD5, return its SHA-256."""
-    md5, sha256 = hashlib.md5(), hashlib.sha256()
-    part = dest.with_suffix(".part")
-    try:
-        with urllib.request.urlopen(source.url, timeout=60) as response, open(part, "wb") as f:
-            while chunk := response.read(1 << 20):
-                md5.update(chunk)
-                sha256.update(chunk)
-                f.write(chunk)
-    except (urllib.error.URLError, http.client.HTTPException, TimeoutError, ConnectionError) as err:
-        part.unlink(missing_ok=True)
-        raise FileNotFoundError(
-            f"Downloading {source.url} failed ({err}). {_how_to_get(root, sources)}"
-        ) from err
-    if source.md5 is not None and md5.hexdigest() != source.md5:
-        part.unlink()
-        raise ValueError(
-            f"{source.url} has MD5 {md5.hexdigest()}, expected {source.md5}: the download is "
-            "corrupt or the file changed upstream; retry, or download and unzip it by hand"
-        )
-    os.replace(part, dest)
-    return sha256.hexdigest()
-
-
-def safe_extract(zip_path: str | os.PathLike, target: str | os.PathLike) -> list[str]:
-    """Extract a zip, refusing any member that could land outside ``target``.
-
-    Rejects absolute paths, drive letters, ``..`` components and symbolic links before
-    writing anything, and checks every member's CRC (``ZipFile.testzip``).
-
-    Returns:
-        The member names extracted.
-
-    Raises:
-        ValueError: an unsafe member (named) or a corrupt archive.
-    """
-    with zipfile.ZipFile(zip_path) as archive:
-        names = archive.namelist()
-        for info in archive.infolist():
-            _check_member(info, zip_path)
-        bad = archive.testzip()
-        if bad is not None:
-            raise ValueError(
-                f"{zip_path} is corrupt: member {bad!r} fails its CRC check; delete it and "
-                "download again"
-            )
-        archive.extractall(target)
-    return names
-
-
-def _check_member(info: zipfile.ZipInfo, zip_path: str | os.PathLike) -> None:
-    name = info.filename.replace("\\", "/")
-    parts = PurePosixPath(name).parts
-    is_link = stat.S_ISLNK(info.external_attr >> 16)
-    if name.startswith("/") or (parts and ":" in parts[0]) or ".." in parts or is_link:
-        raise ValueError(
-            f"refusing to extract {zip_path}: member {info.filename!r} is "
-            f"{'a symbolic link' if is_link else 'a path outside the target folder'}; "
-            "the archive is not the official Omniglot zip"
-        )
+    wanted = {subset: sources[subset] for subset in subsets}
+    return download_folders(root, wanted, how_to_get=_how_to_get(Path(root), sources))
 
 
 def _scan(root: Path) -> list[tuple[str, str, bool, list[Path]]]:
@@ -342,145 +250,12 @@ def _scan(root: Path) -> list[tuple[str, str, bool, list[Path]]]:
     return found
 
 
-def _fingerprint(root: Path, characters: list[tuple[str, str, bool, list[Path]]], key: str) -> str:
-    """SHA-256 of relative paths, sizes and mtimes (not contents: stat-only, so cheap)."""
-    digest = hashlib.sha256(f"{_CACHE_FORMAT}|{key}".encode())
-    for *_, pngs in characters:
-        for path in pngs:
-            st = path.stat()
-            digest.update(f"{path.relative_to(root)}|{st.st_size}|{st.st_mtime_ns}\n".encode())
-    return digest.hexdigest()
-
-
-def decode_image(path: str, size: int, resample: str) -> np.ndarray:
-    """Decode one drawing as `load_omniglot` does: grayscale, resized, inverted to ink.
-
-    `metalearn.deploy` decodes support images with it too, so a deployed model sees its
-    inputs exactly as it saw them in training.
-
-    Args:
-        path: an image file PIL can open (Omniglot's are binary PNGs, black strokes on white).
-        size: side of the square output, in pixels.
-        resample: one of `RESAMPLE_FILTERS`: ``"lanczos"`` or ``"bilinear"`` resize the
-            grayscale image; ``"nearest"`` resizes the image in its own mode (binary for
-            Omniglot) as MAML's preprocessing did, then converts it to grayscale.
-
-    Returns:
-        uint8 ``[size, size]``: the ink, 255 on a stroke and 0 on the background.
-
-    Raises:
-        ValueError: ``resample`` is unknown, or the file cannot be opened or decoded (the
-            message names it).
-    """
-    from PIL import Image
-
-    if resample not in RESAMPLE_FILTERS:
-        raise ValueError(f"resample must be one of {RESAMPLE_FILTERS}, got {resample!r}")
-
-    filters = {"lanczos": Image.Resampling.LANCZOS, "bilinear": Image.Resampling.BILINEAR}
-    try:
-        with Image.open(path) as image:
-            if resample == "nearest":  # what MAML's script got: mode "1" forces NEAREST
-                small = image.resize((size, size), Image.Resampling.NEAREST)
-                gray = np.asarray(small.convert("L"))
-            else:
-                gray = np.asarray(image.convert("L").resize((size, size), filters[resample]))
-    except Exception as err:  # any decoder failure: name the file, then stop
-        raise ValueError(
-            f"cannot decode {path} ({type(err).__name__}: {err}); the file is corrupt: "
-            "re-extract or re-download its zip"
-        ) from None
-    return 255 - gray
-
-
-def _decode_character(job: tuple[list[str], int, str]) -> np.ndarray:
-    paths, size, resample = job
-    return np.stack([decode_image(path, size, resample) for path in paths])
-
-
-def _decode_all(
-    characters: list[tuple[str, str, bool, list[Path]]],
-    size: int,
-    resample: str,
-    workers: int | None,
-    progress: bool,
-) -> Tensor:
-    """Decode every drawing, in a process pool when there are many; ``[C, M, S, S]``."""
-    import multiprocessing
-    from concurrent.futures import ProcessPoolExecutor
-
-    from PIL import Image  # noqa: F401  (imported before forking, not in each child)
-    from tqdm.auto import tqdm
-
-    jobs = [([str(p) for p in pngs], size, resample) for *_, pngs in characters]
-    files = sum(len(job[0]) for job in jobs)
-    # fork, as torch's DataLoader does on Linux: spawn/forkserver children re-import the
-    # caller's __main__ (fails from stdin) and pay torch's import; the children only run
-    # PIL and numpy. Elsewhere fork is unsafe (macOS) or absent (Windows): decode here.
-    can_fork = sys.platform.startswith("linux")
-    if workers is None:
-        workers = min(os.cpu_count() or 1, 8) if files >= _POOL_MIN_FILES and can_fork else 0
-    bar = dict(total=len(jobs), desc="Omniglot: decoding", unit="char", disable=not progress)
-    if workers <= 1 or not can_fork:
-        arrays = [_decode_character(job) for job in tqdm(jobs, **bar)]
-    else:
-        # An executor, not multiprocessing.Pool: a killed worker raises instead of hanging.
-        pool = ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("fork"))
-        try:
-            arrays = list(tqdm(pool.map(_decode_character, jobs, chunksize=16), **bar))
-        finally:  # on a corrupt file, stop now rather than after decoding the rest
-            pool.shutdown(cancel_futures=True)
-    return torch.from_numpy(np.stack(arrays))
-
-
-def _load_cache(
-    path: Path, fingerprint: str, *, what: str = "Omniglot", mmap: bool = False
-) -> dict | None:
-    """The cached dict if ``path`` is a readable cache for ``fingerprint``, else None.
-
-    ``what`` names the data in the warning; ``mmap`` maps the tensors from the file instead
-    of reading them (pages load on first touch: for sets larger than memory).
-    """
-    if not path.is_file():
-        return None
-    try:
-        cached = torch.load(path, weights_only=True, mmap=mmap)
-    except Exception as err:  # a truncated or foreign file: rebuild it, but say so
-        warnings.warn(
-            f"ignoring unreadable {what} cache {path} ({err}); rebuilding it", stacklevel=3
-        )
-        return None
-    if not isinstance(cached, dict) or cached.get("fingerprint") != fingerprint:
-        return None
-    return cached
-
-
-def _write_cache(path: Path, cached: dict, what: str = "Omniglot") -> bool:
-    """Write a decoded cache; if that fails, warn and go on uncached. Returns whether written.
-
-    The decoded tensors are in memory already, so a full disk or a read-only cache folder
-    costs the next run a decode, not this run its data.
-    """
-    try:
-        save_checkpoint(path, cached)
-    except (OSError, RuntimeError) as err:  # torch.save's zip writer raises RuntimeError
-        why = " ".join(str(err).split())
-        warnings.warn(
-            f"cannot write the {what} cache {path} ({type(err).__name__}: {why}); running "
-            "uncached (the images are decoded again next time): free disk space or point "
-            "METALEARN_CACHE at a writable folder",
-            stacklevel=3,
-        )
-        return False
-    return True
-
-
 def load_omniglot(
     data_root: str | os.PathLike | None = None,
     *,
     cache_dir: str | os.PathLike | None = None,
-    image_size: int = 28,
-    resample: str = "lanczos",
+    image_size: int = OMNIGLOT_FORMAT.size,
+    resample: str = OMNIGLOT_FORMAT.resample,
     download: bool = True,
     workers: int | None = None,
     progress: bool = True,
@@ -490,9 +265,9 @@ def load_omniglot(
     Args:
         data_root: see `resolve_data_root` (may be read-only).
         cache_dir: where the decoded tensor is cached (default: `default_cache_dir`).
-        image_size: side of the resized square images (28 as in MAML).
-        resample: ``"lanczos"`` (default), ``"bilinear"`` or ``"nearest"`` (MAML's actual
-            binary pixels, see the module docstring).
+        image_size: side of the resized square images (`OMNIGLOT_FORMAT`'s 28, as in MAML).
+        resample: ``"lanczos"`` (`OMNIGLOT_FORMAT`'s), ``"bilinear"`` or ``"nearest"``
+            (MAML's actual binary pixels, see the module docstring).
         download: download the official zips into a missing or empty root.
         workers: decoding processes; 0 decodes in this process; None picks the CPU count
             (at most 8) for the full set and 0 for small trees.
@@ -509,28 +284,31 @@ def load_omniglot(
         raise ValueError(f"resample={resample!r}; choose one of {RESAMPLE_FILTERS}")
     if image_size < 1:
         raise ValueError(f"image_size must be >= 1, got {image_size}")
+    image = ImageFormat(image_size, 1, invert=True, resample=resample)
     root = ensure_omniglot(data_root, download=download)
     characters = _scan(root)
-    fingerprint = _fingerprint(root, characters, f"{image_size}|{resample}")
+    pngs = [path for *_, paths in characters for path in paths]
+    key = fingerprint(root, pngs, f"{image_size}|{resample}")
     cache = Path(cache_dir) if cache_dir is not None else default_cache_dir()
-    path = cache / f"omniglot-{image_size}px-{resample}-{fingerprint[:20]}.pt"
-    cached = _load_cache(path, fingerprint)
-    if cached is None:
-        images = _decode_all(characters, image_size, resample, workers, progress)
-        cached = {
-            "images": images,
+
+    def decode() -> dict:
+        ink = decode_many([str(p) for p in pngs], image.decode, workers=workers,
+                          desc="Omniglot", progress=progress)  # fmt: skip
+        return {
+            "images": ink.view(len(characters), -1, image_size, image_size),  # [C, M, S, S]
             "characters": [c[0] for c in characters],
             "alphabets": [c[1] for c in characters],
             "background": torch.tensor([c[2] for c in characters]),
-            "fingerprint": fingerprint,
         }
-        _write_cache(path, cached)
+
+    path = cache / f"omniglot-{image_size}px-{resample}-{key[:20]}.pt"
+    cached_set = cached(path, key, decode, what="Omniglot")
     return OmniglotImages(
-        images=cached["images"],
-        characters=tuple(cached["characters"]),
-        alphabets=tuple(cached["alphabets"]),
-        background=cached["background"],
-        fingerprint=fingerprint,
+        images=cached_set["images"],
+        characters=tuple(cached_set["characters"]),
+        alphabets=tuple(cached_set["alphabets"]),
+        background=cached_set["background"],
+        fingerprint=key,
         drawers=_drawers(characters),
     )
 

@@ -36,7 +36,7 @@ from collections.abc import Callable, Sequence
 import torch
 from torch import Tensor
 
-from metalearn.engine import Task
+from metalearn.task import Task
 
 __all__ = ["Augmentation", "EpisodicSampler", "check_generator"]
 
@@ -55,7 +55,7 @@ def check_generator(generator: object) -> torch.Generator:
 
 
 class EpisodicSampler:
-    """N-way K-shot tasks with Q queries per class, as `metalearn.engine.outer.Task` objects.
+    """N-way K-shot tasks with Q queries per class, as `metalearn.task.Task` objects.
 
     Args:
         images: ``[C, M, ch, H, W]``: ``M`` examples of each of ``C`` base classes; or,

@@ -15,7 +15,7 @@ import torch
 from torch import Tensor
 
 from metalearn.data.sampler import check_generator
-from metalearn.engine import Task
+from metalearn.task import Task
 
 __all__ = ["SineTasks", "sine"]
 

@@ -1,19 +1,19 @@
 """What flows through the engine: a task, one task's result, a meta-batch's result, and the
 errors a non-finite loss raises.
 
-This module sits at the bottom: it imports nothing from the rest of the package, so the data
-layer (`metalearn.data`) builds tasks without the rest of the engine, and every engine module
-(`inner`, `outer`, `plan`, `accumulate`) speaks the same types.
+`Task` itself lives in `metalearn.task`, below the engine, so that the data sets build
+tasks without importing the engine; it is re-exported here. This module is the engine's
+bottom step: every engine module (`inner`, `outer`, `plan`, `accumulate`) speaks its types.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 import torch
 from torch import Tensor
+
+from metalearn.task import StopRule, Task
 
 __all__ = [
     "AllTasksSkippedError",
@@ -24,33 +24,6 @@ __all__ = [
     "TaskResult",
     "accuracy",
 ]
-
-StopRule = Callable[[int, float], bool]
-"""``stop(step, support_loss) -> bool``: stop before taking step ``step`` (0-based)."""
-
-
-@dataclass
-class Task:
-    """One few-shot task: support and query sets and its own control flow.
-
-    Attributes:
-        support: ``(x [N_s, ...], y [N_s])``.
-        query: ``(x [N_q, ...], y [N_q])``.
-        steps: this task's number of inner steps (None: the meta-batch's default).
-        model_kwargs: keyword arguments for the model's forward on this task (e.g.
-            ``{"skip": True}`` for a `DynamicBlock` branch).
-        stop: an early-stopping rule on this task's support loss (forces the loop path).
-    """
-
-    support: tuple[Tensor, Tensor]
-    query: tuple[Tensor, Tensor]
-    steps: int | None = None
-    model_kwargs: Mapping[str, Any] = field(default_factory=dict)
-    stop: StopRule | None = None
-
-    def examples(self) -> int:
-        """Support plus query examples: what a task adds to a vmapped chunk's tensors."""
-        return self.support[0].shape[0] + self.query[0].shape[0]
 
 
 class TaskResult(NamedTuple):

@@ -1,7 +1,7 @@
 """Residual blocks whose body each task may skip: a per-task branch of the network.
 
 A branch is chosen per task, so it reaches the model as a forward keyword argument, the way
-the engine passes `metalearn.engine.task.Task.model_kwargs`::
+the engine passes `metalearn.task.Task.model_kwargs`::
 
     functional_call(model, params, (x,), {"skip": (True, False)})
 

@@ -1,0 +1,117 @@
+"""The cache of decoded data sets: uint8 tensors decoded once, kept in a ``.pt`` file.
+
+Decoding a data set's image files takes seconds to minutes; the loaders decode once and keep
+the result in a writable cache directory (``$METALEARN_CACHE`` or ``~/.cache/metalearn``),
+one file per decoding, keyed on a fingerprint of the source files' relative paths, sizes and
+modification times (stat only, so cheap), so the data root may be read-only and any change
+to the files rebuilds the cache. Files are written atomically (`save_checkpoint`) and read
+with ``weights_only=True``; an unreadable one is rebuilt, and one that cannot be written (a
+full disk, a read-only folder) leaves the run going uncached, each with a warning.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import warnings
+from collections.abc import Callable, Iterable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from metalearn.checkpoint import save_checkpoint
+
+__all__ = ["cached", "default_cache_dir", "fingerprint", "load_cache", "write_cache"]
+
+CACHE_FORMAT = 1  # bump when every cache file's meaning changes (all of them rebuild)
+
+
+def default_cache_dir() -> Path:
+    """``$METALEARN_CACHE`` if set, else ``~/.cache/metalearn``."""
+    env = os.environ.get("METALEARN_CACHE")
+    return Path(env).expanduser() if env else Path.home() / ".cache" / "metalearn"
+
+
+def fingerprint(root: Path, files: Iterable[Path], key: str) -> str:
+    """SHA-256 of ``key`` and the files' paths relative to ``root``, sizes and mtimes.
+
+    Args:
+        root: the data root the paths are taken relative to (so a moved root keeps its key).
+        files: every file the decoded tensors come from, in a fixed order.
+        key: whatever else changes the decoded tensors (image size, filter, split).
+    """
+    digest = hashlib.sha256(f"{CACHE_FORMAT}|{key}".encode())
+    for path in files:
+        st = path.stat()
+        digest.update(f"{path.relative_to(root)}|{st.st_size}|{st.st_mtime_ns}\n".encode())
+    return digest.hexdigest()
+
+
+def load_cache(path: Path, key: str, *, what: str, mmap: bool = False) -> dict | None:
+    """The cached dict if ``path`` is a readable cache for fingerprint ``key``, else None.
+
+    ``what`` names the data in the warning; ``mmap`` maps the tensors from the file instead
+    of reading them (pages load on first touch: for sets larger than memory).
+
+    Warns:
+        UserWarning: the file exists but cannot be read (it is then rebuilt).
+    """
+    if not path.is_file():
+        return None
+    try:
+        found = torch.load(path, weights_only=True, mmap=mmap)
+    except Exception as err:  # a truncated or foreign file: rebuild it, but say so
+        warnings.warn(
+            f"ignoring unreadable {what} cache {path} ({err}); rebuilding it", stacklevel=4
+        )
+        return None
+    if not isinstance(found, dict) or found.get("fingerprint") != key:
+        return None
+    return found
+
+
+def write_cache(path: Path, contents: dict, *, what: str) -> bool:
+    """Write a decoded cache; if that fails, warn and go on uncached. Returns whether written.
+
+    The decoded tensors are in memory already, so a full disk or a read-only cache folder
+    costs the next run a decode, not this run its data.
+
+    Warns:
+        UserWarning: the file could not be written (named, with the fix).
+    """
+    try:
+        save_checkpoint(path, contents)
+    except (OSError, RuntimeError) as err:  # torch.save's zip writer raises RuntimeError
+        why = " ".join(str(err).split())
+        warnings.warn(
+            f"cannot write the {what} cache {path} ({type(err).__name__}: {why}); running "
+            "uncached (the images are decoded again next time): free disk space or point "
+            "METALEARN_CACHE at a writable folder",
+            stacklevel=4,
+        )
+        return False
+    return True
+
+
+def cached(
+    path: Path, key: str, build: Callable[[], dict[str, Any]], *, what: str, mmap: bool = False
+) -> dict[str, Any]:
+    """The dict cached at ``path`` for fingerprint ``key``, else ``build()``, cached.
+
+    Args:
+        path: the cache file.
+        key: the sources' `fingerprint`; stored in the file as ``"fingerprint"``.
+        build: called on a miss only (it decodes); returns the tensors to cache.
+        what: the data set, in warnings.
+        mmap: map a hit's tensors from the file (see `load_cache`).
+
+    Returns:
+        The cached dict (with ``"fingerprint"``), read back or just built.
+    """
+    found = load_cache(path, key, what=what, mmap=mmap)
+    if found is not None:
+        return found
+    contents = {**build(), "fingerprint": key}
+    write_cache(path, contents, what=what)
+    return contents
