@@ -54,10 +54,15 @@ class Args:
     """Torch CPU threads."""
 
 
-def main(argv: Sequence[str] | None = None) -> None:
+def parse_args(argv: Sequence[str] | None = None) -> Args:
     a = parse_args_as(Args, argv, __doc__)
     if min(a.every, a.probe_tasks, a.steps, a.repeats, a.meta_batch, a.hidden, a.threads) < 1:
         usage_error("every count must be at least 1")
+    return a
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    a = parse_args(argv)
     torch.set_num_threads(a.threads)
     torch.manual_seed(0)
     sampler = omniglot_samplers(load_omniglot(a.data_root), ways=5, shots=1, queries=5)["train"]

@@ -100,13 +100,18 @@ class Args:
     """Random data, no Omniglot."""
 
 
-def main(argv: Sequence[str] | None = None) -> None:
+def parse_args(argv: Sequence[str] | None = None) -> Args:
     args = parse_args_as(Args, argv, __doc__)
     if min(args.tasks, args.repeats, args.threads) < 1:
         usage_error(
             f"--tasks, --repeats and --threads must be at least 1, got {args.tasks}, "
             f"{args.repeats} and {args.threads}"
         )
+    return args
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    args = parse_args(argv)
     torch.set_num_threads(args.threads)
     if not (args.skip_load or args.synthetic):
         time_loads(args.data_root, workers=[None, 0])
