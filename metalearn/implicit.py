@@ -381,6 +381,36 @@ def _implicit(condition: Optimality, solver: Callable[..., Tree], residual_tol: 
     return x_star
 
 
+def _shapes(tree: Tree) -> str:
+    """``(3,)`` for a tensor, ``[(3,), (2, 2)]`` for a tree: how the messages name shapes."""
+    if isinstance(tree, Tensor):
+        return str(tuple(tree.shape))
+    return str([tuple(t.shape) for t in tree_leaves(tree)])
+
+
+def _checked_residual(condition: Optimality, x: Tree, theta: Sequence[Tree]) -> Tree:
+    """``F(x, *theta)`` at the solver's output, or a one-line `ValueError` naming the shapes
+    when ``x`` is not shaped as the condition takes it: F raises on it, or F's output (a tree
+    shaped like x, so that ``dF/dx`` is square) has other shapes."""
+    name = "F(x, *theta)" if condition.F is not None else "grad objective(x, *theta)"
+    try:
+        residual = condition.residual(x, theta)
+    except RuntimeError as error:
+        said = str(error).splitlines()[0][:120]
+        raise ValueError(
+            f"{name} failed on the solver's output x of shape {_shapes(x)} (theta shapes "
+            f"{', '.join(_shapes(t) for t in theta)}; torch said: {said}); "
+            "the solver must return x of the shape the condition takes"
+        ) from None
+    if _shapes(residual) != _shapes(x):
+        raise ValueError(
+            f"the solver returned x of shape {_shapes(x)} but {name} has shape "
+            f"{_shapes(residual)}; the condition must be shaped like x, so return x of the "
+            "shape F is defined on from the solver (or fix F)"
+        )
+    return residual
+
+
 class _ImplicitFunction(torch.autograd.Function):
     """Forward: the solver and the residual check; backward: the IFT (`implicit_vjp`)."""
 
@@ -389,7 +419,7 @@ class _ImplicitFunction(torch.autograd.Function):
         theta = tree_unflatten(problem.theta_like, [t.detach() for t in leaves])
         with torch.no_grad():
             x = problem.solver(*theta)
-            residual = _norm(problem.condition.residual(x, theta))
+            residual = _norm(_checked_residual(problem.condition, x, theta))
         tol = problem.settings["residual_tol"]
         if not residual <= tol:  # NaN included
             raise ValueError(

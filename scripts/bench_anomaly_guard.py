@@ -22,14 +22,15 @@ their machine and commit: ``docs/deploy.md``.
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import time
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager, nullcontext
+from dataclasses import dataclass
+from typing import Literal
 
 import torch
-from benchtools import markdown_table, run_header, time_round_robin
+from benchtools import markdown_table, parse_args_as, run_header, time_round_robin, usage_error
 
 from metalearn.algorithms import MAML
 from metalearn.debug import anomaly_guard
@@ -78,17 +79,24 @@ def guarded(
     return run
 
 
-def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--repeats", type=int, default=7, help="timed steps per variant")
-    p.add_argument("--threads", type=int, default=1, help="torch CPU threads")
-    p.add_argument(
-        "--clock", choices=("cpu", "wall"), default="cpu", help="process CPU time or wall"
-    )
-    p.add_argument("--vectorize", choices=("auto", "loop", "vmap"), default="auto")
-    a = p.parse_args(argv)
+@dataclass
+class Args:
+    """Arguments of bench_anomaly_guard.py (each is a --flag; see --help)."""
+
+    repeats: int = 7
+    """Timed steps per variant."""
+    threads: int = 1
+    """Torch CPU threads."""
+    clock: Literal["cpu", "wall"] = "cpu"
+    """Process CPU time or wall time."""
+    vectorize: Literal["auto", "loop", "vmap"] = "auto"
+    """How MAML runs the tasks of the meta-batch."""
+
+
+def parse_args(argv: Sequence[str] | None = None) -> Args:
+    a = parse_args_as(Args, argv, __doc__)
     if a.repeats < 1 or a.threads < 1:
-        p.error(f"--repeats {a.repeats}, --threads {a.threads}: both must be at least 1")
+        usage_error(f"--repeats {a.repeats}, --threads {a.threads}: both must be at least 1")
     return a
 
 

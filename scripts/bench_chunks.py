@@ -21,12 +21,13 @@ smaller ones later in it their page faults. Compare configurations in fresh proc
 
 from __future__ import annotations
 
-import argparse
 import functools
 import importlib.util
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Literal
 
 import torch
 from benchtools import (
@@ -39,8 +40,10 @@ from benchtools import (
     markdown_table,
     omniglot_conv4,
     omniglot_tasks,
+    parse_args_as,
     parse_setting,
     time_round_robin,
+    usage_error,
 )
 
 from metalearn import tune_malloc
@@ -86,15 +89,41 @@ def time_steps(
     return {n: statistics.median(t) for n, t in times.items()}
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--settings", default=DEFAULT_SETTINGS, help="comma-separated")
-    p.add_argument("--repeats", type=int, default=5)
-    p.add_argument("--threads", type=int, default=0, help="0: torch's default")
-    p.add_argument("--max-examples", type=int, default=1400, help="largest chunk timed")
-    p.add_argument("--malloc", choices=("tuned", "default"), default="tuned")
-    p.add_argument("--device", default="cpu", help="cpu or cuda (cuda:N)")
-    args = p.parse_args()
+@dataclass
+class Args:
+    """Arguments of bench_chunks.py (each is a --flag; see --help)."""
+
+    settings: str = DEFAULT_SETTINGS
+    """Comma-separated settings, q<query per class>-<first|second>."""
+    repeats: int = 5
+    """Timed rounds."""
+    threads: int = 0
+    """Torch CPU threads (0: torch's default)."""
+    max_examples: int = 1400
+    """Largest chunk timed, in examples (tasks per chunk x examples per task)."""
+    malloc: Literal["tuned", "default"] = "tuned"
+    """glibc malloc tuned by metalearn.tune_malloc, or its defaults."""
+    device: str = "cpu"
+    """cpu or cuda (cuda:N)."""
+
+
+def parse_args(argv: Sequence[str] | None = None) -> Args:
+    args = parse_args_as(Args, argv, __doc__)
+    if args.repeats < 1 or args.max_examples < 1 or args.threads < 0:
+        usage_error(
+            "--repeats and --max-examples must be at least 1 and --threads at least 0, got "
+            f"{args.repeats}, {args.max_examples} and {args.threads}"
+        )
+    for name in args.settings.split(","):
+        try:
+            parse_setting(name)
+        except ValueError as error:
+            usage_error(f"--settings: {error}")
+    return args
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    args = parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
     malloc = tune_malloc().reason if args.malloc == "tuned" else "glibc defaults"

@@ -38,25 +38,29 @@ markdown tables; ``dynamic`` takes about 15 minutes with the defaults on one thr
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import random
 import statistics
 import time
+import typing
 import warnings
 from collections.abc import Callable, Sequence
+from typing import Literal
 
 import torch
 import torch.nn.functional as F
+import tyro
 from benchtools import (
     Setting,
     markdown_table,
     omniglot_conv4,
     omniglot_tasks,
+    parse_args_as,
     peak_memory_bytes,
     retained_bytes,
     run_header,
     time_round_robin,
+    usage_error,
 )
 from torch import Tensor, nn
 from torch.utils.flop_counter import FlopCounterMode
@@ -69,7 +73,8 @@ from metalearn.models import Conv4
 from metalearn.models.dynamic import dynamic_conv
 from metalearn.runs.evaluation import TEST_SEED, accuracy_interval
 
-SECTIONS = ("contiguity", "sparse", "branch", "dynamic", "permute", "inference")
+Section = Literal["contiguity", "sparse", "branch", "dynamic", "permute", "inference"]
+SECTIONS: tuple[str, ...] = typing.get_args(Section)
 
 # ------------------------------------------------------------------------------ dynamic
 
@@ -163,7 +168,7 @@ def skip_accuracies(
     return out
 
 
-def run_dynamic(a: argparse.Namespace) -> None:
+def run_dynamic(a: Args) -> None:
     data = load_omniglot(a.data_root, progress=False)
     train = omniglot_samplers(data, ways=5, shots=1, queries=5)["train"]
     test = omniglot_samplers(data, ways=5, shots=1, queries=15)["test"]
@@ -285,7 +290,7 @@ def time_reorder(case: Reorder, repeats: int, warmup: int, view_calls: int) -> d
     return {k: v / view_calls if k.startswith("view") else v for k, v in med.items()}
 
 
-def run_permute(a: argparse.Namespace) -> None:
+def run_permute(a: Args) -> None:
     rows = []
     for case in reorder_cases():
         checks = check_reorder(case)
@@ -377,7 +382,7 @@ def memory_mb(model: nn.Module, x: Tensor) -> list[float]:
     return held + [peak_memory_bytes(call, "cpu") / 2**20 for call in calls]
 
 
-def run_inference(a: argparse.Namespace) -> None:
+def run_inference(a: Args) -> None:
     rows, memory = [], []
     for name, model in inference_models().items():
         for batch, calls in ((1, a.small_batch_calls), (80, 1)):
@@ -464,7 +469,7 @@ def contiguity_ops(scale: int) -> dict[str, tuple[Tensor, Callable[[Tensor], obj
     }
 
 
-def run_contiguity(a: argparse.Namespace) -> None:
+def run_contiguity(a: Args) -> None:
     x = transposed((80, 64, 14, 14))
     checks = {"x.view(-1) raises": view_raises(x), "x.reshape(-1) copies": reshape_copies(x),
               "contiguous copy's reshape copies": reshape_copies(x.contiguous())}  # fmt: skip
@@ -536,7 +541,7 @@ def sparse_matmul(m: Tensor, rhs: Tensor) -> Tensor:
     return torch.sparse.mm(m, rhs) if m.layout == torch.sparse_coo else m @ rhs
 
 
-def run_sparse(a: argparse.Namespace) -> None:
+def run_sparse(a: Args) -> None:
     n, k = (4096, 64) if a.scale == 1 else (256, 8)
     rhs = torch.randn(n, k, generator=torch.Generator().manual_seed(1))
     rows = []
@@ -594,7 +599,7 @@ def branch_fns(net: nn.Module, x: Tensor, tasks: list[Task]) -> dict[str, dict]:
     return {"forward": forward, "adapt+predict": evaluate}
 
 
-def run_branch(a: argparse.Namespace) -> None:
+def run_branch(a: Args) -> None:
     hidden, batch, n_tasks = (64, 80, 16) if a.scale == 1 else (8, 10, 4)
     torch.manual_seed(0)
     net = dynamic_conv(in_channels=1, ways=5, hidden=hidden, depth=2).eval()
@@ -629,31 +634,48 @@ def run_branch(a: argparse.Namespace) -> None:
 # --------------------------------------------------------------------------------- main
 
 
-def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--only", action="append", choices=SECTIONS, help="repeatable (default all)")
-    p.add_argument("--threads", type=int, default=1, help="torch threads")
-    p.add_argument("--repeats", type=int, default=21, help="timed repeats (permute, inference)")
-    p.add_argument("--warmup", type=int, default=3)
-    p.add_argument("--view-calls", type=int, default=1000, help="view calls per timed sample")
-    p.add_argument("--small-batch-calls", type=int, default=20, help="batch-1 forwards per sample")
-    p.add_argument("--data-root", default=None, help="Omniglot (default: $METALEARN_DATA)")
-    p.add_argument("--train-steps", type=int, default=300, help="meta-steps of each model")
-    p.add_argument("--meta-batch", type=int, default=16)
-    p.add_argument("--skip-prob", type=float, default=0.5,
-                   help="each block's skip chance, second model (0: no second)")  # fmt: skip
-    p.add_argument("--test-tasks", type=int, default=600)
-    p.add_argument("--eval-steps", type=int, default=10, help="inner steps at test")
-    p.add_argument("--hidden", type=int, default=64)
-    p.add_argument("--scale", type=int, choices=(0, 1), default=1,
-                   help="contiguity, sparse, branch: 1 documented sizes, 0 tiny")  # fmt: skip
-    a = p.parse_args(argv)
+@dataclasses.dataclass
+class Args:
+    """Arguments of bench_claims.py (each is a --flag; see --help)."""
+
+    only: tyro.conf.UseAppendAction[tuple[Section, ...]] = ()
+    """A section to run; repeatable (default: all)."""
+    threads: int = 1
+    """Torch threads."""
+    repeats: int = 21
+    """Timed repeats (permute, inference)."""
+    warmup: int = 3
+    """Untimed rounds first."""
+    view_calls: int = 1000
+    """View calls per timed sample."""
+    small_batch_calls: int = 20
+    """Batch-1 forwards per timed sample."""
+    data_root: str | None = None
+    """Omniglot's folder (default: $METALEARN_DATA)."""
+    train_steps: int = 300
+    """Meta-steps of each model (dynamic)."""
+    meta_batch: int = 16
+    """Tasks per meta-step (dynamic)."""
+    skip_prob: float = 0.5
+    """Each block's skip chance in the second model (0: no second model)."""
+    test_tasks: int = 600
+    """Test tasks (dynamic)."""
+    eval_steps: int = 10
+    """Inner steps at test (dynamic)."""
+    hidden: int = 64
+    """Channels of the networks."""
+    scale: Literal[0, 1] = 1
+    """contiguity, sparse, branch: 1 the documented sizes, 0 tiny ones."""
+
+
+def parse_args(argv: Sequence[str] | None = None) -> Args:
+    a = parse_args_as(Args, argv, __doc__)
     counts = (a.threads, a.repeats, a.view_calls, a.small_batch_calls, a.train_steps,
               a.meta_batch, a.test_tasks, a.hidden)  # fmt: skip
     if min(counts) < 1 or a.warmup < 0 or a.eval_steps < 0:
-        p.error("counts must be at least 1 (--warmup and --eval-steps at least 0)")
+        usage_error("counts must be at least 1 (--warmup and --eval-steps at least 0)")
     if not 0 <= a.skip_prob < 1:
-        p.error(f"--skip-prob {a.skip_prob}: must be in [0, 1)")
+        usage_error(f"--skip-prob {a.skip_prob}: must be in [0, 1)")
     return a
 
 

@@ -17,11 +17,12 @@ Expected output: a markdown table of median seconds, and as the last line
 
 from __future__ import annotations
 
-import argparse
 import statistics
+from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
-from benchtools import markdown_table
+from benchtools import markdown_table, parse_args_as, usage_error
 
 from metalearn.algorithms.curvature import PROBE_SEED
 from metalearn.data import load_omniglot, omniglot_samplers
@@ -31,19 +32,37 @@ from metalearn.runs.cli import flatten, replace_flat
 from metalearn.runs.recipe import build_learner, recipe_from_args, resolve_learner_args
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--data-root", default=None, help="Omniglot (default: $METALEARN_DATA)")
-    p.add_argument("--every", type=int, default=100, help="N of --curvature-every")
-    p.add_argument("--probe-tasks", type=int, default=4, help="tasks of the probe batch")
-    p.add_argument("--steps", type=int, default=10, help="timed meta-steps on each side")
-    p.add_argument("--repeats", type=int, default=3, help="timed curvature measurements")
-    p.add_argument("--meta-batch", type=int, default=16)
-    p.add_argument("--hidden", type=int, default=64)
-    p.add_argument("--threads", type=int, default=1)
-    a = p.parse_args()
+@dataclass
+class Args:
+    """Arguments of bench_curvature.py (each is a --flag; see --help)."""
+
+    data_root: str | None = None
+    """Omniglot's folder (default: $METALEARN_DATA)."""
+    every: int = 100
+    """N of the experiments' --curvature-every: meta-steps per curvature measurement."""
+    probe_tasks: int = 4
+    """Tasks of the probe batch."""
+    steps: int = 10
+    """Timed meta-steps on each side of the measurements."""
+    repeats: int = 3
+    """Timed curvature measurements."""
+    meta_batch: int = 16
+    """Tasks per meta-step."""
+    hidden: int = 64
+    """Conv4's channels."""
+    threads: int = 1
+    """Torch CPU threads."""
+
+
+def parse_args(argv: Sequence[str] | None = None) -> Args:
+    a = parse_args_as(Args, argv, __doc__)
     if min(a.every, a.probe_tasks, a.steps, a.repeats, a.meta_batch, a.hidden, a.threads) < 1:
-        p.error("every count must be at least 1")
+        usage_error("every count must be at least 1")
+    return a
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    a = parse_args(argv)
     torch.set_num_threads(a.threads)
     torch.manual_seed(0)
     sampler = omniglot_samplers(load_omniglot(a.data_root), ways=5, shots=1, queries=5)["train"]

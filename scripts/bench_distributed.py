@@ -31,7 +31,6 @@ after a barrier) against a step of hundreds of ms.
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 import os
@@ -44,6 +43,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import torch
+from benchtools import parse_args_as, usage_error
 
 from metalearn import distributed
 from metalearn.algorithms import MAML
@@ -60,7 +60,7 @@ def make_sampler(query: int, seed: int = 0) -> EpisodicSampler:
     return EpisodicSampler(images, ways=WAYS, shots=SHOTS, queries=query)
 
 
-def worker(args: argparse.Namespace) -> None:
+def worker(args: Args) -> None:
     """One rank: time ``--warmup + --steps`` meta-steps; rank 0 writes the JSON result."""
     torch.set_num_threads(1)
     info = distributed.init_from_env(device="cpu", timeout_s=300)
@@ -105,7 +105,7 @@ def worker(args: argparse.Namespace) -> None:
     distributed.cleanup()
 
 
-def launch(processes: int, args: argparse.Namespace) -> dict:
+def launch(processes: int, args: Args) -> dict:
     """Run this script's worker under torchrun with ``processes`` ranks; rank 0's result."""
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "result.json"
@@ -122,11 +122,7 @@ def launch(processes: int, args: argparse.Namespace) -> dict:
         return json.loads(out.read_text())
 
 
-def main(args: argparse.Namespace) -> str:
-    if args.meta_batch < 2:
-        raise ValueError(
-            f"--meta-batch must be >= 2 to shard over 2 processes, got {args.meta_batch}"
-        )
+def main(args: Args) -> str:
     started = time.perf_counter()
     runs: dict[int, list[dict]] = {1: [], 2: []}
     for _ in range(args.rounds):  # alternate, so slow spells of a shared machine hit both
@@ -164,16 +160,38 @@ def main(args: argparse.Namespace) -> str:
     return line
 
 
-def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--meta-batch", type=int, default=32, help="global tasks per meta-step")
-    p.add_argument("--query", type=int, default=1, help="query examples per class")
-    p.add_argument("--steps", type=int, default=20, help="timed meta-steps per run")
-    p.add_argument("--warmup", type=int, default=3, help="untimed meta-steps first")
-    p.add_argument("--rounds", type=int, default=2, help="alternating 1- and 2-process runs")
-    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    p.add_argument("--out", help=argparse.SUPPRESS)
-    return p.parse_args(argv)
+@dataclasses.dataclass
+class Args:
+    """Arguments of bench_distributed.py (each is a --flag; see --help)."""
+
+    meta_batch: int = 32
+    """Global tasks per meta-step (at least 2, to shard over 2 processes)."""
+    query: int = 1
+    """Query examples per class."""
+    steps: int = 20
+    """Timed meta-steps per run."""
+    warmup: int = 3
+    """Untimed meta-steps first."""
+    rounds: int = 2
+    """Alternating 1- and 2-process runs."""
+    worker: bool = False
+    """Internal: run as one torchrun rank (the launcher passes it)."""
+    out: str | None = None
+    """Internal: where rank 0 writes its JSON result (the launcher passes it)."""
+
+
+def parse_args(argv: Sequence[str] | None = None) -> Args:
+    a = parse_args_as(Args, argv, __doc__)
+    if a.meta_batch < 2:
+        usage_error(f"--meta-batch must be >= 2 to shard over 2 processes, got {a.meta_batch}")
+    if min(a.query, a.steps, a.rounds) < 1 or a.warmup < 0:
+        usage_error(
+            "--query, --steps and --rounds must be at least 1 and --warmup at least 0, got "
+            f"{a.query}, {a.steps}, {a.rounds} and {a.warmup}"
+        )
+    if a.worker and a.out is None:
+        usage_error("--worker needs --out, the file rank 0 writes its result to")
+    return a
 
 
 if __name__ == "__main__":

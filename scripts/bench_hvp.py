@@ -59,17 +59,18 @@ Measured tables and the machine they came from: ``docs/benchmarks.md``.
 
 from __future__ import annotations
 
-import argparse
+import dataclasses
 import os
 import platform
 import statistics
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 import torch.nn.functional as F
-from benchtools import peak_memory_bytes, time_round_robin
+from benchtools import parse_args_as, peak_memory_bytes, time_round_robin, usage_error
 from torch import Tensor, nn
 from torch.func import functional_call, grad
 
@@ -164,7 +165,7 @@ def _flat(tree: object) -> Tensor:
     return torch.cat([t.reshape(-1) for t in leaves])  # type: ignore[union-attr]
 
 
-def run_case(case: Case, args: argparse.Namespace, device: torch.device) -> dict[str, float]:
+def run_case(case: Case, args: Args, device: torch.device) -> dict[str, float]:
     fns = case.methods()
     # The first warm-up round also checks that every method computes the same H v.
     results = {name: fn() for name, fn in fns.items()}
@@ -213,7 +214,7 @@ def run_case(case: Case, args: argparse.Namespace, device: torch.device) -> dict
 # --------------------------------------------------------------------------- dense Hessian
 
 
-def hessian_scaling(args: argparse.Namespace, device: torch.device) -> None:
+def hessian_scaling(args: Args, device: torch.device) -> None:
     """Dense Hessian vs one HVP on MLP(32, [h], 5), sizes growing until the budget."""
     in_features = 32
     budget = args.max_hessian_gb * 2**30
@@ -326,50 +327,55 @@ def _is_number(text: str) -> bool:
     return True
 
 
-def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--repeats", type=int, default=None, help="timed rounds (default 21)")
-    parser.add_argument(
-        "--warmup",
-        type=int,
-        default=None,
-        help="untimed rounds, the first of which checks that the methods agree (default 2)",
+@dataclass
+class Args:
+    """Arguments of bench_hvp.py (each is a --flag; see --help)."""
+
+    repeats: int | None = None
+    """Timed rounds (None: 21, or 3 with --quick)."""
+    warmup: int | None = None
+    """Untimed rounds, the first of which checks that the methods agree (None: 2, or 1 with
+    --quick)."""
+    device: str = dataclasses.field(
+        default_factory=lambda: "cuda" if torch.cuda.is_available() else "cpu"
     )
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
-    parser.add_argument(
-        "--clock", choices=("wall", "cpu"), default="wall", help="wall time or process CPU time"
+    """cpu or cuda (cuda:N); the default is cuda where it is available."""
+    threads: int | None = None
+    """Torch intra-op threads (None: torch's default)."""
+    clock: Literal["wall", "cpu"] = "wall"
+    """Wall time or process CPU time."""
+    max_hessian_gb: float = 2.0
+    """Skip dense Hessians whose predicted peak memory exceeds this (GB)."""
+    hessian_sizes: tuple[int, ...] | None = None
+    """Target parameter counts for part 2 (None: 100 300 1000 3000 10000 30000, or 100 300
+    1000 with --quick)."""
+    quick: bool = False
+    """3 repeats, 1 warm-up, Hessians up to n=1000."""
+
+    @property
+    def clock_fn(self) -> Callable[[], float]:
+        return time.perf_counter if self.clock == "wall" else time.process_time
+
+
+def parse_args(argv: Sequence[str] | None = None) -> Args:
+    """The command line, with the defaults that depend on --quick filled in."""
+    args = parse_args_as(Args, argv, __doc__)
+    quick = args.quick
+    args = dataclasses.replace(
+        args,
+        repeats=(3 if quick else 21) if args.repeats is None else args.repeats,
+        warmup=(1 if quick else 2) if args.warmup is None else args.warmup,
+        hessian_sizes=args.hessian_sizes
+        or ((100, 300, 1000) if quick else (100, 300, 1000, 3000, 10000, 30000)),
     )
-    parser.add_argument(
-        "--max-hessian-gb",
-        type=float,
-        default=2.0,
-        help="skip dense Hessians whose predicted peak memory exceeds this (GB)",
-    )
-    parser.add_argument(
-        "--hessian-sizes",
-        type=int,
-        nargs="+",
-        default=None,
-        help="target parameter counts for part 2 (default 100 300 1000 3000 10000 30000)",
-    )
-    parser.add_argument(
-        "--quick", action="store_true", help="3 repeats, 1 warm-up, Hessians up to n=1000"
-    )
-    args = parser.parse_args(argv)
-    if args.repeats is None:
-        args.repeats = 3 if args.quick else 21
-    if args.warmup is None:
-        args.warmup = 1 if args.quick else 2
-    if args.hessian_sizes is None:
-        args.hessian_sizes = (
-            [100, 300, 1000] if args.quick else [100, 300, 1000, 3000, 10000, 30000]
-        )
     if args.repeats < 1 or args.warmup < 1:
-        parser.error("--repeats and --warmup must be >= 1")
+        usage_error("--repeats and --warmup must be >= 1")
     if args.max_hessian_gb <= 0:
-        parser.error("--max-hessian-gb must be > 0")
-    args.clock_fn = time.perf_counter if args.clock == "wall" else time.process_time
+        usage_error("--max-hessian-gb must be > 0")
+    if args.threads is not None and args.threads < 1:
+        usage_error(f"--threads must be >= 1, got {args.threads}")
+    if min(args.hessian_sizes) < 1:
+        usage_error(f"--hessian-sizes must be >= 1, got {list(args.hessian_sizes)}")
     return args
 
 
@@ -377,7 +383,7 @@ def main(argv: Sequence[str] | None = None) -> float:
     args = parse_args(argv)
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError("--device cuda given but CUDA is not available; use --device cpu")
+        usage_error("--device cuda given but CUDA is not available; use --device cpu")
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     where = torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor()

@@ -58,7 +58,7 @@ their machine and commit, are in ``docs/benchmarks.md``.
 
 from __future__ import annotations
 
-import argparse
+import dataclasses
 import gc
 import importlib.util
 import json
@@ -85,10 +85,12 @@ from benchtools import (
     markdown_table,
     omniglot_conv4,
     omniglot_tasks,
+    parse_args_as,
     parse_setting,
     peak_step_mb,
     run_probe,
     sync,
+    usage_error,
 )
 from torch import Tensor, nn
 
@@ -115,16 +117,18 @@ HEADLINE = "q1-second"
 
 @dataclass
 class BenchArgs:
-    """Command-line arguments of the benchmark."""
+    """Command-line arguments of the benchmark (each is a --flag; see --help)."""
 
     repeats: int = 15
     """Timed rounds; each times every method once. Tables report the median."""
     warmup: int = 3
     """Untimed rounds before timing (allocator, oneDNN and autograd caches warm up)."""
     settings: list[str] = field(default_factory=lambda: list(SETTINGS))
-    """Which workloads to run: ``q<query per class>-<first|second>`` (see `parse_setting`)."""
+    """Which workloads to run: ``q<query per class>-<first|second>`` (see `parse_setting`),
+    comma- or space-separated."""
     methods: list[str] = field(default_factory=lambda: list(METHODS))
-    """Which methods to run; a baseline that is not installed is skipped with a message."""
+    """Which methods to run, comma- or space-separated; a baseline that is not installed is
+    skipped with a message."""
     tasks: int = 32
     """Tasks per meta-batch."""
     float64_check: bool = True
@@ -154,6 +158,8 @@ class BenchArgs:
     inner_optimizer: Literal["sgd", "adam"] = "sgd"
     """The inner loop's optimizer: MAML's SGD, or Adam (metalearn.optim against higher's
     DifferentiableAdam; learn2learn has none)."""
+    quick: bool = False
+    """3 repeats, 1 warm-up, no memory (over --repeats, --warmup and --memory)."""
     probe_memory: str = ""
     """Internal: ``METHOD:SETTING`` measured in this (fresh) process; prints one JSON line."""
 
@@ -520,35 +526,30 @@ def report_float64(methods: Sequence[str], settings: dict[str, Setting], args: B
 
 
 def parse_args(argv: Sequence[str] | None = None) -> BenchArgs:
-    defaults = BenchArgs()
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--repeats", type=int, default=defaults.repeats)
-    p.add_argument("--warmup", type=int, default=defaults.warmup)
-    p.add_argument("--settings", default=",".join(defaults.settings), help="comma-separated")
-    p.add_argument("--methods", default=",".join(defaults.methods), help="comma-separated")
-    p.add_argument("--tasks", type=int, default=defaults.tasks)
-    p.add_argument("--quick", action="store_true", help="3 repeats, 1 warm-up, no memory")
-    p.add_argument("--float64-check", action=argparse.BooleanOptionalAction, default=True)
-    p.add_argument("--memory", action=argparse.BooleanOptionalAction, default=True)
-    p.add_argument("--baseline-norm", choices=("fused", "meta"), default=defaults.baseline_norm)
-    p.add_argument("--threads", type=int, default=defaults.threads)
-    p.add_argument("--clock", choices=("wall", "cpu"), default=defaults.clock)
-    p.add_argument("--seed", type=int, default=defaults.seed)
-    p.add_argument("--device", default=defaults.device, help="cpu or cuda (cuda:N)")
-    p.add_argument("--malloc", choices=("tuned", "default"), default=defaults.malloc)
-    p.add_argument("--inner-optimizer", choices=("sgd", "adam"), default=defaults.inner_optimizer)
-    p.add_argument("--profile", default="", metavar="METHOD:SETTING")
-    p.add_argument("--probe-memory", default="", help=argparse.SUPPRESS)
-    ns = p.parse_args(argv)
-    args = BenchArgs(
-        repeats=ns.repeats, warmup=ns.warmup, settings=ns.settings.split(","),
-        methods=ns.methods.split(","), tasks=ns.tasks, float64_check=ns.float64_check,
-        memory=ns.memory, baseline_norm=ns.baseline_norm, threads=ns.threads, clock=ns.clock,
-        seed=ns.seed, malloc=ns.malloc, device=ns.device,
-        profile=ns.profile, probe_memory=ns.probe_memory, inner_optimizer=ns.inner_optimizer,
-    )  # fmt: skip
-    if ns.quick:
-        args.repeats, args.warmup, args.memory = 3, 1, False
+    args = parse_args_as(BenchArgs, argv, __doc__)
+    args = dataclasses.replace(
+        args,
+        settings=[name for item in args.settings for name in item.split(",") if name],
+        methods=[name for item in args.methods for name in item.split(",") if name],
+    )
+    if args.quick:
+        args = dataclasses.replace(args, repeats=3, warmup=1, memory=False)
+    if args.repeats < 1 or args.warmup < 0 or args.tasks < 1 or args.threads < 0:
+        usage_error(
+            "--repeats and --tasks must be at least 1, --warmup and --threads at least 0, got "
+            f"{args.repeats}, {args.tasks}, {args.warmup} and {args.threads}"
+        )
+    for name in args.settings:
+        try:
+            parse_setting(name)
+        except ValueError as error:
+            usage_error(f"--settings: {error}")
+    unknown = [m for m in args.methods if m not in METHODS + OPTIONAL_METHODS]
+    if unknown:
+        usage_error(
+            f"--methods: unknown {', '.join(unknown)}; choose from "
+            f"{', '.join(METHODS + OPTIONAL_METHODS)}"
+        )
     return args
 
 

@@ -41,18 +41,27 @@ them as upper bounds).
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import resource
 import statistics
 import sys
 import time
+import typing
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
-from benchtools import markdown_table, peak_step_mb, random_tasks, run_probe, status_kb
+from benchtools import (
+    markdown_table,
+    parse_args_as,
+    peak_step_mb,
+    random_tasks,
+    run_probe,
+    status_kb,
+    usage_error,
+)
 from torch import nn
 
 from metalearn.algorithms import ANIL, FOMAML, MAML, MetaLearner
@@ -60,7 +69,9 @@ from metalearn.engine import ChunkSize, Task
 from metalearn.models import Conv4, ResNet12
 
 WAYS, SHOTS, IMAGE_SIZE, INNER_LR, OUTER_LR = 5, 1, 84, 0.01, 1e-3
-MODELS = ("conv4-84", "resnet12", "conv4-28")
+Model = Literal["conv4-84", "resnet12", "conv4-28"]
+MODELS: tuple[str, ...] = typing.get_args(Model)
+Algorithm = Literal["maml", "fomaml", "anil"]
 ALGORITHMS = {"maml": MAML, "fomaml": FOMAML, "anil": ANIL}
 FITS_GB = 8.0
 """The budget the table's last column checks the peak RSS against."""
@@ -240,10 +251,37 @@ def main(configs: Sequence[Config], work: Workload) -> str:
 # ---------------------------------------------------------------------------- arguments
 
 
-def _positive_int(text: str) -> int:
-    if not text.isdigit() or int(text) < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
-    return int(text)
+@dataclass
+class Args:
+    """Arguments of bench_memory.py (each is a --flag; see --help)."""
+
+    model: Model | None = None
+    """The network (None: conv4-84)."""
+    algorithm: Algorithm | None = None
+    """The meta-learner (None: maml)."""
+    chunk_size: str = "auto"
+    """Tasks per vmapped chunk: auto, none (one graph) or N."""
+    checkpoint: bool = False
+    """Recompute the inner steps in the backward pass (loop only)."""
+    suite: bool = False
+    """The table's seven configurations (each row chooses its model, algorithm, chunk and
+    checkpoint)."""
+    inner_steps: int = Workload.inner_steps
+    """Inner steps."""
+    query: int = Workload.query
+    """Query examples per class."""
+    tasks: int = Workload.tasks
+    """Tasks per meta-batch."""
+    threads: int = Workload.threads
+    """Torch threads (0: torch's default)."""
+    repeats: int = Workload.repeats
+    """Timed meta-steps after the warm-up."""
+    limit_gb: float = Workload.limit_gb
+    """Each subprocess's data-size cap in GB (0: no limit)."""
+    seed: int = Workload.seed
+    """Seeds the network and the tasks."""
+    probe: bool = False
+    """Internal: measure one configuration and print its JSON (the subprocess's mode)."""
 
 
 def _chunk_size(text: str) -> ChunkSize:
@@ -257,37 +295,29 @@ def _chunk_size(text: str) -> ChunkSize:
 
 def parse_args(argv: Sequence[str] | None = None) -> tuple[list[Config], Workload, bool]:
     """Configurations, workload, and whether this process is a subprocess's probe."""
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--model", choices=MODELS, default=None, help="default conv4-84")
-    p.add_argument("--algorithm", choices=list(ALGORITHMS), default=None, help="default maml")
-    p.add_argument("--chunk-size", default=None, help="auto (default), none or N tasks")
-    p.add_argument("--checkpoint", action="store_true", default=None)
-    p.add_argument("--suite", action="store_true", help="the table's seven configurations")
-    p.add_argument("--inner-steps", type=_positive_int, default=Workload.inner_steps)
-    p.add_argument("--query", type=_positive_int, default=Workload.query, help="per class")
-    p.add_argument("--tasks", type=_positive_int, default=Workload.tasks)
-    p.add_argument("--threads", type=int, default=Workload.threads, help="0: torch's default")
-    p.add_argument("--repeats", type=_positive_int, default=Workload.repeats)
-    p.add_argument("--limit-gb", type=float, default=Workload.limit_gb, help="0: no limit")
-    p.add_argument("--seed", type=int, default=Workload.seed)
-    p.add_argument("--probe", action="store_true", help=argparse.SUPPRESS)
-    ns = p.parse_args(argv)
-    chosen = {"--model": ns.model, "--algorithm": ns.algorithm, "--chunk-size": ns.chunk_size,
-              "--checkpoint": ns.checkpoint}  # fmt: skip
-    if ns.suite and (given := [flag for flag, value in chosen.items() if value is not None]):
-        p.error(f"--suite chooses each row's model, algorithm, chunk and checkpoint; drop {given}")
-    if ns.threads < 0 or ns.limit_gb < 0:
-        p.error("--threads and --limit-gb must be >= 0 (0: torch's default / no limit)")
-    work = Workload(ns.inner_steps, ns.query, ns.tasks, ns.threads, ns.repeats, ns.limit_gb,
-                    ns.seed)  # fmt: skip
-    if ns.suite:
+    a = parse_args_as(Args, argv, __doc__)
+    for flag, value in (("--inner-steps", a.inner_steps), ("--query", a.query),
+                        ("--tasks", a.tasks), ("--repeats", a.repeats)):  # fmt: skip
+        if value < 1:
+            usage_error(f"{flag}: expected a positive integer, got {value}")
+    chosen = {"--model": a.model, "--algorithm": a.algorithm,
+              "--chunk-size": None if a.chunk_size == "auto" else a.chunk_size,
+              "--checkpoint": a.checkpoint or None}  # fmt: skip
+    if a.suite and (given := [flag for flag, value in chosen.items() if value is not None]):
+        usage_error(
+            f"--suite chooses each row's model, algorithm, chunk and checkpoint; drop {given}"
+        )
+    if a.threads < 0 or a.limit_gb < 0:
+        usage_error("--threads and --limit-gb must be >= 0 (0: torch's default / no limit)")
+    work = Workload(a.inner_steps, a.query, a.tasks, a.threads, a.repeats, a.limit_gb, a.seed)
+    if a.suite:
         return list(SUITE), work, False
     try:
-        chunk = _chunk_size(ns.chunk_size or "auto")
+        chunk = _chunk_size(a.chunk_size)
     except ValueError as error:
-        p.error(str(error))
-    config = Config(ns.model or "conv4-84", ns.algorithm or "maml", chunk, bool(ns.checkpoint))
-    return [config], work, ns.probe
+        usage_error(str(error))
+    config = Config(a.model or "conv4-84", a.algorithm or "maml", chunk, a.checkpoint)
+    return [config], work, a.probe
 
 
 if __name__ == "__main__":

@@ -13,12 +13,15 @@ MAML meta-step), so sampling is never the bottleneck.
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import tempfile
 import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Literal
 
 import torch
+from benchtools import parse_args_as, usage_error
 
 from metalearn.data import EpisodicSampler, load_omniglot, omniglot_samplers
 
@@ -75,19 +78,40 @@ def time_sampling(data, tasks: int, repeats: int, split: str, device: str) -> No
         )
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument(
-        "--data-root", default=None, help="Omniglot root (default: $METALEARN_DATA)"
-    )
-    parser.add_argument("--tasks", type=int, default=32, help="tasks per meta-batch")
-    parser.add_argument("--repeats", type=int, default=50, help="timed meta-batches")
-    parser.add_argument("--split", default="maml", choices=["maml", "alphabet"])
-    parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
-    parser.add_argument("--device", default="cpu", help="where images stay resident")
-    parser.add_argument("--skip-load", action="store_true", help="only time sampling")
-    parser.add_argument("--synthetic", action="store_true", help="random data, no Omniglot")
-    args = parser.parse_args()
+@dataclass
+class Args:
+    """Arguments of bench_sampler.py (each is a --flag; see --help)."""
+
+    data_root: str | None = None
+    """Omniglot's folder (default: $METALEARN_DATA)."""
+    tasks: int = 32
+    """Tasks per meta-batch."""
+    repeats: int = 50
+    """Timed meta-batches."""
+    split: Literal["maml", "alphabet"] = "maml"
+    """Which split's train set is sampled."""
+    threads: int = 1
+    """Torch intra-op threads."""
+    device: str = "cpu"
+    """Where the images stay resident."""
+    skip_load: bool = False
+    """Only time sampling."""
+    synthetic: bool = False
+    """Random data, no Omniglot."""
+
+
+def parse_args(argv: Sequence[str] | None = None) -> Args:
+    args = parse_args_as(Args, argv, __doc__)
+    if min(args.tasks, args.repeats, args.threads) < 1:
+        usage_error(
+            f"--tasks, --repeats and --threads must be at least 1, got {args.tasks}, "
+            f"{args.repeats} and {args.threads}"
+        )
+    return args
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    args = parse_args(argv)
     torch.set_num_threads(args.threads)
     if not (args.skip_load or args.synthetic):
         time_loads(args.data_root, workers=[None, 0])

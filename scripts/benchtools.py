@@ -14,6 +14,11 @@ CPU the same quantity rebuilt from ``torch.profiler`` memory events); `peak_step
 what a whole step costs the process (RSS high-water mark on the CPU); `run_probe` runs such
 a measurement in a fresh process whose RSS follows its live memory.
 
+Command line: each script's flags are the fields of its ``Args`` dataclass, parsed by tyro
+through `parse_args_as` (the parser of every metalearn command line,
+`metalearn.runs.cli.parse_dataclass`); a value the types allow but the script does not is
+refused by `usage_error`, in one line with exit status 2, like a parse error.
+
 Workload (``bench_maml.py``, ``bench_chunks.py``): MAML's Omniglot Conv4 on random
 1x28x28 tasks, 5-way 1-shot, one inner step at learning rate 0.4, in the settings
 ``q<query per class>-<first|second>``; `random_tasks` also draws other image shapes
@@ -33,7 +38,7 @@ import sys
 import tempfile
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, NoReturn, TypeVar
 
 import torch
 import torch.nn.functional as F
@@ -42,6 +47,28 @@ from torch.profiler import ProfilerActivity, profile
 
 from metalearn.engine import Task
 from metalearn.models import Conv4
+from metalearn.runs.cli import parse_dataclass
+
+T = TypeVar("T")
+
+# ---------------------------------------------------------------------------- command line
+
+
+def parse_args_as(cls: type[T], argv: Sequence[str] | None, doc: str | None) -> T:
+    """``argv`` (``sys.argv[1:]`` when None) parsed into the dataclass ``cls``: each field is
+    a flag, ``--field-name``, whose help is the string under the field; ``--help`` opens with
+    the first paragraph of ``doc`` (the script's docstring). A parse error is one line on
+    stderr and exit status 2."""
+    return parse_dataclass(cls, argv, description=(doc or "").split("\n\n")[0])
+
+
+def usage_error(message: str) -> NoReturn:
+    """Refuse the command line in one line on stderr, ``<script>: error: <message>``, with
+    exit status 2 (what a parse error gives)."""
+    prog = os.path.basename(sys.argv[0]) or "bench"
+    print(f"{prog}: error: {message}", file=sys.stderr)
+    raise SystemExit(2)
+
 
 # ---------------------------------------------------------------------------- measuring
 

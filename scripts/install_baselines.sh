@@ -22,6 +22,40 @@
 # * higher 0.2.1 is pure Python and installs as it is.
 set -euo pipefail
 
+usage() {
+    cat << 'USAGE'
+usage: bash scripts/install_baselines.sh [VENV_DIR]
+
+Install the benchmark baselines, learn2learn 0.2.0 and higher 0.2.1, with torch and a
+matching torchvision and metalearn (editable, dev extra), into their own virtualenv
+VENV_DIR (default: .venv-baselines at the repository root); the core .venv is untouched.
+
+environment:
+  PYTHON             the Python that creates the venv (default: python3)
+  TORCH_SPEC         torch to install (default: torch==2.14.1)
+  TORCHVISION_SPEC   torchvision to install (default: torchvision==0.29.1)
+
+then:
+  .venv-baselines/bin/python scripts/bench_maml.py
+  .venv-baselines/bin/python -m pytest -q -m baselines
+USAGE
+}
+
+case "${1:-}" in
+    -h | --help)
+        usage
+        exit 0
+        ;;
+    -*)
+        echo "install_baselines.sh: error: unknown option $1; see --help" >&2
+        exit 2
+        ;;
+esac
+if [ $# -gt 1 ]; then
+    echo "install_baselines.sh: error: takes at most one argument, VENV_DIR, got $#; see --help" >&2
+    exit 2
+fi
+
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 VENV="$(realpath -m "${1:-$ROOT/.venv-baselines}")"
 PYTHON="${PYTHON:-python3}"

@@ -19,9 +19,9 @@ TINY = bench_memory.Workload(inner_steps=1, query=1, tasks=2, threads=1, repeats
     ("argv", "message"),
     [
         ("--chunk-size 0", "--chunk-size: expected auto, none or a positive integer, got '0'"),
-        ("--query 0", "argument --query: expected a positive integer, got '0'"),
-        ("--model vgg", "argument --model: invalid choice: 'vgg'"),
-        ("--algorithm reptile", "argument --algorithm: invalid choice: 'reptile'"),
+        ("--query 0", "--query: expected a positive integer, got 0"),
+        ("--model vgg", "invalid choice 'vgg' for argument '--model'"),
+        ("--algorithm reptile", "invalid choice 'reptile' for argument '--algorithm'"),
         ("--suite --checkpoint", "--suite chooses each row's model"),
         ("--limit-gb -1", "--limit-gb must be >= 0"),
     ],

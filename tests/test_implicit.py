@@ -189,6 +189,33 @@ def test_a_solver_that_did_not_converge_is_named_with_its_residual() -> None:
         root(ridge_condition, three_steps)(x, y, lam)
 
 
+WRONG_SHAPES = {
+    # a column instead of a vector: F broadcasts it to a (4, 12) residual, not a large one
+    "column": (lambda w: w[:, None], root, ridge_condition,
+               r"^the solver returned x of shape \(4, 1\) but F\(x, \*theta\) has shape "
+               r"\(4, 12\); the condition must be shaped like x"),
+    # one entry too many: F cannot multiply it, named with torch's message
+    "longer": (lambda w: torch.cat([w, w[:1]]), root, ridge_condition,
+               r"^F\(x, \*theta\) failed on the solver's output x of shape \(5,\) \(theta "
+               r"shapes \(12, 4\), \(12,\), \(\); torch said: .*\); the solver must return x "
+               r"of the shape the condition takes$"),
+    "argmin": (lambda w: w[:3], argmin, ridge_objective,
+               r"^grad objective\(x, \*theta\) failed on the solver's output x of shape "
+               r"\(3,\)"),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("case", list(WRONG_SHAPES))
+def test_a_solver_of_the_wrong_shape_is_named_with_the_shapes(case: str) -> None:
+    reshape, make, condition, message = WRONG_SHAPES[case]
+    x, y, lam = leaves(*ridge_data())
+    with pytest.raises(ValueError, match=message) as caught:
+        make(condition, lambda *theta: reshape(ridge_solver(*theta)))(x, y, lam)
+    assert "\n" not in str(caught.value)
+    # the same condition with the solver's own output is accepted (the shape was the fault)
+    assert make(condition, ridge_solver)(x, y, lam).shape == (4,)
+
+
 def test_a_linear_solve_that_did_not_converge_raises() -> None:
     x, y, lam = leaves(*ridge_data())
     w = root(ridge_condition, ridge_solver, max_iter=1)(x, y, lam)

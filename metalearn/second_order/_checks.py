@@ -54,7 +54,9 @@ def check_params(params: Tree, name: str = "params", *, uniform: bool = False) -
     Args:
         params: the tree (leaves ``[*p_i]``).
         name: how the message names it.
-        uniform: also require one dtype and one device across the leaves.
+        uniform: also require one dtype and one device across the leaves (`hessian` and
+            `top_eigenvalues` flatten them into one vector; `hessian_trace` sums their
+            quadratic forms, and a loss of mixed-dtype parameters otherwise fails inside torch).
     """
     leaves = tree_leaves(params)
     if not leaves:
@@ -71,8 +73,8 @@ def check_params(params: Tree, name: str = "params", *, uniform: bool = False) -
         if uniform and (leaf.dtype, leaf.device) != (first.dtype, first.device):
             raise ValueError(
                 f"{name}{where} is {leaf.dtype} on {leaf.device} but the first tensor of {name} is "
-                f"{first.dtype} on {first.device}; this tool flattens them into one vector, "
-                "so give every tensor the same dtype and device"
+                f"{first.dtype} on {first.device}; this tool takes one dtype and device for "
+                f"all of {name}, so convert every tensor to one (e.g. .double())"
             )
 
 

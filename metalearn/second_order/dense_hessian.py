@@ -10,6 +10,7 @@ from torch import Tensor
 
 from metalearn.functional import Tree, flatten_tree, unflatten_like
 from metalearn.second_order._checks import check_params, check_scalar
+from metalearn.second_order._running_stats import refuse_running_stat_updates
 
 __all__ = ["hessian"]
 
@@ -35,12 +36,17 @@ def hessian(
 
     Returns:
         Tensor of shape ``[n, n]``.
+
+    Raises:
+        ValueError: ``f`` runs a training-mode batch norm that tracks running statistics
+            (refused before any buffer is written, as by `hvp`).
     """
     check_params(params, uniform=True)
     flat = flatten_tree(params).detach()
 
     def f_flat(x: Tensor) -> Tensor:
-        return check_scalar(f(unflatten_like(x, params)), "f(params)")
+        with refuse_running_stat_updates("f(params)"):
+            return check_scalar(f(unflatten_like(x, params)), "f(params)")
 
     if method == "vmap":
         with torch.no_grad():

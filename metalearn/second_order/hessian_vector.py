@@ -52,6 +52,7 @@ from torch.func import grad, jvp, vjp
 
 from metalearn.functional import Tree, tree_leaves, tree_map, tree_unflatten
 from metalearn.second_order._checks import check_like, check_scalar
+from metalearn.second_order._running_stats import refuse_running_stat_updates
 
 __all__ = [
     "DEFAULT_HVP_METHOD",
@@ -96,7 +97,11 @@ def hvp(
 
     Raises:
         ValueError: ``v`` differs from ``params`` in structure, a shape, a dtype or a device
-            (one check for every method, `metalearn.second_order._checks.check_like`).
+            (one check for every method, `metalearn.second_order._checks.check_like`); or
+            ``f`` runs a training-mode batch norm that tracks running statistics, which every
+            method refuses before any buffer is written, naming ``model.eval()`` and
+            ``torch.func.replace_all_batch_norm_modules_``
+            (`metalearn.second_order._running_stats`).
     """
     check_like(params, v)
     if method not in HVP_METHODS:
@@ -106,7 +111,8 @@ def hvp(
     v = tree_unflatten(params, tree_leaves(v))
 
     def scalar_f(p: Tree) -> Tensor:
-        return check_scalar(f(p), "f(params)")
+        with refuse_running_stat_updates("f(params)"):
+            return check_scalar(f(p), "f(params)")
 
     if method == "double-backward":
         try:
@@ -157,6 +163,10 @@ _FORWARD_MODE_ERRORS = ("ZeroTensors are immutable", "forward AD", "forward-mode
 
 
 def _forward_mode_unsupported(error: BaseException) -> bool:
+    # torch.func's refusal to write a captured tensor names "(vjp, jvp, grad, etc)" too, but
+    # reverse mode refuses it just the same: it is not a missing forward-mode formula.
+    if "mutate a captured Tensor" in str(error):
+        return False
     return any(marker in str(error) for marker in _FORWARD_MODE_ERRORS)
 
 

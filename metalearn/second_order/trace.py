@@ -47,8 +47,12 @@ def hessian_trace(
 
     Returns:
         A `TraceEstimate` (estimate, standard error, samples).
+
+    Raises:
+        ValueError: ``params`` mixes dtypes or devices (named, with both dtypes), or ``f``
+            runs a training-mode batch norm that tracks running statistics (see `hvp`).
     """
-    check_params(params)
+    check_params(params, uniform=True)
     if samples < 2:
         raise ValueError(f"samples must be >= 2 to estimate a standard error, got {samples}")
     device = generator_device(generator)
