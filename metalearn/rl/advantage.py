@@ -50,10 +50,18 @@ def gae(
     return discount_cumsum(deltas, discount * gae_lambda) * mask
 
 
-def normalize_advantages(advantages: Tensor, mask: Tensor, eps: float = 1e-8) -> Tensor:
+def normalize_advantages(
+    advantages: Tensor, mask: Tensor, eps: float = 1e-8
+) -> tuple[Tensor, Tensor]:
     """Advantages centred and scaled over the valid steps of each task's batch (rllab's
-    ``center_adv``): ``[..., B, T]`` normalised over its last two dims."""
+    ``center_adv``).
+
+    Returns:
+        ``(normalised [..., B, T], scale [..., 1, 1])``: the divisor, so that other
+        estimates of the same gradient can be put on the same scale.
+    """
     count = mask.sum(dim=(-2, -1), keepdim=True)
     mean = (advantages * mask).sum(dim=(-2, -1), keepdim=True) / count
     var = (((advantages - mean) * mask) ** 2).sum(dim=(-2, -1), keepdim=True) / count
-    return (advantages - mean) / (var.sqrt() + eps) * mask
+    scale = var.sqrt() + eps
+    return (advantages - mean) / scale * mask, scale

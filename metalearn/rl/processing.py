@@ -29,10 +29,13 @@ def policy_batch(
         gae_lambda: GAE's lambda (maml_rl's 1: reward-to-go minus the baseline).
         baseline: subtract the linear feature baseline fitted on these episodes (else the
             advantage is the reward-to-go, the plain likelihood-ratio estimator).
-        normalize: centre and scale the advantages per task (rllab's ``center_adv``).
+        normalize: centre and scale the advantages per task (rllab's ``center_adv``); the
+            returns are divided by the same scale, so the meta-surrogate's score term
+            (`metalearn.rl.meta_objective`) keeps its proportion to the policy-gradient term.
 
     Returns:
-        The `PolicyBatch`; ``returns`` is each episode's discounted return.
+        The `PolicyBatch`; ``returns`` is each episode's discounted return (scaled with the
+        advantages when ``normalize``).
     """
     returns_to_go = discounted_returns(episodes.rewards, episodes.mask, discount)
     values = torch.zeros_like(returns_to_go)
@@ -40,8 +43,8 @@ def policy_batch(
         coeffs = fit_linear_baseline(episodes.obs, returns_to_go, episodes.mask)
         values = linear_baseline_values(coeffs, episodes.obs, episodes.mask)
     advantages = gae(episodes.rewards, values, episodes.mask, discount, gae_lambda)
+    returns = returns_to_go[..., 0]
     if normalize:
-        advantages = normalize_advantages(advantages, episodes.mask)
-    return PolicyBatch(
-        episodes.obs, episodes.actions, advantages, episodes.mask, returns_to_go[..., 0]
-    )
+        advantages, scale = normalize_advantages(advantages, episodes.mask)
+        returns = returns / scale[..., 0]
+    return PolicyBatch(episodes.obs, episodes.actions, advantages, episodes.mask, returns)
