@@ -193,3 +193,19 @@ def test_gaussian_policy_log_prob_and_kl_match_torch_distributions():
     other_normal = torch.distributions.Normal(other[0], other[1].exp())
     expect = torch.distributions.kl_divergence(normal, other_normal).sum(-1)
     torch.testing.assert_close(policy.kl(stats, other), expect)
+
+
+@pytest.mark.slow
+def test_bench_rl_prints_a_row_per_shape_and_refuses_a_bad_shape():
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[1] / "scripts" / "bench_rl.py"
+    run = [sys.executable, str(script), "--repeats", "1", "--horizon", "3", "--shapes"]
+    out = subprocess.run([*run, "2x2", "3x1"], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    rows = [line for line in out.stdout.splitlines() if line.startswith(("| 2x2", "| 3x1"))]
+    assert len(rows) == 2
+    bad = subprocess.run([*run, "2by2"], capture_output=True, text=True, timeout=300)
+    assert bad.returncode == 2 and "TASKSxEPISODES" in bad.stderr
