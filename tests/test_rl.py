@@ -12,7 +12,7 @@ import pytest
 import torch
 from torch.func import functional_call, vmap
 
-from metalearn.functional import flatten_tree
+from metalearn.functional import flatten_tree, tree_map
 from metalearn.rl import (
     TRPO,
     GaussianMLPPolicy,
@@ -130,9 +130,9 @@ def meta_batch(objective, steps=1, tasks=3, episodes=4, horizon=6):
     return policy, params, objective.prepare(policy, params, tuple(inner[:-1]), inner[-1])
 
 
-@pytest.mark.parametrize("steps", [1, 2])
-def test_the_vmapped_task_batch_equals_the_loop(steps):
-    objective = MetaObjective(lr=0.05)
+@pytest.mark.parametrize("steps, inner_score", [(1, False), (1, True), (2, True)])
+def test_the_vmapped_task_batch_equals_the_loop(steps, inner_score):
+    objective = MetaObjective(lr=0.05, inner_score=inner_score)
     policy, params, tasks = meta_batch(objective, steps)
     theta = {k: v.clone().requires_grad_(True) for k, v in params.items()}
     results = []
@@ -149,7 +149,7 @@ def test_the_vmapped_task_batch_equals_the_loop(steps):
 
 
 def test_trpo_direction_equals_the_dense_solve():
-    objective = MetaObjective(lr=0.05)
+    objective = MetaObjective(lr=0.05, inner_score=True)
     policy, params, tasks = meta_batch(objective)
     trpo = TRPO(damping=1e-3, cg_iters=500, cg_tol=1e-13)
     _, g, x, _ = trpo.direction(lambda p: objective(policy, p, tasks), params)
@@ -180,6 +180,29 @@ def test_clipped_outer_step_raises_the_clipped_surrogate():
     optimizer = torch.optim.Adam(theta.values(), lr=1e-2)
     history = clipped_outer_step(lambda p: objective(policy, p, tasks), theta, optimizer, 5)
     assert history[-1][0] > history[0][0] and history[0][1] == 0.0
+
+
+def test_first_order_meta_gradient_is_the_outer_gradient_at_the_adapted_parameters():
+    """FOMAML: d phi / d theta = I, so the meta-gradient is the outer surrogate's gradient
+    taken at phi, written out here with phi as the leaf."""
+    objective = MetaObjective(lr=0.05, first_order=True)
+    policy, params, tasks = meta_batch(objective)
+    theta = {k: v.clone().requires_grad_(True) for k, v in params.items()}
+    meta = torch.autograd.grad(objective(policy, theta, tasks)[0], list(theta.values()))
+    expect = [torch.zeros_like(g) for g in meta]
+    for k in range(3):
+        inner, outer, old = tree_map(
+            lambda x, k=k: x[k], (tasks.inner, tasks.outer, tasks.old_stats)
+        )
+        adapted = objective.adapt(policy, params, inner)[0]
+        phi = {n: v.detach().requires_grad_(True) for n, v in adapted.items()}
+        stats = functional_call(policy, phi, (outer.obs,))
+        log_ratio = policy.log_prob(stats, outer.actions) - policy.log_prob(old, outer.actions)
+        surrogate = (log_ratio.exp() * outer.advantages * outer.mask).sum() / outer.mask.shape[-2]
+        for i, g in enumerate(torch.autograd.grad(surrogate, list(phi.values()))):
+            expect[i] += g / 3
+    for g, e in zip(meta, expect):
+        torch.testing.assert_close(g, e, rtol=1e-10, atol=1e-12)
 
 
 def test_gaussian_policy_log_prob_and_kl_match_torch_distributions():
