@@ -18,6 +18,8 @@ from metalearn.rl import (
     GaussianMLPPolicy,
     MetaObjective,
     Navigation2D,
+    NonFiniteEpisodesError,
+    check_finite,
     clipped_outer_step,
     discounted_returns,
     episode_noise,
@@ -232,3 +234,16 @@ def test_bench_rl_prints_a_row_per_shape_and_refuses_a_bad_shape():
     assert len(rows) == 2
     bad = subprocess.run([*run, "2by2"], capture_output=True, text=True, timeout=300)
     assert bad.returncode == 2 and "TASKSxEPISODES" in bad.stderr
+
+
+def test_a_non_finite_advantage_names_its_task_and_iteration():
+    objective = MetaObjective(lr=0.05)
+    _, _, tasks = meta_batch(objective)
+    check_finite(tasks.outer, 4, "outer")  # finite: nothing raised
+    advantages = tasks.outer.advantages.clone()
+    advantages[2, 1, 3] = float("nan")
+    with pytest.raises(NonFiniteEpisodesError) as error:
+        check_finite(tasks.outer._replace(advantages=advantages), 4, "outer")
+    assert str(error.value).startswith(
+        "non-finite advantages in task 2 of iteration 4 (outer episodes);"
+    )

@@ -23,7 +23,7 @@ from metalearn.rl.meta_objective import MetaObjective, MetaTask, leave_one_out
 from metalearn.rl.navigation import Navigation2D, NavigationEnv
 from metalearn.rl.policy import GaussianMLPPolicy, Stats
 from metalearn.rl.ppo import clipped_outer_step
-from metalearn.rl.processing import policy_batch
+from metalearn.rl.processing import NonFiniteEpisodesError, check_finite, policy_batch
 from metalearn.rl.sampler import episode_noise, rollout
 from metalearn.rl.seeds import derive_seed, derive_seeds
 from metalearn.rl.trpo import TRPO, TRPOResult
@@ -34,6 +34,7 @@ __all__ = [
     "GaussianMLPPolicy",
     "MetaObjective",
     "MetaTask",
+    "NonFiniteEpisodesError",
     "Navigation2D",
     "NavigationEnv",
     "PolicyBatch",
@@ -41,6 +42,7 @@ __all__ = [
     "TRPOResult",
     "VectorEnv",
     "adapt_policy",
+    "check_finite",
     "clipped_outer_step",
     "derive_seed",
     "derive_seeds",

@@ -9,7 +9,28 @@ from metalearn.rl.advantage import discounted_returns, gae, normalize_advantages
 from metalearn.rl.baseline import fit_linear_baseline, linear_baseline_values
 from metalearn.rl.episodes import Episodes, PolicyBatch
 
-__all__ = ["policy_batch"]
+__all__ = ["NonFiniteEpisodesError", "check_finite", "policy_batch"]
+
+
+class NonFiniteEpisodesError(FloatingPointError):
+    """A task's returns or advantages are NaN or infinite; names the task and iteration."""
+
+    def __init__(self, what: str, task: int, iteration: int, phase: str):
+        self.what, self.task, self.iteration, self.phase = what, task, iteration, phase
+        super().__init__(
+            f"non-finite {what} in task {task} of iteration {iteration} ({phase} episodes); "
+            "lower the inner learning rate or the outer step (max KL), or check the environment"
+        )
+
+
+def check_finite(batch: PolicyBatch, iteration: int, phase: str) -> None:
+    """Raise `NonFiniteEpisodesError` for the first task (leading dim of ``batch``, ``[K, B,
+    T]``) whose returns or advantages are not finite; ``phase`` names the episodes (e.g.
+    ``"inner step 0"``, ``"outer"``)."""
+    for what, values in (("returns", batch.returns), ("advantages", batch.advantages)):
+        bad = ~torch.isfinite(values.flatten(1)).all(dim=1)
+        if bad.any():
+            raise NonFiniteEpisodesError(what, int(bad.nonzero()[0, 0]), iteration, phase)
 
 
 @torch.no_grad()
