@@ -127,6 +127,12 @@ def meta_batch(objective, steps=1, tasks=3, episodes=4, horizon=6):
     inner = [policy_batch(ep, discount=0.99)]
     for step in range(1, steps + 1):
         phis = vmap(lambda *b: objective.adapt(policy, params, b)[0])(*inner)
+        # the sampling path: one step per call, from theta then from each task's phi
+        steps_taken = objective.adapt_tasks(policy, params, inner[0])
+        for later in inner[1:]:
+            steps_taken = objective.adapt_tasks(policy, steps_taken, later, per_task=True)
+        for name in phis:
+            torch.testing.assert_close(steps_taken[name], phis[name], rtol=1e-12, atol=1e-12)
         _, ep = nav_rollout(task, policy, phis, tasks, episodes, step, True, goals)
         inner.append(policy_batch(ep, discount=0.99))
     return policy, params, objective.prepare(policy, params, tuple(inner[:-1]), inner[-1])

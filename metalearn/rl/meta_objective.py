@@ -117,6 +117,36 @@ class MetaObjective:
             )
         return phi, torch.stack(terms).sum()
 
+    @torch.no_grad()
+    def adapt_tasks(
+        self,
+        policy: nn.Module,
+        params: Mapping[str, Tensor],
+        batch: PolicyBatch,
+        *,
+        per_task: bool = False,
+    ) -> dict[str, Tensor]:
+        """One inner step for each of ``[K]`` tasks (no graph kept): the parameters to sample
+        the next episodes with (`metalearn.rl.sampler.rollout` with ``per_task=True``).
+
+        Args:
+            policy: the policy module.
+            params: theta (shared), or with ``per_task`` each task's own, leaves ``[K, ...]``
+                (a further adaptation step, as evaluation's 2nd and 3rd).
+            batch: the tasks' episodes, leaves ``[K, B, T, ...]``.
+            per_task: whether ``params`` are stacked over tasks.
+
+        Returns:
+            name -> ``[K, *shape]``.
+        """
+
+        def one(p: Mapping[str, Tensor], b: PolicyBatch) -> dict[str, Tensor]:
+            return adapt_policy(
+                policy, p, b, lr=self.lr, first_order=self.first_order, average=self.average
+            )
+
+        return vmap(one, in_dims=(0 if per_task else None, 0))(dict(params), batch)
+
     def task(
         self, policy: nn.Module, params: Mapping[str, Tensor], task: MetaTask
     ) -> tuple[Tensor, Tensor]:
