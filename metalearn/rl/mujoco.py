@@ -14,7 +14,8 @@ and the action clipped to the action box [-1, 1] (rllab's ``normalize``):
 Horizon 200 (maml_rl's ``max_path_length`` for both). An Ant episode ends when the torso
 leaves gymnasium's healthy height range [0.2, 1.0] (rllab's ant's condition). Each episode
 resets from its own seed; the ``[K, B]`` environments step in a Python loop (MuJoCo steps
-in C, one core).
+in C, one core). MuJoCo 4 warns that gymnasium's Ant model uses a deprecated attribute
+(``settotalmass``), on stderr and in ``MUJOCO_LOG.TXT`` in the working directory.
 """
 
 from __future__ import annotations
