@@ -1,0 +1,71 @@
+"""Episodes to a `PolicyBatch`: returns, the baseline, advantages (all constants of the
+surrogates: functions of the samples only)."""
+
+from __future__ import annotations
+
+import torch
+
+from metalearn.rl.advantage import discounted_returns, gae, normalize_advantages
+from metalearn.rl.baseline import fit_linear_baseline, linear_baseline_values
+from metalearn.rl.episodes import Episodes, PolicyBatch
+
+__all__ = ["NonFiniteEpisodesError", "check_finite", "policy_batch"]
+
+
+class NonFiniteEpisodesError(FloatingPointError):
+    """A task's returns or advantages are NaN or infinite; names the task and iteration."""
+
+    def __init__(self, what: str, task: int, iteration: int, phase: str):
+        self.what, self.task, self.iteration, self.phase = what, task, iteration, phase
+        super().__init__(
+            f"non-finite {what} in task {task} of iteration {iteration} ({phase} episodes); "
+            "lower the inner learning rate or the outer step (max KL), or check the environment"
+        )
+
+
+def check_finite(batch: PolicyBatch, iteration: int, phase: str) -> None:
+    """Raise `NonFiniteEpisodesError` for the first task (leading dim of ``batch``, ``[K, B,
+    T]``) whose returns or advantages are not finite; ``phase`` names the episodes (e.g.
+    ``"inner step 0"``, ``"outer"``)."""
+    for what, values in (("returns", batch.returns), ("advantages", batch.advantages)):
+        bad = ~torch.isfinite(values.flatten(1)).all(dim=1)
+        if bad.any():
+            raise NonFiniteEpisodesError(what, int(bad.nonzero()[0, 0]), iteration, phase)
+
+
+@torch.no_grad()
+def policy_batch(
+    episodes: Episodes,
+    *,
+    discount: float = 0.99,
+    gae_lambda: float = 1.0,
+    baseline: bool = True,
+    normalize: bool = False,
+) -> PolicyBatch:
+    """Advantages of ``episodes`` (leading dims ``[..., B, T]``, fitted per leading index).
+
+    Args:
+        episodes: the rollouts.
+        discount: gamma (maml_rl's 0.99).
+        gae_lambda: GAE's lambda (maml_rl's 1: reward-to-go minus the baseline).
+        baseline: subtract the linear feature baseline fitted on these episodes (else the
+            advantage is the reward-to-go, the plain likelihood-ratio estimator).
+        normalize: centre and scale the advantages per task (rllab's ``center_adv``); the
+            returns are divided by the same scale, so the meta-surrogate's score term
+            (`metalearn.rl.meta_objective`) keeps its proportion to the policy-gradient term.
+
+    Returns:
+        The `PolicyBatch`; ``returns`` is each episode's discounted return (scaled with the
+        advantages when ``normalize``).
+    """
+    returns_to_go = discounted_returns(episodes.rewards, episodes.mask, discount)
+    values = torch.zeros_like(returns_to_go)
+    if baseline:
+        coeffs = fit_linear_baseline(episodes.obs, returns_to_go, episodes.mask)
+        values = linear_baseline_values(coeffs, episodes.obs, episodes.mask)
+    advantages = gae(episodes.rewards, values, episodes.mask, discount, gae_lambda)
+    returns = returns_to_go[..., 0]
+    if normalize:
+        advantages, scale = normalize_advantages(advantages, episodes.mask)
+        returns = returns / scale[..., 0]
+    return PolicyBatch(episodes.obs, episodes.actions, advantages, episodes.mask, returns)
