@@ -11,21 +11,46 @@ outside the timed rollout, then separately timed. Steps counted: K x B x 100 per
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import time
+from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
-from benchtools import markdown_table, run_header
+from benchtools import markdown_table, parse_args_as, run_header, usage_error
 
 from metalearn.rl import GaussianMLPPolicy, Navigation2D, derive_seeds, episode_noise, rollout
 
 
+@dataclass
+class Args:
+    """The sampler's workloads and how often each is timed."""
+
+    shapes: tuple[str, ...] = ("40x20", "10x20")
+    """Workloads as TASKSxEPISODES (K tasks of B episodes each)."""
+    repeats: int = 3
+    """Timed rollouts per workload (the median is reported)."""
+    horizon: int = 100
+    """Steps per episode."""
+    threads: int = 1
+    """Torch CPU threads."""
+
+
 def parse_shape(text: str) -> tuple[int, int]:
+    """``"40x20"`` -> ``(40, 20)``; anything else is refused in one line (exit 2)."""
     tasks, _, episodes = text.partition("x")
     if not (tasks.isdigit() and episodes.isdigit()) or int(tasks) < 1 or int(episodes) < 1:
-        raise argparse.ArgumentTypeError(f"a shape is TASKSxEPISODES, e.g. 40x20; got {text!r}")
+        usage_error(f"--shapes: a shape is TASKSxEPISODES, e.g. 40x20; got {text!r}")
     return int(tasks), int(episodes)
+
+
+def parse_args(argv: Sequence[str] | None = None) -> Args:
+    args = parse_args_as(Args, argv, __doc__)
+    if args.repeats < 1 or args.horizon < 1 or args.threads < 1:
+        usage_error("--repeats, --horizon and --threads must be >= 1")
+    for shape in args.shapes:
+        parse_shape(shape)
+    return args
 
 
 def measure(tasks: int, episodes: int, repeats: int, horizon: int) -> list[str]:
@@ -53,17 +78,10 @@ def measure(tasks: int, episodes: int, repeats: int, horizon: int) -> list[str]:
             f"{tasks * episodes / noise_s:,.0f}"]  # fmt: skip
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--shapes", nargs="+", type=parse_shape, default=[(40, 20), (10, 20)])
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--horizon", type=int, default=100)
-    parser.add_argument("--threads", type=int, default=1)
-    args = parser.parse_args()
-    if args.repeats < 1 or args.horizon < 1 or args.threads < 1:
-        parser.error("--repeats, --horizon and --threads must be >= 1")
+def main(argv: Sequence[str] | None = None) -> None:
+    args = parse_args(argv)
     torch.set_num_threads(args.threads)
-    rows = [measure(k, b, args.repeats, args.horizon) for k, b in args.shapes]
+    rows = [measure(*parse_shape(s), args.repeats, args.horizon) for s in args.shapes]
     print(run_header())
     header = [
         "tasks x episodes",
