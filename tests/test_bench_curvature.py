@@ -2,16 +2,16 @@
 
 from __future__ import annotations
 
-import os
 import re
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from conftest import OMNIGLOT
 
 ROOT = Path(__file__).resolve().parents[1]
-DATA = Path(os.environ.get("METALEARN_DATA", ROOT.parent / "shared" / "data" / "omniglot"))
+DATA = OMNIGLOT
 SCRIPT = [sys.executable, str(ROOT / "scripts" / "bench_curvature.py")]
 
 

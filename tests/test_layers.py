@@ -11,7 +11,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "metalearn"
 FLOORS = {
     "functional": 1, "autograd": 1, "allocator": 1, "checkpoint": 1, "distributed": 1,
     "second_order": 1, "debug": 1, "implicit": 1, "optim": 1, "__init__": 1,
-    "engine": 2, "models": 3, "data": 4, "algorithms": 5, "runs": 6, "deploy": 7,
+    "engine": 2, "models": 3, "data": 4, "algorithms": 5, "runs": 6, "deploy": 7, "tools": 8,
 }  # fmt: skip
 
 

@@ -6,12 +6,12 @@ hand-written second-order MAML over the same adapted set and against finite diff
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import OMNIGLOT
 from run_helpers import checkpoint_of, learner_of, make, om, recipe_of
 from torch import Tensor, nn
 from torch.func import functional_call
@@ -29,7 +29,7 @@ from metalearn.runs.recipe import build_learner, read_recipe
 ROOT = Path(__file__).resolve().parents[1]
 
 F64 = torch.float64
-DATA = Path(os.environ.get("METALEARN_DATA", ROOT.parent / "shared" / "data" / "omniglot"))
+DATA = OMNIGLOT
 Params = dict[str, Tensor]
 
 

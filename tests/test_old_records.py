@@ -6,14 +6,13 @@ accuracy that code measured, which its rebuilt learner must reproduce exactly.""
 
 from __future__ import annotations
 
-import os
 import re
 import shutil
-import sys
 from pathlib import Path
 
 import pytest
 import torch
+from conftest import OMNIGLOT
 from run_helpers import fs, om
 from test_deploy import make_support_folder
 
@@ -21,13 +20,12 @@ from metalearn.data import ImageFormat
 from metalearn.deploy import export_from_checkpoint, load_exported
 from metalearn.runs.lifecycle import UserError
 from metalearn.runs.recipe import read_recipe
+from metalearn.tools import evaluate
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "scripts"))
-import evaluate  # noqa: E402
 
 RECORDS = ROOT / "tests" / "data" / "records"
-DATA = Path(os.environ.get("METALEARN_DATA", ROOT.parent / "shared" / "data" / "omniglot"))
+DATA = OMNIGLOT
 needs_omniglot = pytest.mark.skipif(
     not (DATA / "images_background").is_dir(), reason="full Omniglot not found"
 )
@@ -67,7 +65,7 @@ def test_evaluate_reproduces_the_test_accuracy_the_old_code_measured(name, capsy
             "--tasks", str(record["args"]["test_tasks"])]  # fmt: skip
     if name == "folder-maml":
         argv += ["--data-root", str(RECORDS / "folder")]  # the recorded folder was elsewhere
-    assert evaluate.cli(argv) == 0
+    assert evaluate.main(argv) == 0
     printed = RESULT.match(capsys.readouterr().out.strip().splitlines()[-1])
     assert printed[1] == f"{record['results']['test/acc']:.4f}"
 
