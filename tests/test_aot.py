@@ -13,6 +13,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from conftest import NO_OMNIGLOT
 from test_deploy import CHARACTERS, _args, experiment_checkpoint, make_support_folder
 
 from metalearn.deploy import (
@@ -36,7 +37,7 @@ from metalearn.tools import export as script
 ROOT = Path(__file__).resolve().parents[1]
 
 pytestmark = [
-    pytest.mark.skipif(not CHARACTERS.is_dir(), reason="Omniglot not found"),
+    pytest.mark.skipif(not CHARACTERS.is_dir(), reason=NO_OMNIGLOT),
     # Inductor's compile runs torch code that warns about torch's own deprecated APIs.
     pytest.mark.filterwarnings("ignore:`torch.jit.script_method` is deprecated:DeprecationWarning"),
     pytest.mark.filterwarnings("ignore:`isinstance\\(treespec, LeafSpec\\)` is deprecated"),

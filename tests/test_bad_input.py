@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import OMNIGLOT
+from conftest import NO_OMNIGLOT, OMNIGLOT
 from run_helpers import checkpoint_of, fs, make
 
 from metalearn.deploy import export_adapted
@@ -28,9 +28,7 @@ TINY = ["--iterations", "2", "--meta-batch", "2", "--query", "1", "--eval-query"
         "--hidden", "8", "--val-every", "1", "--val-tasks", "2", "--test-tasks", "2",
         "--eval-inner-steps", "1", "--data-root", str(DATA), "--no-track",
         "--threads", "1"]  # fmt: skip
-needs_data = pytest.mark.skipif(
-    not (DATA / "images_background").is_dir(), reason="Omniglot not found"
-)
+needs_data = pytest.mark.skipif(not (DATA / "images_background").is_dir(), reason=NO_OMNIGLOT)
 
 
 def _run(tmp_path: Path, *flags: str, script: str = "omniglot_maml") -> str:

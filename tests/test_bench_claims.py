@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import OMNIGLOT
+from conftest import NO_OMNIGLOT, OMNIGLOT
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
@@ -26,9 +26,7 @@ from metalearn.runs.evaluation import TEST_SEED, evaluate_tasks  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 DATA = OMNIGLOT
-needs_omniglot = pytest.mark.skipif(
-    not (DATA / "images_background").is_dir(), reason="Omniglot not found"
-)
+needs_omniglot = pytest.mark.skipif(not (DATA / "images_background").is_dir(), reason=NO_OMNIGLOT)
 
 # ------------------------------------------------------------------------------ permute
 

@@ -179,7 +179,7 @@ def test_load_support_folder_errors(tmp_path) -> None:
 def adapted(tmp_path_factory):
     """A 5-way learner from an experiment checkpoint, adapted on real PNGs (2 per class)."""
     if not CHARACTERS.is_dir():
-        pytest.skip("Omniglot not found")
+        pytest.skip(NO_OMNIGLOT)
     tmp = tmp_path_factory.mktemp("deploy")
     learner, recipe = load_learner(experiment_checkpoint(tmp, _args(algorithm="maml")))
     support = load_support_folder(make_support_folder(tmp), ways=recipe.model.ways)

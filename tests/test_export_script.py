@@ -14,6 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from conftest import NO_OMNIGLOT
 from test_deploy import CHARACTERS, _args, experiment_checkpoint, make_support_folder
 
 from metalearn.deploy import is_run_checkpoint, load_exported
@@ -21,7 +22,7 @@ from metalearn.tools import export as script
 
 ROOT = Path(__file__).resolve().parents[1]
 
-pytestmark = pytest.mark.skipif(not CHARACTERS.is_dir(), reason="Omniglot not found")
+pytestmark = pytest.mark.skipif(not CHARACTERS.is_dir(), reason=NO_OMNIGLOT)
 
 
 @pytest.fixture

@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import OMNIGLOT
+from conftest import NO_OMNIGLOT, OMNIGLOT
 
 from metalearn.checkpoint import load_checkpoint
 from metalearn.runs.records import read_offline_run
@@ -26,7 +26,7 @@ TINY = ["--iterations=1", "--meta-batch=2", "--query=1", "--eval-query=2", "--hi
         f"--data-root={DATA}", "--device=cpu", "--wandb-mode=offline"]  # fmt: skip
 
 
-@pytest.mark.skipif(not (DATA / "images_background").is_dir(), reason="full Omniglot not found")
+@pytest.mark.skipif(not (DATA / "images_background").is_dir(), reason=NO_OMNIGLOT)
 def test_grid_runs_every_cell_in_one_group_skips_them_and_runs_a_changed_grid(
     tmp_path, capsys, monkeypatch
 ):
@@ -57,7 +57,7 @@ def test_grid_runs_every_cell_in_one_group_skips_them_and_runs_a_changed_grid(
         assert saved["recipe"]["learner"]["algorithm"] == "fomaml" and saved["results"]
 
 
-@pytest.mark.skipif(not (DATA / "images_background").is_dir(), reason="full Omniglot not found")
+@pytest.mark.skipif(not (DATA / "images_background").is_dir(), reason=NO_OMNIGLOT)
 def test_ctrl_c_ends_with_the_cells_a_rerun_resumes_not_a_traceback(tmp_path):
     experiment = str(ROOT / "experiments" / "omniglot_maml.py")
     argv = ["--experiment", experiment, "--seeds", "0", "1", "--out-dir", str(tmp_path),

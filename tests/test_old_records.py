@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import OMNIGLOT
+from conftest import NO_OMNIGLOT, OMNIGLOT
 from run_helpers import fs, om
 from test_deploy import make_support_folder
 
@@ -26,9 +26,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 RECORDS = ROOT / "tests" / "data" / "records"
 DATA = OMNIGLOT
-needs_omniglot = pytest.mark.skipif(
-    not (DATA / "images_background").is_dir(), reason="full Omniglot not found"
-)
+needs_omniglot = pytest.mark.skipif(not (DATA / "images_background").is_dir(), reason=NO_OMNIGLOT)
 RESULT = re.compile(r"test/acc: (\d\.\d{4}) ± ")
 
 
@@ -59,7 +57,7 @@ def test_old_records_have_no_recipe_and_read_as_one():
 @pytest.mark.parametrize("name", ["omniglot-maml", "omniglot-reptile", "folder-maml"])
 def test_evaluate_reproduces_the_test_accuracy_the_old_code_measured(name, capsys):
     if name.startswith("omniglot") and not (DATA / "images_background").is_dir():
-        pytest.skip("full Omniglot not found")
+        pytest.skip(NO_OMNIGLOT)
     record = saved(name)
     argv = ["--checkpoint", str(RECORDS / f"{name}.ckpt"), "--no-track",
             "--tasks", str(record["args"]["test_tasks"])]  # fmt: skip

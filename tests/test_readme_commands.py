@@ -152,6 +152,24 @@ def test_predict_writes_json_and_refuses_bad_input_in_one_line(clone, capsys, mo
     for p in found["predictions"]:
         best = max(p["probabilities"], key=p["probabilities"].get)
         assert p["class"] == best == found["classes"][p["index"]]
+    # A program of one fixed batch size (--no-dynamic-batch: the support set's 5 images)
+    # classifies 3 images (padded) as the dynamic one does: each image alone.
+    (checkpoint,) = Path("runs").glob("*/checkpoint.pt")
+    assert export.main(["--checkpoint", str(checkpoint), "--support", "my_support", "--out",
+                        "fixed.pt2", "--no-dynamic-batch"]) == 0  # fmt: skip
+    three = Path("three")
+    three.mkdir()
+    for png in sorted(Path("my_queries").iterdir())[:3]:
+        (three / png.name).write_bytes(png.read_bytes())
+    capsys.readouterr()
+    for model in ("fixed.pt2", "adapted.pt2"):
+        assert predict.main(["--model", model, "--images", "three", "--out", f"{model}.json"]) == 0
+    fixed, dynamic = (json.loads(Path(f"{m}.json").read_text())["predictions"]
+                      for m in ("fixed.pt2", "adapted.pt2"))  # fmt: skip
+    assert [p["file"] for p in fixed] == [p["file"] for p in dynamic] and len(fixed) == 3
+    for a, b in zip(fixed, dynamic):
+        assert a["class"] == b["class"]
+        assert all(abs(a["probabilities"][k] - v) < 1e-6 for k, v in b["probabilities"].items())
     before = Path("p.json").read_bytes()
     bad = {"exists; pass --overwrite": argv,
            "no such folder": ["--model", "adapted.pt2", "--images", "nowhere"],

@@ -409,6 +409,9 @@ def main(argv: list[str] | None = None) -> int:
     except GridError as err:
         print(f"{PROG}: error: {err}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # while the cells' recipes were built: nothing ran
+        print("stopped before any cell started")
+        return 128 + signal.SIGINT
     try:
         codes = run_all(cells, args)
     except KeyboardInterrupt:

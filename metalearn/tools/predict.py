@@ -11,13 +11,14 @@ Command:
     metalearn-predict --model adapted.pt2 --images my_queries/              # JSON on stdout
     metalearn-predict --model adapted.pt2 --images my_queries/ --format csv --out preds.csv
 
-``--images`` holds image files (sorted by name; hidden files skipped; any other file, a
-sub-folder or an empty folder is refused, named). A model exported with frozen support
-statistics (``norm: support``, the default) classifies each image on its own, in batches
-of ``--batch``; one exported with ``--norm transductive`` normalises each call's batch
-together, so the whole folder is classified in one call (as balanced a query set as its
-training tasks, or the numbers mean little). An AOTInductor package is native code: no
-command loads one (`metalearn.deploy.load_aot` with ``trust=True`` in Python does).
+``--images`` holds image files (sorted by name; hidden files skipped; any other file, a sub-
+folder or an empty folder is refused, named). A model exported with frozen support
+statistics (``norm: support``, the default) classifies each image on its own, in batches of
+``--batch`` (or of the size a ``--no-dynamic-batch`` program takes, the last padded); one
+exported with ``--norm transductive`` normalises each call's batch together, so the whole
+folder is classified in one call (as balanced a query set as its training tasks, or the
+numbers mean little). An AOTInductor package is native code: no command loads one
+(`metalearn.deploy.load_aot` with ``trust=True`` in Python does).
 An existing ``--out`` is replaced only with ``--overwrite``. Bad input ends with a one-line
 error and exit code 2, nothing written.
 """
@@ -134,6 +135,35 @@ def load_model(path: Path) -> tuple[Any, dict[str, Any]]:
     return load_exported(path)
 
 
+def fixed_batch(program: Any) -> int | None:
+    """The batch size a program exported with ``--no-dynamic-batch`` takes; None when it
+    takes any (its input's first dimension is symbolic)."""
+    names = set(program.graph_signature.user_inputs)
+    for node in program.graph.nodes:
+        if node.op == "placeholder" and node.name in names:
+            size = node.meta["val"].shape[0]
+            return size if isinstance(size, int) else None
+    return None
+
+
+def batches(count: int, batch: int, fixed: int | None, transductive: bool) -> list[range]:
+    """Which images each call classifies: the whole folder in one call (transductive), else
+    chunks of ``batch``, or of the program's ``fixed`` size (the last one padded by `classify`).
+
+    Raises:
+        ValueError: a transductive program exported for another number of images.
+    """
+    if transductive:
+        if fixed is not None and fixed != count:
+            raise ValueError(f"the model normalises a call's images together (--norm "
+                             f"transductive) and was exported for calls of {fixed} images "
+                             f"(--no-dynamic-batch); --images holds {count}: give {fixed}, or "
+                             "export it again without --no-dynamic-batch")  # fmt: skip
+        return [range(count)]
+    step = fixed or batch
+    return [range(start, min(start + step, count)) for start in range(0, count, step)]
+
+
 def classify(args: Args) -> Predictions:
     """Load the model, decode the folder's images as its metadata says, classify them.
 
@@ -158,14 +188,15 @@ def classify(args: Args) -> Predictions:
                          f"{w0}x{h0}, {other.name} is {w1}x{h1}); each would be squashed to "
                          f"{image.size}x{image.size} differently: crop them to one size, or "
                          "pass --mixed-sizes")  # fmt: skip
-    # Transductive batch norm normalises a call's images together: the folder is one call.
-    step = len(files) if meta["norm"] == "transductive" else args.batch
+    fixed = fixed_batch(program)
     classes, probabilities = [], []
-    for start in range(0, len(files), step):
-        x = load_images(files[start : start + step], image)
+    for chunk in batches(len(files), args.batch, fixed, meta["norm"] == "transductive"):
+        x = load_images([files[i] for i in chunk], image)
+        if fixed is not None and len(x) < fixed:  # each image alone: padding changes none
+            x = torch.cat([x, x[-1:].expand(fixed - len(x), *x.shape[1:])])
         found = predict(program, x)
-        classes += found.classes.tolist()
-        probabilities += found.probabilities.to(torch.float64).tolist()
+        classes += found.classes[: len(chunk)].tolist()
+        probabilities += found.probabilities[: len(chunk)].to(torch.float64).tolist()
     return Predictions(list(meta["class_names"]), files, classes, probabilities)
 
 
