@@ -181,3 +181,24 @@ def test_predict_writes_json_and_refuses_bad_input_in_one_line(clone, capsys, mo
         assert len(err) == 1 and err[0].startswith("metalearn-predict: error: "), err
         assert message in err[0], err
     assert Path("p.json").read_bytes() == before
+
+
+def test_deploy_docs_library_example_runs_and_names_the_classes(clone, capsys, monkeypatch):
+    """docs/deploy.md's library example as written (its run, support folder and file names
+    made this folder's), ``images`` being the query images: it prints support class names."""
+    monkeypatch.chdir(clone)
+    (checkpoint,) = Path("runs").glob("*/checkpoint.pt")
+    text = (ROOT / "docs" / "deploy.md").read_text()
+    block = next(part.split("```", 1)[0] for part in text.split("```python\n")[1:]
+                 if "load_support_folder" in part)  # fmt: skip
+    code = block.replace("runs/NAME/", f"runs/{checkpoint.parent.name}/")
+    code = code.replace('"adapted.pt2"', '"docs-example.pt2"')  # beside the README's
+    image = load_learner(checkpoint)[1].data.image
+    files = sorted(Path("my_queries").iterdir())
+    images = torch.stack([torch.from_numpy(image.decode(f)) for f in files]).float() / 255
+    scope = {"images": images}
+    exec(compile(code, "docs/deploy.md", "exec"), scope)
+    names = scope["meta"]["class_names"]
+    assert names == sorted(p.name for p in Path("my_support").iterdir())
+    printed = capsys.readouterr().out
+    assert str([names[i] for i in scope["prediction"].classes]) in printed

@@ -1,7 +1,7 @@
 """Compare tracked runs: the config that differs, how each run ended, and its curves.
 
 Usage:
-    metalearn-compare runs/wandb                        # every offline run there
+    metalearn-compare runs/wandb                        # the offline runs there
     metalearn-compare runs/wandb --group-by algorithm   # seeds: mean ± 95% CI
     metalearn-compare runs/wandb --metrics val/acc perf/tasks_per_s --format csv
     metalearn-compare runs/wandb --group-by inner_lr --plot runs/compare.png
@@ -9,6 +9,7 @@ Usage:
     metalearn-compare runs/wandb --evals    # each run's evaluations beside it
     metalearn-compare runs/wandb --job-type eval --group-by shots
     metalearn-compare ENTITY/PROJECT --online --filter config.algorithm=maml
+    metalearn-compare runs/wandb --project metalearn-omniglot --group grid --tag maml
 
 Each metric is read in the direction `DIRECTIONS` gives it (accuracies up; losses, interval
 widths and times down; throughput up); a metric it does not know shows its final value only.
@@ -21,11 +22,14 @@ n - 1 degrees of freedom). Offline runs are read with `metalearn.runs.records`; 
 is one row (its time, `SEGMENT_TOTALS`, summed over its segments), a damaged file is named on
 stderr. For an interactive look, open the same folder with ``wandb leet runs/wandb``.
 
-What is compared is what was trained: the runs of one W&B job type (``--job-type``,
-default ``train``; an evaluation of a checkpoint by ``metalearn-evaluate`` is an ``eval``
-job), never a mix; ``--evals`` shows each training run's evaluations in rows beside it,
-outside the ranking. A config's nested dicts are columns with dotted names
-(`flatten_config`): the recipe's ``learner.first_order``, ``data.image.size``, ...
+One W&B project is compared at a time (``--project``; by default the one with the most runs,
+the others named on stderr), so the sine and curvature demos never join an Omniglot table;
+``--group`` and ``--tag`` narrow it further. What is compared is what was trained: the runs
+of one W&B job type (``--job-type``, default ``train``; an evaluation of a checkpoint by
+``metalearn-evaluate`` is an ``eval`` job), never a mix; ``--evals`` shows each training
+run's evaluations in rows beside it, outside the ranking. A config's nested dicts are
+columns with dotted names (`flatten_config`): the recipe's ``learner.first_order``,
+``data.image.size``, ...
 """
 
 from __future__ import annotations

@@ -351,7 +351,7 @@ def resumable_note(cells: list[Cell], out_dir: str, argv: list[str]) -> str:
     for cell in cells:
         state = status(cell, out_dir)
         if state in ("stopped", "new"):
-            what = "stopped: resumes from its checkpoint" if state == "stopped" else "not started"
+            what = "resumes from its checkpoint" if state == "stopped" else "starts over"
             lines.append(f"  {cell.name} ({what})")
     if not lines:
         return "stopped; every cell had finished"
