@@ -1,13 +1,17 @@
-"""Shared test set-up: W&B stays offline, inside each test's tmp dir, and is torn down;
-the ``slow`` modules; the ``baselines`` marker (tests against learn2learn or higher)."""
+"""Shared test set-up: where the real Omniglot is (`OMNIGLOT`, the tools' own rule); W&B stays
+offline, inside each test's tmp dir, and is torn down; the ``slow`` modules; the
+``baselines`` marker (tests against learn2learn or higher)."""
 
 from __future__ import annotations
 
 import importlib.util
 import os
+from pathlib import Path
 
 import pytest
 import torch
+
+from metalearn.data.omniglot import resolve_data_root
 
 pytest_plugins = ["pytester"]  # tests/test_baselines_marker.py runs pytest on a made-up test
 
@@ -19,19 +23,36 @@ REQUIRE_BASELINES = "METALEARN_REQUIRE_BASELINES"
 # spend most of their time in thread hand-off (measured: 0.46 s vs 8 ms for one meta-loss).
 torch.set_num_threads(1)
 
+OMNIGLOT: Path = resolve_data_root()
+"""The real Omniglot, found as the tools find it (`resolve_data_root`: ``$METALEARN_DATA``, else
+the cache's ``omniglot/``), read once before the session's cache moves into tmp. Every test
+that needs the real data takes it from here; the session hands the same folder to the tools
+(`_session_data`), so a test and the command it runs never look in different places."""
+
+HAS_OMNIGLOT = (OMNIGLOT / "images_background").is_dir()
+
+NO_OMNIGLOT = (
+    f"Omniglot not found at {OMNIGLOT}: set METALEARN_DATA to an extracted Omniglot "
+    "(images_background/, images_evaluation/)"
+)
+
+needs_omniglot = pytest.mark.skipif(not HAS_OMNIGLOT, reason=NO_OMNIGLOT)
+
 
 @pytest.fixture(scope="session", autouse=True)
-def _session_data_cache(tmp_path_factory):
-    """One decoded-Omniglot cache for the whole session (decoding 32k PNGs takes ~10 s)."""
-    import os
-
-    previous = os.environ.get("METALEARN_CACHE")
+def _session_data(tmp_path_factory):
+    """One decoded-Omniglot cache for the whole session (decoding 32k PNGs takes ~10 s), and
+    ``$METALEARN_DATA`` at `OMNIGLOT` where it was found, for the tools the tests run."""
+    saved = {k: os.environ.get(k) for k in ("METALEARN_CACHE", "METALEARN_DATA")}
     os.environ["METALEARN_CACHE"] = str(tmp_path_factory.mktemp("metalearn-cache"))
+    if HAS_OMNIGLOT:
+        os.environ["METALEARN_DATA"] = str(OMNIGLOT)
     yield
-    if previous is None:
-        os.environ.pop("METALEARN_CACHE", None)
-    else:
-        os.environ["METALEARN_CACHE"] = previous
+    for key, value in saved.items():
+        if value is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = value
 
 
 @pytest.fixture(autouse=True)
@@ -62,6 +83,7 @@ SLOW_MODULES = {
     "test_fewshot_experiment",
     "test_grid",
     "test_omniglot_experiment",
+    "test_readme_commands",
     "test_run_records",
     "test_seam_matrix",
     "test_sine_experiment",

@@ -1,4 +1,4 @@
-"""metalearn.deploy.aot and scripts/export_adapted.py --aot: the AOTInductor package of a
+"""metalearn.deploy.aot and metalearn-export --aot: the AOTInductor package of a
 real adapted tiny learner gives the eager model's logits under both batch-norm modes,
 carries the .pt2's metadata, is read by predict, and the script's latency table has its
 four rows. Two compiles in all (about 30 s each), shared by the module's tests."""
@@ -8,12 +8,12 @@ from __future__ import annotations
 import errno
 import importlib.util
 import os
-import sys
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 import torch
+from conftest import NO_OMNIGLOT
 from test_deploy import CHARACTERS, _args, experiment_checkpoint, make_support_folder
 
 from metalearn.deploy import (
@@ -32,13 +32,12 @@ from metalearn.deploy import (
     measure_latency,
     predict,
 )
+from metalearn.tools import export as script
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "scripts"))
-import export_adapted as script  # noqa: E402
 
 pytestmark = [
-    pytest.mark.skipif(not CHARACTERS.is_dir(), reason="Omniglot not found"),
+    pytest.mark.skipif(not CHARACTERS.is_dir(), reason=NO_OMNIGLOT),
     # Inductor's compile runs torch code that warns about torch's own deprecated APIs.
     pytest.mark.filterwarnings("ignore:`torch.jit.script_method` is deprecated:DeprecationWarning"),
     pytest.mark.filterwarnings("ignore:`isinstance\\(treespec, LeafSpec\\)` is deprecated"),
@@ -56,7 +55,7 @@ def packages(tmp_path_factory) -> SimpleNamespace:
     checkpoint = experiment_checkpoint(tmp, _args(eval_inner_steps=2))
     folder = make_support_folder(tmp, shots=1)
     out = tmp / "export" / "adapted.pt2"
-    report = script.main(script.Args(checkpoint=str(checkpoint), support=str(folder),
+    report = script.export(script.Args(checkpoint=str(checkpoint), support=str(folder),
                                      out=str(out), aot=True, latency_repeats=3))  # fmt: skip
     learner, _ = load_learner(checkpoint)
     support = load_support_folder(folder, ways=5)
@@ -149,13 +148,13 @@ def test_a_full_disk_while_writing_the_package_is_one_line_and_keeps_the_old_one
         return write_bytes(self, data)
 
     monkeypatch.setattr(Path, "write_bytes", full_for_the_package)
-    code = script.cli(["--checkpoint", str(packages.checkpoint), "--support",
+    code = script.main(["--checkpoint", str(packages.checkpoint), "--support",
                        str(packages.folder), "--out", str(out), "--aot", "--overwrite",
                        "--latency-repeats", "3"])  # fmt: skip
     monkeypatch.undo()
     err = capsys.readouterr().err
     assert code == 2 and err == (
-        f"export_adapted.py: error: could not write {package}: No space left on device; free "
+        f"metalearn-export: error: could not write {package}: No space left on device; free "
         "space there or choose another --out; nothing was replaced\n"
     )
     assert package.read_bytes() == b"the previous package"

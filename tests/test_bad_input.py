@@ -14,23 +14,21 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import NO_OMNIGLOT, OMNIGLOT
 from run_helpers import checkpoint_of, fs, make
 
 from metalearn.deploy import export_adapted
 from metalearn.runs import lock
+from metalearn.tools import grid
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "scripts"))
-import grid  # noqa: E402
 
-DATA = Path(os.environ.get("METALEARN_DATA", ROOT.parent / "shared" / "data" / "omniglot"))
+DATA = OMNIGLOT
 TINY = ["--iterations", "2", "--meta-batch", "2", "--query", "1", "--eval-query", "2",
         "--hidden", "8", "--val-every", "1", "--val-tasks", "2", "--test-tasks", "2",
         "--eval-inner-steps", "1", "--data-root", str(DATA), "--no-track",
         "--threads", "1"]  # fmt: skip
-needs_data = pytest.mark.skipif(
-    not (DATA / "images_background").is_dir(), reason="Omniglot not found"
-)
+needs_data = pytest.mark.skipif(not (DATA / "images_background").is_dir(), reason=NO_OMNIGLOT)
 
 
 def _run(tmp_path: Path, *flags: str, script: str = "omniglot_maml") -> str:
@@ -143,7 +141,8 @@ def test_export_to_a_full_disk_is_one_line_and_keeps_the_old_file(tmp_path, monk
     assert sorted(p.name for p in tmp_path.iterdir()) == ["adapted.pt2"]
 
 
-def test_the_grid_skips_a_running_and_a_damaged_cell(tmp_path, capsys):
+def test_the_grid_skips_a_running_and_a_damaged_cell(tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(ROOT)  # the grid's experiments/omniglot_maml.py
     argv = ["--seeds", "0", "1", "--out-dir", str(tmp_path), "--group", "g", "--",
             "--iterations=1", f"--data-root={DATA}", "--device=cpu"]  # fmt: skip
     running, damaged = grid.plan(argv)[1]

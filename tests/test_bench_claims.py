@@ -5,13 +5,13 @@ to independent evaluations); no timings are asserted."""
 from __future__ import annotations
 
 import copy
-import os
 import random
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+from conftest import NO_OMNIGLOT, OMNIGLOT
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
@@ -25,10 +25,8 @@ from metalearn.engine import Task  # noqa: E402
 from metalearn.runs.evaluation import TEST_SEED, evaluate_tasks  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
-DATA = Path(os.environ.get("METALEARN_DATA", ROOT.parent / "shared" / "data" / "omniglot"))
-needs_omniglot = pytest.mark.skipif(
-    not (DATA / "images_background").is_dir(), reason="Omniglot not found"
-)
+DATA = OMNIGLOT
+needs_omniglot = pytest.mark.skipif(not (DATA / "images_background").is_dir(), reason=NO_OMNIGLOT)
 
 # ------------------------------------------------------------------------------ permute
 

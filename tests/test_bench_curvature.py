@@ -2,20 +2,20 @@
 
 from __future__ import annotations
 
-import os
 import re
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from conftest import NO_OMNIGLOT, OMNIGLOT
 
 ROOT = Path(__file__).resolve().parents[1]
-DATA = Path(os.environ.get("METALEARN_DATA", ROOT.parent / "shared" / "data" / "omniglot"))
+DATA = OMNIGLOT
 SCRIPT = [sys.executable, str(ROOT / "scripts" / "bench_curvature.py")]
 
 
-@pytest.mark.skipif(not (DATA / "images_background").is_dir(), reason="Omniglot not found")
+@pytest.mark.skipif(not (DATA / "images_background").is_dir(), reason=NO_OMNIGLOT)
 def test_tiny_run_prints_the_fraction_of_its_own_medians():
     tiny = ["--data-root", str(DATA), "--steps", "2", "--repeats", "1", "--meta-batch", "2",
             "--hidden", "4", "--probe-tasks", "2", "--every", "50"]  # fmt: skip

@@ -1,4 +1,5 @@
-"""compare_runs.py on offline runs written here with known histories."""
+"""metalearn-compare (`metalearn.tools.compare`) on offline runs written here with known
+histories."""
 
 from __future__ import annotations
 
@@ -16,31 +17,32 @@ import pytest
 from test_run_records import damage, offline_run, wandb_file
 
 from metalearn.runs.records import read_offline_runs
+from metalearn.tools import compare
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "scripts"))
-import compare_runs  # noqa: E402
 
 T975 = {1: 12.7062, 2: 4.3027, 4: 2.7764, 9: 2.2622, 30: 2.0423}
 """Two-sided 95% critical values of Student's t, from a printed table."""
 
 
 def run_json(capsys, *argv: str) -> dict:
-    compare_runs.main([*argv, "--format", "json"])
+    compare.main([*argv, "--format", "json"])
     return json.loads(capsys.readouterr().out)
 
 
 def usage_error(capsys, *argv: str) -> str:
-    with pytest.raises(SystemExit) as exit_:
-        compare_runs.main(list(argv))
+    try:
+        code = compare.main(list(argv))
+    except SystemExit as stop:  # the flags' parser stops the process itself
+        code = stop.code
     err = capsys.readouterr().err
-    assert exit_.value.code == 2 and len(err.strip().splitlines()) == 1, err
+    assert code == 2 and len(err.strip().splitlines()) == 1, err
     return err
 
 
 def test_t_quantile_matches_the_printed_table():
     for dof, t in T975.items():
-        assert compare_runs.t_quantile(0.95, dof) == pytest.approx(t, abs=6e-5)
+        assert compare.t_quantile(0.95, dof) == pytest.approx(t, abs=6e-5)
 
 
 def test_each_metric_is_judged_in_its_own_direction(tmp_path, capsys):
@@ -97,7 +99,7 @@ def test_seeds_grouped_as_mean_and_t_interval(tmp_path, capsys):
 def test_test_metric_shown_with_its_logged_interval(tmp_path, capsys):
     offline_run(tmp_path, {0: {"train/loss": 1.0}, 1: {"train/loss": 0.5}}, name="r",
                 summary={"test/acc": 0.9581, "test/acc_ci95": 0.0037})  # fmt: skip
-    text = compare_runs.main([str(tmp_path)])
+    text = compare.run([str(tmp_path)])
     header, _, row = text.splitlines()[:3]
     cells = dict(zip(header.strip("|").split("|"), row.strip("|").split("|")))
     cells = {k.strip(): v.strip() for k, v in cells.items()}
@@ -112,7 +114,7 @@ def test_resumed_and_damaged_runs(tmp_path, capsys):
     pad = {s: {"train/loss": 2.0, "pad": "x" * 200} for s in range(20)}
     bad = damage(offline_run(tmp_path, pad, name="bad"), "corrupt")
     junk = damage(offline_run(tmp_path, pad, name="junk"), "header")
-    out = json.loads(compare_runs.main([str(tmp_path), "--format", "json"]))
+    out = json.loads(compare.run([str(tmp_path), "--format", "json"]))
     err = capsys.readouterr().err
     assert [(r["label"], r["state"]) for r in out["rows"]] == [("res", "finished"),
                                                                ("bad", "corrupt")]  # fmt: skip
@@ -125,13 +127,13 @@ def test_formats_parse(tmp_path, capsys):
     for lr in (0.1, 0.4):
         offline_run(tmp_path, {0: {"val/acc": 0.5}, 5: {"val/acc": 0.5 + lr}},
                     name=f"lr{lr}", config={"inner_lr": lr})  # fmt: skip
-    rows = list(csv.DictReader(io.StringIO(compare_runs.run([str(tmp_path), "--format", "csv"]))))
+    rows = list(csv.DictReader(io.StringIO(compare.run([str(tmp_path), "--format", "csv"]))))
     assert [(r["label"], float(r["inner_lr"])) for r in rows] == [("lr0.1", 0.1), ("lr0.4", 0.4)]
     assert float(rows[1]["val/acc final"]) == pytest.approx(0.9) and rows[1]["n"] == "1"
-    c = compare_runs.compare(read_offline_runs([tmp_path]), ["val/acc"], [])
-    out = json.loads(compare_runs.to_json(c))
+    c = compare.compare(read_offline_runs([tmp_path]), ["val/acc"], [])
+    out = json.loads(compare.to_json(c))
     assert out["metrics"][0] == {"name": "val/acc", "direction": "up", "best_row": "lr0.4"}
-    table = compare_runs.to_markdown(c).split("\n\n")[0].splitlines()
+    table = compare.to_markdown(c).split("\n\n")[0].splitlines()
     assert len(table) == 4 and len({line.count("|") for line in table}) == 1
     assert "**0.9**" in table[3]  # the best final value, in bold
 
@@ -143,24 +145,41 @@ def test_plot_labels_bands_and_points(tmp_path):
                     config={"seed": seed, "algorithm": "maml"},
                     summary={"test/acc": acc})  # fmt: skip
     png = tmp_path / "plots" / "cmp.png"
-    compare_runs.run([str(tmp_path), "--group-by", "algorithm", "--plot", str(png)])
+    compare.run([str(tmp_path), "--group-by", "algorithm", "--plot", str(png)])
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     runs = read_offline_runs([tmp_path])
-    c = compare_runs.compare(runs, ["val/acc", "test/acc"], ["algorithm"])
-    val, test = compare_runs.figure(c).axes
+    c = compare.compare(runs, ["val/acc", "test/acc"], ["algorithm"])
+    val, test = compare.figure(c).axes
     assert val.get_ylabel() == "val/acc (higher is better)" and val.get_xlabel() == "step"
     (band,) = val.collections
     ys = band.get_paths()[0].vertices[:, 1]
     for values in ([0.5, 0.51, 0.52], finals):  # at each step: mean ± t CI of the 3 seeds
         mean = sum(values) / 3
         half = T975[2] * math.sqrt(sum((v - mean) ** 2 for v in values) / 2) / math.sqrt(3)
-        assert min(abs(ys - (mean - half))) < 1e-4 and min(abs(ys - (mean + half))) < 1e-4
+        top = min(mean + half, 1.0)  # an accuracy's band stops at 1 (0.8 + 0.25 here)
+        assert min(abs(ys - (mean - half))) < 1e-4 and min(abs(ys - top)) < 1e-4
+    assert ys.max() == 1.0
     assert test.get_ylabel() == "test/acc (higher is better)"
     (bars,) = test.containers  # one group: a point with its interval as an error bar
     segment = bars.lines[2][0].get_segments()[0][:, 1]
     mean = sum(finals) / 3
     half = T975[2] * math.sqrt(sum((v - mean) ** 2 for v in finals) / 2) / math.sqrt(3)
-    assert segment == pytest.approx([mean - half, mean + half], rel=1e-4)
+    assert mean + half > 1 and segment == pytest.approx([mean - half, 1.0], rel=1e-4)
+
+
+def test_the_legend_is_beside_the_panels_not_on_the_data(tmp_path):
+    for seed, acc in enumerate([0.6, 0.7]):
+        offline_run(tmp_path, {0: {"val/acc": 0.5}, 1: {"val/acc": acc}},
+                    config={"seed": seed, "inner_lr": 0.1 * (seed + 1)},
+                    summary={"test/acc": acc})  # fmt: skip
+    c = compare.compare(read_offline_runs([tmp_path]), ["val/acc", "test/acc"], [])
+    fig = compare.figure(c)
+    fig.canvas.draw()  # lay out: the constrained layout places the legend
+    (legend,) = fig.legends
+    assert [t.get_text() for t in legend.get_texts()] == [f"{r.label} (n=1)" for r in c.rows]
+    box = legend.get_window_extent()
+    assert all(not box.overlaps(ax.get_window_extent()) for ax in fig.axes)
+    assert all(ax.get_legend() is None for ax in fig.axes)
 
 
 def test_curvature_is_drawn_and_has_no_best(tmp_path, capsys):
@@ -176,8 +195,8 @@ def test_curvature_is_drawn_and_has_no_best(tmp_path, capsys):
     eig = out["rows"][0]["metrics"]["curv/meta_top_eig"]
     assert eig == {"final": {"value": 5.0, "ci95": None, "n": 1}, "best": None}
     assert "curv/meta_top_eig: direction unknown, final value only" in out["notes"]
-    c = compare_runs.compare(read_offline_runs([tmp_path]), metrics[:1], [])
-    (ax,) = compare_runs.figure(c).axes
+    c = compare.compare(read_offline_runs([tmp_path]), metrics[:1], [])
+    (ax,) = compare.figure(c).axes
     (line,) = ax.get_lines()  # a curve through the measured steps only
     assert list(line.get_xdata()) == [2, 4] and list(line.get_ydata()) == [3.0, 5.0]
     assert ax.get_ylabel() == "curv/meta_top_eig"
@@ -186,8 +205,8 @@ def test_curvature_is_drawn_and_has_no_best(tmp_path, capsys):
 def test_missing_matplotlib_is_named_before_any_work(tmp_path):
     script = (
         "import runpy, sys; sys.modules['matplotlib'] = None; "
-        f"sys.argv = ['compare_runs.py', {str(tmp_path / 'nope')!r}, '--plot', 'x.png']; "
-        f"runpy.run_path({str(ROOT / 'scripts' / 'compare_runs.py')!r}, run_name='__main__')"
+        f"sys.argv = ['metalearn-compare', {str(tmp_path / 'nope')!r}, '--plot', 'x.png']; "
+        "runpy.run_module('metalearn.tools.compare', run_name='__main__', alter_sys=True)"
     )
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     done = subprocess.run(
@@ -195,7 +214,7 @@ def test_missing_matplotlib_is_named_before_any_work(tmp_path):
     )
     assert done.returncode == 2 and done.stdout == ""
     assert done.stderr.strip() == (
-        "compare_runs.py: error: --plot needs matplotlib: pip install 'metalearn[plots]'"
+        "metalearn-compare: error: --plot needs matplotlib: pip install 'metalearn[plots]'"
     )
 
 
@@ -252,9 +271,12 @@ def test_training_runs_are_ranked_alone_and_evaluations_shown_beside_them(tmp_pa
     assert [r["evaluates"] for r in out["rows"]] == [None, "a", None, None, "old"]
     assert out["rows"][1]["metrics"]["test/acc"]["final"]["value"] == 0.99
     assert out["metrics"][0]["best_row"] == "a"
-    text = compare_runs.main([str(tmp_path), "--metrics", "test/acc", "--evals"])
+    text = compare.run([str(tmp_path), "--metrics", "test/acc", "--evals"])
     capsys.readouterr()
     assert "**0.9**" in text and "**0.99**" not in text
+    for fmt in ("markdown", "csv"):  # evaluations beside groups of runs with a history
+        text = compare.run([str(tmp_path), "--group-by", "algorithm", "--evals", "--format", fmt])
+        assert "a-eval-x1" in text and "old-eval" in text
     out = run_json(capsys, str(tmp_path), "--metrics", "test/acc", "--job-type", "eval")
     assert [r["label"] for r in out["rows"]] == ["a-eval-x1", "old-eval"]
     err = usage_error(capsys, str(tmp_path), "--job-type", "sweep")
@@ -266,7 +288,7 @@ def test_a_nested_config_is_dotted_keys_that_add_to_the_flat_ones(tmp_path, caps
         "experiment": "omniglot_maml", "version": 1,
         "learner": {"algorithm": "maml", "arguments": {"inner_lr": 0.1, "first_order": False}},
         "data": {"image": {"size": 28, "channels": 1}}}}  # fmt: skip
-    assert compare_runs.flatten_config(config) == {
+    assert compare.flatten_config(config) == {
         "inner_lr": 0.1, "seed": 0, "recipe.experiment": "omniglot_maml", "recipe.version": 1,
         "learner.algorithm": "maml", "learner.first_order": False, "data.image.size": 28,
         "data.image.channels": 1}  # fmt: skip
@@ -304,7 +326,7 @@ def test_a_resumed_runs_time_is_summed_over_its_segments(tmp_path, capsys):
 
 def test_help_lists_each_flag_once_and_a_bad_flag_is_one_line(capsys):
     with pytest.raises(SystemExit) as stop:
-        compare_runs.main(["--help"])
+        compare.main(["--help"])
     assert stop.value.code == 0
     out = capsys.readouterr().out
     for name in ("--metrics", "--group-by", "--job-type", "--evals", "--format", "--plot",
@@ -324,9 +346,10 @@ def test_a_run_folder_with_two_wandb_files_is_ranked_once_with_a_warning(tmp_pat
     written = original.stat().st_mtime
     os.utime(copy, (written - 60, written - 60))  # the copy is the older file
     done = subprocess.run(
-        [sys.executable, str(ROOT / "scripts" / "compare_runs.py"), str(tmp_path),
+        [sys.executable, "-m", "metalearn.tools.compare", str(tmp_path),
          "--metrics", "val/acc", "--format", "json"],
         capture_output=True, text=True, timeout=120,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
     )  # fmt: skip
     assert done.returncode == 0, done.stderr
     out = json.loads(done.stdout)
@@ -337,3 +360,32 @@ def test_a_run_folder_with_two_wandb_files_is_ranked_once_with_a_warning(tmp_pat
     warning = [line for line in done.stderr.splitlines() if "2 .wandb files" in line]
     assert len(warning) == 1 and str(runs["a"]) in warning[0], done.stderr
     assert f"reading {original.name}, the last written (not run-copy.wandb)" in warning[0]
+
+
+def test_one_project_by_default_and_the_group_and_tag_filters(tmp_path, capsys):
+    for name, project, group, tags in (
+        ("o1", "omni", "g1", ["maml"]),
+        ("o2", "omni", "g2", []),
+        ("o3", "omni", "g1", []),
+        ("s1", "sine", "g1", ["maml"]),
+    ):
+        offline_run(tmp_path, {0: {"val/acc": 0.5}}, name=name, project=project, group=group,
+                    tags=tags, config={"lr": len(name)})  # fmt: skip
+    out = run_json(capsys, str(tmp_path))
+    assert [r["label"] for r in out["rows"]] == ["o1", "o2", "o3"]  # the project with most runs
+    assert compare.main([str(tmp_path)]) == 0
+    err = capsys.readouterr().err
+    assert "comparing project omni (3 runs); also here: sine (1); pass --project" in err
+    out = run_json(capsys, str(tmp_path), "--project", "sine")
+    assert [r["label"] for r in out["rows"]] == ["s1"]
+    out = run_json(capsys, str(tmp_path), "--group", "g1")
+    assert [r["label"] for r in out["rows"]] == ["o1", "o3"]
+    out = run_json(capsys, str(tmp_path), "--group", "g1", "--group", "g2", "--tag", "maml")
+    assert [r["label"] for r in out["rows"]] == ["o1"]
+    assert (
+        "--project mnist: no run of that project here (projects: omni (3 runs), sine (1 "
+        "runs))" in usage_error(capsys, str(tmp_path), "--project", "mnist")
+    )
+    assert "no run in group g2 with tags maml (groups: g1, g2; tags: maml)" in usage_error(
+        capsys, str(tmp_path), "--group", "g2", "--tag", "maml"
+    )

@@ -13,6 +13,7 @@ import math
 
 import pytest
 import torch
+from conftest import NO_OMNIGLOT
 from test_chunking import RecordingRunner
 from test_omniglot_experiment import DATA, om, tiny_args
 from torch._dynamo.utils import counters
@@ -209,7 +210,7 @@ def test_a_learner_that_overrides_backward_is_refused():
 
 def test_compile_in_the_omniglot_experiment_runs_compiled_and_resumes_uncompiled(tmp_path):
     if not (DATA / "images_background").is_dir():
-        pytest.skip("full Omniglot not found: set METALEARN_DATA")
+        pytest.skip(NO_OMNIGLOT)
     run = dict(run_name="compiled", algorithm="fomaml")  # first order: a smaller graph
     om.main(tiny_args(tmp_path, compile=True, **run))
     assert counters["stats"]["unique_graphs"] >= 1  # the meta-steps really ran compiled
@@ -232,7 +233,7 @@ def test_compile_where_it_cannot_apply_is_refused_before_anything_is_written(
     tmp_path, overrides, message
 ):
     if not (DATA / "images_background").is_dir():
-        pytest.skip("full Omniglot not found: set METALEARN_DATA")
+        pytest.skip(NO_OMNIGLOT)
     with pytest.raises(UserError, match=message) as refused:
         om.main(tiny_args(tmp_path, compile=True, **overrides))
     assert "\n" not in str(refused.value)

@@ -1,6 +1,6 @@
 """Data: Omniglot layout, cache, splits and download safety; episodic and sine sampling.
 
-The full-data tests read the real Omniglot at ``$METALEARN_DATA`` or ``../shared/data/omniglot``
+The full-data tests read the real Omniglot where the tools find it (conftest.py, ``OMNIGLOT``)
 beside the checkout, decoding it once per session (about 5-7 s on two cores) into a cache
 under pytest's tmp dir. Everything else runs on a tiny tree of PNGs built here.
 """
@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import HAS_OMNIGLOT, NO_OMNIGLOT, OMNIGLOT
 from PIL import Image
 
 from metalearn.data import (
@@ -39,17 +40,8 @@ from metalearn.models import MLP, Conv4
 SIDE = 105  # Omniglot drawings are 105x105
 
 
-def _real_root() -> Path | None:
-    env = os.environ.get("METALEARN_DATA")
-    root = Path(env) if env else Path(__file__).resolve().parents[2] / "shared/data/omniglot"
-    return root if (root / "images_background").is_dir() else None
-
-
-REAL_ROOT = _real_root()
-needs_real = pytest.mark.skipif(
-    REAL_ROOT is None,
-    reason="full Omniglot not found: set METALEARN_DATA or put it at ../shared/data/omniglot",
-)
+REAL_ROOT = OMNIGLOT if HAS_OMNIGLOT else None
+needs_real = pytest.mark.skipif(REAL_ROOT is None, reason=NO_OMNIGLOT)
 
 
 # ---------------------------------------------------------------- a tiny Omniglot tree
@@ -305,9 +297,7 @@ def test_safe_extract_rejects_symlinks_and_corrupt_members(tmp_path):
 @pytest.fixture(scope="session")
 def omniglot():
     if REAL_ROOT is None:
-        pytest.skip(
-            "full Omniglot not found: set METALEARN_DATA or put it at ../shared/data/omniglot"
-        )
+        pytest.skip(NO_OMNIGLOT)
     # The session's $METALEARN_CACHE (conftest.py): decoded once, shared with other tests.
     return load_omniglot(REAL_ROOT, progress=False, download=False)
 

@@ -1,17 +1,17 @@
 """metalearn.deploy: an experiment-format checkpoint, adapted on a folder of real Omniglot
 PNGs (read by metalearn.data.folders), exported with torch.export and reloaded, must give
 the eager adapted model's outputs; bad inputs fail with messages that name the fix.
-(scripts/export_adapted.py is tested in test_export_script.py.)"""
+(metalearn-export is tested in test_export_script.py.)"""
 
 from __future__ import annotations
 
-import os
 import shutil
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
+from conftest import NO_OMNIGLOT, OMNIGLOT
 from PIL import Image
 from run_helpers import checkpoint_of, learner_of, make, om, recipe_of
 
@@ -33,10 +33,10 @@ from metalearn.models import MetaBatchNorm
 from metalearn.runs.recipe import build_learner
 
 ROOT = Path(__file__).resolve().parents[1]
-DATA = Path(os.environ.get("METALEARN_DATA", ROOT.parent / "shared" / "data" / "omniglot"))
+DATA = OMNIGLOT
 needs_data = pytest.mark.skipif(
     not (DATA / "images_evaluation").is_dir(),
-    reason="Omniglot not found: set METALEARN_DATA or put it at ../shared/data/omniglot",
+    reason=NO_OMNIGLOT,
 )
 CHARACTERS = DATA / "images_evaluation" / "Angelic"
 
@@ -179,7 +179,7 @@ def test_load_support_folder_errors(tmp_path) -> None:
 def adapted(tmp_path_factory):
     """A 5-way learner from an experiment checkpoint, adapted on real PNGs (2 per class)."""
     if not CHARACTERS.is_dir():
-        pytest.skip("Omniglot not found")
+        pytest.skip(NO_OMNIGLOT)
     tmp = tmp_path_factory.mktemp("deploy")
     learner, recipe = load_learner(experiment_checkpoint(tmp, _args(algorithm="maml")))
     support = load_support_folder(make_support_folder(tmp), ways=recipe.model.ways)

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import NO_OMNIGLOT, OMNIGLOT
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -28,7 +29,7 @@ from metalearn.checkpoint import load_checkpoint  # noqa: E402
 from metalearn.data import load_omniglot, omniglot_samplers  # noqa: E402
 from metalearn.runs.evaluation import TEST_SEED, evaluate_tasks  # noqa: E402
 
-DATA = Path(os.environ.get("METALEARN_DATA", ROOT.parent / "shared" / "data" / "omniglot"))
+DATA = OMNIGLOT
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
 LAUNCH_TIMEOUT_S = 240  # far above a normal launch (~20 s): reaching it means a hang
 
@@ -137,7 +138,7 @@ def test_a_stalled_rank_times_out_with_a_clear_error(ranks):
 
 needs_omniglot = pytest.mark.skipif(
     not (DATA / "images_background").is_dir(),
-    reason="full Omniglot not found: set METALEARN_DATA or put it at ../shared/data/omniglot",
+    reason=NO_OMNIGLOT,
 )
 
 

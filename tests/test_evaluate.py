@@ -1,4 +1,4 @@
-"""scripts/evaluate.py and metalearn.runs.evaluation on real tiny runs' checkpoints, an Omniglot
+"""metalearn-evaluate and metalearn.runs.evaluation on real tiny runs' checkpoints, an Omniglot
 run and a few-shot run on an image folder: the printed accuracy is the evaluation done by
 hand (load_learner, the test split's sampler, learner.evaluate, the same seed), at two step
 counts; the eval run lands in W&B in the run's group; every user error is one line and exit
@@ -19,6 +19,7 @@ import numpy as np
 import pytest
 import torch
 import wandb
+from conftest import NO_OMNIGLOT, OMNIGLOT
 from image_set_fixtures import write_folder
 from run_helpers import fs, make, om
 
@@ -27,12 +28,11 @@ from metalearn.data import load_image_set, load_omniglot, omniglot_samplers
 from metalearn.deploy import load_learner
 from metalearn.runs.evaluation import accuracy_interval, evaluate_tasks
 from metalearn.runs.records import read_offline_run
+from metalearn.tools import evaluate as script
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "scripts"))
-import evaluate as script  # noqa: E402
 
-DATA = Path(os.environ.get("METALEARN_DATA", ROOT.parent / "shared" / "data" / "omniglot"))
+DATA = OMNIGLOT
 RESULT = re.compile(r"test/acc: (\d\.\d{4}) ± (\d\.\d{4}|nan)")
 
 
@@ -40,7 +40,7 @@ RESULT = re.compile(r"test/acc: (\d\.\d{4}) ± (\d\.\d{4}|nan)")
 def checkpoint(tmp_path_factory) -> Path:
     """Two meta-steps of the experiment itself (validated, so best weights exist), offline W&B."""
     if not (DATA / "images_background").is_dir():
-        pytest.skip("full Omniglot not found: set METALEARN_DATA or put it at ../shared/data/")
+        pytest.skip(NO_OMNIGLOT)
     tmp = tmp_path_factory.mktemp("runs")
     args = make(
         om, algorithm="maml", iterations=2, meta_batch=2, query=1, eval_query=2, hidden=8,
@@ -79,7 +79,7 @@ def _last_line(capsys) -> re.Match:
 def test_the_printed_accuracy_is_the_evaluation_by_hand(checkpoint, capsys, steps, shots, query):
     argv = ["--checkpoint", str(checkpoint), "--tasks", "7", "--steps", str(steps), "--seed",
             "5", "--shots", str(shots), "--query", str(query), "--no-track"]  # fmt: skip
-    assert script.cli(argv) == 0
+    assert script.main(argv) == 0
     printed = _last_line(capsys)
     mean, half = _by_hand(checkpoint, steps=steps, tasks=7, seed=5, shots=shots, query=query)
     assert printed[1] == f"{mean:.4f}" and printed[2] == f"{half:.4f}"
@@ -117,7 +117,7 @@ def test_the_eval_run_is_logged_in_the_runs_group(checkpoint, capsys) -> None:
     wandb_dir = checkpoint.parent.parent / "wandb"
     before = set(wandb_dir.glob("offline-run-*"))
     argv = ["--checkpoint", str(checkpoint), "--tasks", "3", "--wandb-mode", "offline"]
-    assert script.cli(argv) == 0
+    assert script.main(argv) == 0
     out = capsys.readouterr().out
     assert "2 inner steps" in out  # the run's eval_inner_steps by default
     printed = RESULT.fullmatch(out.strip().splitlines()[-1])
@@ -145,7 +145,7 @@ def test_the_eval_run_is_logged_in_the_runs_group(checkpoint, capsys) -> None:
 def logged_model(tmp_path_factory) -> Path:
     """A tiny run with --log-model, its out_dir then moved away (another machine)."""
     if not (DATA / "images_background").is_dir():
-        pytest.skip("full Omniglot not found: set METALEARN_DATA or put it at ../shared/data/")
+        pytest.skip(NO_OMNIGLOT)
     tmp = tmp_path_factory.mktemp("logged")
     args = make(
         om, algorithm="maml", iterations=1, meta_batch=2, query=1, eval_query=2, hidden=8,
@@ -172,10 +172,10 @@ def test_a_logged_model_moved_elsewhere_is_evaluated_from_its_artifact(logged_mo
     kept = train_dir / entry["local_path"]  # inside the moved folder
     assert kept.read_bytes() == checkpoint.read_bytes()
     common = ["--tasks", "3", "--steps", "1", "--wandb-mode", "offline"]
-    assert script.cli(["--checkpoint", str(checkpoint), "--no-track", *common]) == 0
+    assert script.main(["--checkpoint", str(checkpoint), "--no-track", *common]) == 0
     by_file = _last_line(capsys)
     argv = ["--artifact", f"{name}-model:best", "--out-dir", str(logged_model), *common]
-    assert script.cli(argv) == 0
+    assert script.main(argv) == 0
     assert _last_line(capsys).groups() == by_file.groups()
     wandb.teardown()
     (eval_dir,) = set((logged_model / "wandb").glob("offline-run-*")) - {train_dir}
@@ -183,7 +183,7 @@ def test_a_logged_model_moved_elsewhere_is_evaluated_from_its_artifact(logged_mo
     assert record.config["artifact"] == f"{name}-model:best"
     assert record.config["artifact_digest"] == artifact["digest"]
     assert record.config["training_run_id"] == read_offline_run(train_dir).run_id
-    assert script.cli(["--artifact", f"{name}-model:v7", "--out-dir", str(logged_model)]) == 2
+    assert script.main(["--artifact", f"{name}-model:v7", "--out-dir", str(logged_model)]) == 2
     assert "no offline run in" in capsys.readouterr().err
 
 
@@ -216,10 +216,10 @@ def _job_type(run_dir: Path) -> str:
 
 
 def _refused(capsys, argv: list[str], message: str) -> None:
-    assert script.cli(argv) == 2
+    assert script.main(argv) == 2
     captured = capsys.readouterr()
     lines = captured.err.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("evaluate.py: error: "), captured.err
+    assert len(lines) == 1 and lines[0].startswith("metalearn-evaluate: error: "), captured.err
     assert message in lines[0], lines[0]
     assert "test/acc" not in captured.out
 
@@ -240,11 +240,12 @@ def test_user_errors_are_one_line(checkpoint, tmp_path, capsys) -> None:
 
 def test_the_command_exits_2(tmp_path) -> None:
     missing = tmp_path / "runs" / "x" / "checkpoint.pt"
-    command = [sys.executable, str(ROOT / "scripts" / "evaluate.py"), "--checkpoint", str(missing)]
-    done = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    command = [sys.executable, "-m", "metalearn.tools.evaluate", "--checkpoint", str(missing)]
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    done = subprocess.run(command, capture_output=True, text=True, timeout=300, env=env)
     assert done.returncode == 2
     assert done.stderr.strip().splitlines() == [
-        f"evaluate.py: error: no checkpoint at {missing}; pass a run's checkpoint, "
+        f"metalearn-evaluate: error: no checkpoint at {missing}; pass a run's checkpoint, "
         "runs/<run_name>/checkpoint.pt"
     ]
 
@@ -257,12 +258,12 @@ def test_which_last_evaluates_the_latest_weights(checkpoint, tmp_path, capsys) -
     }
     path = save_checkpoint(tmp_path / "r" / "checkpoint.pt", saved)
     common = ["--checkpoint", str(path), "--tasks", "4", "--no-track", "--steps", "0"]
-    script.cli([*common, "--which", "last"])
+    script.main([*common, "--which", "last"])
     last = _last_line(capsys)
     learner, _ = load_learner(path, which="last")
     assert all(float(p.detach().abs().sum()) == 0 for p in learner.parameters())
     mean, _ = _by_hand(path, steps=0, tasks=4, seed=2, shots=1, query=2)  # 'best', by hand
-    script.cli(common)
+    script.main(common)
     assert _last_line(capsys)[1] == f"{mean:.4f}"
     assert last[1] == "0.2000"  # all-zero weights: equal logits, argmax class 0, 1 in 5 right
 
@@ -305,7 +306,7 @@ def test_a_fewshot_checkpoint_is_evaluated_on_its_own_data(fewshot_checkpoint, c
     root = Path(load_learner(fewshot_checkpoint)[1].data.root)
     argv = ["--checkpoint", str(fewshot_checkpoint), "--tasks", "7", "--steps", str(steps),
             "--seed", "5", "--query", str(query), "--no-track"]  # fmt: skip
-    assert script.cli(argv) == 0
+    assert script.main(argv) == 0
     out = capsys.readouterr().out.strip().splitlines()
     assert f"3-way 1-shot, {query} queries" in out[-2]
     assert f"7 tasks of the test classes of folder at {root}, seed 5" in out[-2]
@@ -323,7 +324,7 @@ def test_data_root_overrides_the_recorded_folder(fewshot_checkpoint, tmp_path, c
     _refused(capsys, [*argv, "--data-root", str(moved)], "only 2 classes are available")
     _refused(capsys, [*argv, "--data-root", str(tmp_path / "gone")], str(tmp_path / "gone"))
     shutil.copytree(recorded / "test" / "emu", moved / "test" / "emu")
-    assert script.cli([*argv, "--data-root", str(moved), "--seed", "4"]) == 0
+    assert script.main([*argv, "--data-root", str(moved), "--seed", "4"]) == 0
     out = capsys.readouterr().out.strip().splitlines()
     assert f"test classes of folder at {moved}, seed 4" in out[-2]
     mean, _ = _folder_by_hand(fewshot_checkpoint, moved, steps=1, tasks=3, seed=4, query=1)
@@ -339,7 +340,7 @@ def test_split_is_refused_for_a_data_set_other_than_omniglot(fewshot_checkpoint,
 def lake_checkpoint(tmp_path_factory) -> Path:
     """Two meta-steps of a Proto-MAML run on the alphabet split, tested within alphabets."""
     if not (DATA / "images_background").is_dir():
-        pytest.skip("full Omniglot not found: set METALEARN_DATA or put it at ../shared/data/")
+        pytest.skip(NO_OMNIGLOT)
     tmp = tmp_path_factory.mktemp("lake")
     args = make(
         om, algorithm="protomaml", ways=4, split="alphabet", eval_protocol="within-alphabet",
@@ -356,7 +357,7 @@ def test_within_alphabet_is_the_runs_protocol_and_matches_by_hand(lake_checkpoin
     from metalearn.data.within_alphabet import within_alphabet_samplers
 
     argv = ["--checkpoint", str(lake_checkpoint), "--tasks", "9", "--seed", "4", "--no-track"]
-    assert script.cli(argv) == 0
+    assert script.main(argv) == 0
     printed = _last_line(capsys)
     learner, recipe = load_learner(lake_checkpoint, which="best")
     sampler = within_alphabet_samplers(load_omniglot(recipe.data.root), ways=4, shots=1,
@@ -365,14 +366,14 @@ def test_within_alphabet_is_the_runs_protocol_and_matches_by_hand(lake_checkpoin
     acc = learner.evaluate(drawn, steps=1)[1].double()
     assert float(printed.group(1)) == pytest.approx(acc.mean().item(), abs=5e-5)
     # The same checkpoint on MAML's episodic tasks of the same split is another number.
-    assert script.cli([*argv, "--protocol", "episodic"]) == 0
+    assert script.main([*argv, "--protocol", "episodic"]) == 0
     episodic = _last_line(capsys)
     assert episodic.group(1) != printed.group(1)
 
 
 def test_within_alphabet_needs_the_alphabet_split(checkpoint, capsys) -> None:
     argv = ["--checkpoint", str(checkpoint), "--protocol", "within-alphabet", "--no-track"]
-    assert script.cli(argv) == 2
+    assert script.main(argv) == 2
     err = capsys.readouterr().err.strip()
     assert "--protocol within-alphabet draws tasks from one alphabet" in err
     assert len(err.splitlines()) == 1

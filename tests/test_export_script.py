@@ -1,4 +1,4 @@
-"""scripts/export_adapted.py never destroys data: an existing --out (or --aot package, or
+"""metalearn-export never destroys data: an existing --out (or --aot package, or
 latency table) is replaced only with --overwrite, a training checkpoint never; every
 refusal is one line on stderr, exit status 2, and leaves every file as it was; the write
 is atomic. (--aot's compile itself is tested in test_aot.py.)"""
@@ -6,6 +6,7 @@ is atomic. (--aot's compile itself is tested in test_aot.py.)"""
 from __future__ import annotations
 
 import importlib.util
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -13,15 +14,15 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from conftest import NO_OMNIGLOT
 from test_deploy import CHARACTERS, _args, experiment_checkpoint, make_support_folder
 
 from metalearn.deploy import is_run_checkpoint, load_exported
+from metalearn.tools import export as script
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "scripts"))
-import export_adapted as script  # noqa: E402
 
-pytestmark = pytest.mark.skipif(not CHARACTERS.is_dir(), reason="Omniglot not found")
+pytestmark = pytest.mark.skipif(not CHARACTERS.is_dir(), reason=NO_OMNIGLOT)
 
 
 @pytest.fixture
@@ -39,10 +40,10 @@ def _files(root: Path) -> dict[str, bytes]:
 def _refused(capsys, argv: list[str], root: Path, message: str) -> None:
     """``argv`` exits 2 with one line naming ``message`` and leaves ``root`` untouched."""
     before = _files(root)
-    assert script.cli(argv) == 2
+    assert script.main(argv) == 2
     captured = capsys.readouterr()
     lines = captured.err.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("export_adapted.py: error: "), captured.err
+    assert len(lines) == 1 and lines[0].startswith("metalearn-export: error: "), captured.err
     assert message in lines[0], lines[0]
     assert captured.out == ""
     assert _files(root) == before
@@ -52,7 +53,7 @@ def test_prints_the_path_and_the_self_check(run, capsys) -> None:
     checkpoint, support = run
     args = script.Args(checkpoint=str(checkpoint), support=str(support), which="last",
                        dynamic_batch=False)  # fmt: skip
-    report = script.main(args)
+    report = script.export(args)
     printed = capsys.readouterr().out
     assert report.path == checkpoint.parent / "adapted.pt2" and report.path.is_file()
     assert f"exported: {report.path}" in printed and "inner steps: 2" in printed
@@ -68,7 +69,7 @@ def test_an_existing_out_is_replaced_only_with_overwrite(run, tmp_path, capsys) 
     out.write_bytes(b"an earlier export someone kept")
     argv = ["--checkpoint", str(checkpoint), "--support", str(support), "--out", str(out)]
     _refused(capsys, argv, tmp_path, f"--out {out} exists; pass --overwrite")
-    assert script.cli([*argv, "--overwrite"]) == 0
+    assert script.main([*argv, "--overwrite"]) == 0
     assert f"exported: {out}" in capsys.readouterr().out
     assert load_exported(out)[1]["checkpoint"] == str(checkpoint)
     # The default --out (adapted.pt2 beside the checkpoint) is refused the same way.
@@ -96,7 +97,12 @@ def test_no_training_checkpoint_is_written_over(run, tmp_path, capsys) -> None:
 
 def test_other_user_errors_are_one_line_and_change_nothing(run, tmp_path, capsys) -> None:
     checkpoint, support = run
-    _refused(capsys, ["--checkpoint", str(checkpoint)], tmp_path, "--support is required")
+    for given in (["--checkpoint", str(checkpoint)], ["--support", str(support)]):
+        with pytest.raises(SystemExit) as stop:  # required flags: the parser's one line
+            script.main(given)
+        err = capsys.readouterr().err.strip().splitlines()
+        assert stop.value.code == 2 and len(err) == 1 and "Missing" in err[0], err
+        assert ("--support" if "--checkpoint" in given else "--checkpoint") in err[0]
     folder_out = ["--checkpoint", str(checkpoint), "--support", str(support), "--out"]
     _refused(capsys, [*folder_out, str(support)], tmp_path, "is a folder; give the .pt2 file")
     missing = ["--checkpoint", str(tmp_path / "nope.pt"), "--support", str(support)]
@@ -108,12 +114,13 @@ def test_other_user_errors_are_one_line_and_change_nothing(run, tmp_path, capsys
 def test_the_command_exits_2_with_one_line(run, tmp_path) -> None:
     checkpoint, support = run
     before = _files(tmp_path)
-    command = [sys.executable, str(ROOT / "scripts" / "export_adapted.py"), "--checkpoint",
+    command = [sys.executable, "-m", "metalearn.tools.export", "--checkpoint",
                str(checkpoint), "--support", str(support), "--out", str(checkpoint)]  # fmt: skip
-    done = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    done = subprocess.run(command, capture_output=True, text=True, timeout=300, env=env)
     assert done.returncode == 2, done.stderr
     assert done.stderr.strip().splitlines() == [
-        f"export_adapted.py: error: --out {checkpoint} is the checkpoint being exported; choose "
+        f"metalearn-export: error: --out {checkpoint} is the checkpoint being exported; choose "
         f"another --out (e.g. {checkpoint.parent / 'adapted.pt2'})"
     ]
     assert _files(tmp_path) == before
@@ -134,7 +141,7 @@ def test_a_crash_while_writing_leaves_the_previous_file_intact(run, tmp_path, mo
     argv = ["--checkpoint", str(checkpoint), "--support", str(support), "--out", str(out),
             "--overwrite"]  # fmt: skip
     with pytest.raises(KeyboardInterrupt):
-        script.cli(argv)
+        script.main(argv)
     assert out.read_bytes() == b"the previous export"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["adapted.pt2", "run", "support-0"]
 
@@ -196,7 +203,7 @@ def test_a_fewshot_checkpoint_exports_a_program_for_its_own_images(tmp_path, dat
         (support / f"c{c}").mkdir(parents=True)
         pixels = rng.integers(0, 256, (40, 40, 3), dtype=np.uint8)
         Image.fromarray(pixels).save(support / f"c{c}" / "a.png")
-    report = script.main(script.Args(checkpoint=str(checkpoint), support=str(support),
+    report = script.export(script.Args(checkpoint=str(checkpoint), support=str(support),
                                      out=str(tmp_path / "a.pt2")))  # fmt: skip
     program, meta = load_exported(report.path)
     assert (meta["image_size"], meta["channels"], meta["invert"]) == (side, channels, False)
@@ -215,5 +222,5 @@ def test_support_images_of_different_sizes_are_refused_unless_asked(run, tmp_pat
     argv = ["--checkpoint", str(checkpoint), "--support", str(support), "--out",
             str(tmp_path / "m.pt2")]  # fmt: skip
     _refused(capsys, argv, tmp_path, "holds images of different sizes")
-    assert script.cli([*argv, "--mixed-sizes"]) == 0
+    assert script.main([*argv, "--mixed-sizes"]) == 0
     assert load_exported(tmp_path / "m.pt2")[1]["mixed_sizes"] is True

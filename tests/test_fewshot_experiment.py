@@ -8,7 +8,6 @@ again on the same test tasks.
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -16,6 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 import wandb
+from conftest import NO_OMNIGLOT, OMNIGLOT
 from image_set_fixtures import (
     write_cifar,
     write_cub,
@@ -40,7 +40,7 @@ from metalearn.runs.records import read_offline_run
 
 ROOT = Path(__file__).resolve().parents[1]
 
-OMNIGLOT = Path(os.environ.get("METALEARN_DATA", ROOT.parent / "shared" / "data" / "omniglot"))
+
 # The fixtures hold 2 images per class (CIFAR 3, CUB 2 or 3): 1 shot + 1 query.
 TINY = dict(
     iterations=2, meta_batch=2, query=1, eval_query=1, hidden=4, inner_steps=1, val_every=1,
@@ -80,7 +80,7 @@ CASES = {
 @pytest.mark.parametrize("dataset", list(CASES))
 def test_two_meta_steps_and_a_test_on_every_data_set(dataset, roots, tmp_path):
     if dataset == "omniglot" and not (OMNIGLOT / "images_background").is_dir():
-        pytest.skip("full Omniglot not found: set METALEARN_DATA")
+        pytest.skip(NO_OMNIGLOT)
     overrides, (channels, side) = CASES[dataset]
     args = make(fs, **{**TINY, **overrides}, dataset=dataset, data_root=str(roots[dataset]),
                 out_dir=str(tmp_path), run_name="r")  # fmt: skip
@@ -133,7 +133,7 @@ def test_train_draws_training_queries_and_val_test_the_evaluation_ones(roots):
 
 def test_omniglot_keeps_its_tasks(roots):
     if not (OMNIGLOT / "images_background").is_dir():
-        pytest.skip("full Omniglot not found: set METALEARN_DATA")
+        pytest.skip(NO_OMNIGLOT)
     args = make(fs, **{**TINY, "query": 1, "eval_query": 3}, dataset="omniglot",
                 data_root=str(OMNIGLOT))  # fmt: skip
     samplers = samplers_of(fs, args)

@@ -1,4 +1,4 @@
-"""scripts/grid.py before anything runs: a cell is its whole recipe, its --set names are the
+"""metalearn-grid before anything runs: a cell is its whole recipe, its --set names are the
 experiment's flags, every cell's command line is checked, and a cell's folder says what it
 holds (new, stopped, done, another recipe). No training here: tests/test_grid.py runs a grid."""
 
@@ -15,10 +15,33 @@ from run_helpers import checkpoint_of, om
 
 from metalearn.checkpoint import save_checkpoint
 from metalearn.runs.cli import flatten
+from metalearn.tools import grid
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "scripts"))
-import grid  # noqa: E402
+FEWSHOT = grid.experiment_module(ROOT / "experiments" / "fewshot_maml.py")
+
+
+@pytest.fixture(autouse=True)
+def _in_the_clone(monkeypatch):
+    """``--experiment NAME`` is ``experiments/NAME.py`` under the current folder."""
+    monkeypatch.chdir(ROOT)
+
+
+def test_an_experiment_is_loaded_by_its_path_and_sys_path_is_left_alone(tmp_path, capsys):
+    before = list(sys.path)
+    own = tmp_path / "mine.py"
+    own.write_text((ROOT / "experiments" / "omniglot_maml.py").read_text())
+    cells = grid.plan(["--experiment", str(own), "--set", "inner_lr=0.1,0.4", "--out-dir",
+                       str(tmp_path)])[1]  # fmt: skip
+    assert [c.name.rsplit("-", 1)[0] for c in cells] == ["grid-lr0.1-seed0", "grid-lr0.4-seed0"]
+    assert sys.path == before
+    missing = refused(capsys, ["--experiment", "nope"])
+    assert "no experiment file experiments/nope.py here" in missing
+    not_one = tmp_path / "plain.py"
+    not_one.write_text("x = 1\n")
+    assert "not an experiment file (it defines no Args, EXPERIMENT, parse_args)" in refused(
+        capsys, ["--experiment", str(not_one)]
+    )
 
 
 def names(argv: list[str]) -> list[str]:
@@ -28,7 +51,7 @@ def names(argv: list[str]) -> list[str]:
 def refused(capsys, argv: list[str]) -> str:
     assert grid.main(argv) == 2
     err = capsys.readouterr().err
-    assert err.count("\n") == 1 and err.startswith("grid.py: error: "), err
+    assert err.count("\n") == 1 and err.startswith("metalearn-grid: error: "), err
     return err
 
 
@@ -80,7 +103,7 @@ def test_either_experiment_can_be_gridded(tmp_path):
     args, cells = grid.plan(argv)
     assert [c.name.rsplit("-", 1)[0] for c in cells] == [
         "grid-backboneconv4-seed0", "grid-backboneresnet12-seed0"]  # fmt: skip
-    recipe = grid.cell_recipe(grid.experiment_module("fewshot_maml"), cells[1].argv)
+    recipe = grid.cell_recipe(FEWSHOT, cells[1].argv)
     assert recipe.experiment == "fewshot_maml" and recipe.model.backbone == "resnet12"
     assert recipe.data.dataset == "cifar-fs" and recipe.data.image.size == 32
 

@@ -1,17 +1,16 @@
 """--algorithm protonet | r2d2 | metaoptnet through experiments/omniglot_maml.py on the real
 Omniglot: a tiny run trains, resumes to the uninterrupted run's weights, is evaluated by
-scripts/evaluate.py to the accuracy the run tested, and is exported by metalearn.deploy; and
+metalearn-evaluate to the accuracy the run tested, and is exported by metalearn.deploy; and
 --train-ways draws wider training tasks for these heads and is refused for MAML."""
 
 from __future__ import annotations
 
-import os
 import re
-import sys
 from pathlib import Path
 
 import pytest
 import torch
+from conftest import NO_OMNIGLOT, OMNIGLOT
 from image_set_fixtures import write_folder
 from run_helpers import fs, make, om, recipe_of, samplers_of
 from test_deploy import make_support_folder
@@ -19,15 +18,14 @@ from test_deploy import make_support_folder
 from metalearn.checkpoint import load_checkpoint
 from metalearn.deploy import export_from_checkpoint, load_exported
 from metalearn.runs.lifecycle import UserError
+from metalearn.tools import evaluate as evaluate_script
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "scripts"))
-import evaluate as evaluate_script  # noqa: E402
 
-DATA = Path(os.environ.get("METALEARN_DATA", ROOT.parent / "shared" / "data" / "omniglot"))
+DATA = OMNIGLOT
 pytestmark = pytest.mark.skipif(
     not (DATA / "images_background").is_dir(),
-    reason="full Omniglot not found: set METALEARN_DATA or put it at ../shared/data/omniglot",
+    reason=NO_OMNIGLOT,
 )
 TINY = dict(
     iterations=3, meta_batch=2, query=1, eval_query=2, hidden=8, val_every=1, val_tasks=3,
@@ -59,7 +57,7 @@ def test_a_head_trains_resumes_evaluates_and_exports(tmp_path, capsys, algorithm
 
     path = tmp_path / "straight" / "checkpoint.pt"
     capsys.readouterr()
-    assert evaluate_script.cli(["--checkpoint", str(path), "--tasks", "4", "--no-track"]) == 0
+    assert evaluate_script.main(["--checkpoint", str(path), "--tasks", "4", "--no-track"]) == 0
     last = capsys.readouterr().out.strip().splitlines()[-1]
     assert last.startswith(f"test/acc: {straight['test/acc']:.4f} ± ")
 

@@ -15,6 +15,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from conftest import OMNIGLOT, needs_omniglot
 from image_set_fixtures import (
     CIFAR_FS_SPLIT,
     FC100_SPLIT,
@@ -371,19 +372,11 @@ def test_entry_point_loads_by_name_and_augments_training_only(cifar):
         load_image_set("imagenet", cifar, "train")
 
 
-def _real_omniglot() -> Path | None:
-    import os
-
-    env = os.environ.get("METALEARN_DATA")
-    root = Path(env) if env else Path(__file__).resolve().parents[2] / "shared/data/omniglot"
-    return root if (root / "images_background").is_dir() else None
-
-
-@pytest.mark.skipif(_real_omniglot() is None, reason="full Omniglot not found (METALEARN_DATA)")
+@needs_omniglot
 def test_entry_point_omniglot_keeps_its_tasks():
     from metalearn.data import load_omniglot, omniglot_samplers
 
-    root = _real_omniglot()
+    root = OMNIGLOT
     reference = omniglot_samplers(
         load_omniglot(root, progress=False, download=False), ways=5, shots=1, queries=2
     )

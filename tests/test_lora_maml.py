@@ -6,12 +6,12 @@ hand-written second-order MAML over the same adapted set and against finite diff
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import NO_OMNIGLOT, OMNIGLOT
 from run_helpers import checkpoint_of, learner_of, make, om, recipe_of
 from torch import Tensor, nn
 from torch.func import functional_call
@@ -29,7 +29,7 @@ from metalearn.runs.recipe import build_learner, read_recipe
 ROOT = Path(__file__).resolve().parents[1]
 
 F64 = torch.float64
-DATA = Path(os.environ.get("METALEARN_DATA", ROOT.parent / "shared" / "data" / "omniglot"))
+DATA = OMNIGLOT
 Params = dict[str, Tensor]
 
 
@@ -296,7 +296,7 @@ def test_bad_ranks_are_refused_in_one_line_before_anything_runs(tmp_path, overri
     assert not any(tmp_path.iterdir())  # nothing written
 
 
-@pytest.mark.skipif(not (DATA / "images_background").is_dir(), reason="Omniglot not found")
+@pytest.mark.skipif(not (DATA / "images_background").is_dir(), reason=NO_OMNIGLOT)
 def test_a_tiny_lora_run_trains_tests_and_records_its_rank(tmp_path) -> None:
     args = make(om, algorithm="lora", lora_rank=3, iterations=2, meta_batch=2, query=1,
                 eval_query=2, hidden=8, val_every=1, val_tasks=3, test_tasks=4,

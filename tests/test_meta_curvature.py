@@ -9,7 +9,6 @@ one-step MAML meta-loss written out here with ``torch.autograd.grad``.
 from __future__ import annotations
 
 import math
-import os
 import sys
 from pathlib import Path
 
@@ -17,6 +16,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 import wandb
+from conftest import NO_OMNIGLOT, OMNIGLOT
 from torch import nn
 from torch.func import functional_call
 
@@ -178,10 +178,10 @@ def test_empty_task_lists_are_refused():
 
 # --------------------------------------------------------------------------- in a run
 
-DATA = Path(os.environ.get("METALEARN_DATA", ROOT.parent / "shared" / "data" / "omniglot"))
+DATA = OMNIGLOT
 needs_omniglot = pytest.mark.skipif(
     not (DATA / "images_background").is_dir(),
-    reason="full Omniglot not found: set METALEARN_DATA or put it at ../shared/data/omniglot",
+    reason=NO_OMNIGLOT,
 )
 CURV_KEYS = {
     "curv/support_top_eig", "curv/support_top_eig_max", "curv/two_over_inner_lr",

@@ -6,14 +6,13 @@ accuracy that code measured, which its rebuilt learner must reproduce exactly.""
 
 from __future__ import annotations
 
-import os
 import re
 import shutil
-import sys
 from pathlib import Path
 
 import pytest
 import torch
+from conftest import NO_OMNIGLOT, OMNIGLOT
 from run_helpers import fs, om
 from test_deploy import make_support_folder
 
@@ -21,16 +20,13 @@ from metalearn.data import ImageFormat
 from metalearn.deploy import export_from_checkpoint, load_exported
 from metalearn.runs.lifecycle import UserError
 from metalearn.runs.recipe import read_recipe
+from metalearn.tools import evaluate
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "scripts"))
-import evaluate  # noqa: E402
 
 RECORDS = ROOT / "tests" / "data" / "records"
-DATA = Path(os.environ.get("METALEARN_DATA", ROOT.parent / "shared" / "data" / "omniglot"))
-needs_omniglot = pytest.mark.skipif(
-    not (DATA / "images_background").is_dir(), reason="full Omniglot not found"
-)
+DATA = OMNIGLOT
+needs_omniglot = pytest.mark.skipif(not (DATA / "images_background").is_dir(), reason=NO_OMNIGLOT)
 RESULT = re.compile(r"test/acc: (\d\.\d{4}) ± ")
 
 
@@ -61,13 +57,13 @@ def test_old_records_have_no_recipe_and_read_as_one():
 @pytest.mark.parametrize("name", ["omniglot-maml", "omniglot-reptile", "folder-maml"])
 def test_evaluate_reproduces_the_test_accuracy_the_old_code_measured(name, capsys):
     if name.startswith("omniglot") and not (DATA / "images_background").is_dir():
-        pytest.skip("full Omniglot not found")
+        pytest.skip(NO_OMNIGLOT)
     record = saved(name)
     argv = ["--checkpoint", str(RECORDS / f"{name}.ckpt"), "--no-track",
             "--tasks", str(record["args"]["test_tasks"])]  # fmt: skip
     if name == "folder-maml":
         argv += ["--data-root", str(RECORDS / "folder")]  # the recorded folder was elsewhere
-    assert evaluate.cli(argv) == 0
+    assert evaluate.main(argv) == 0
     printed = RESULT.match(capsys.readouterr().out.strip().splitlines()[-1])
     assert printed[1] == f"{record['results']['test/acc']:.4f}"
 

@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 import wandb
+from conftest import NO_OMNIGLOT, OMNIGLOT
 from run_helpers import make, om
 
 from metalearn.algorithms import IMAML, Reptile
@@ -29,10 +30,10 @@ from metalearn.runs.records import read_offline_run
 
 ROOT = Path(__file__).resolve().parents[1]
 
-DATA = Path(os.environ.get("METALEARN_DATA", ROOT.parent / "shared" / "data" / "omniglot"))
+DATA = OMNIGLOT
 pytestmark = pytest.mark.skipif(
     not (DATA / "images_background").is_dir(),
-    reason="full Omniglot not found: set METALEARN_DATA or put it at ../shared/data/omniglot",
+    reason=NO_OMNIGLOT,
 )
 TINY = dict(  # MAML given explicitly: the command line's default preset trains Proto-MAML
     algorithm="maml", iterations=2, meta_batch=2, query=1, eval_query=2, hidden=8, val_every=1,

@@ -1,11 +1,11 @@
 """The README's set-up commands are the ones CI runs."""
 
 import math
-import os
 from pathlib import Path
 
 import pytest
 import torch
+from conftest import needs_omniglot
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -59,16 +59,9 @@ def test_readme_hvp_example_runs_and_matches_its_dense_hessian():
     torch.testing.assert_close(flat_hv, H @ flat_v, rtol=1e-4, atol=1e-5)
 
 
-def _omniglot_root() -> Path | None:
-    env = os.environ.get("METALEARN_DATA")
-    root = Path(env) if env else ROOT.parent / "shared" / "data" / "omniglot"
-    return root if (root / "images_background").is_dir() else None
-
-
 @pytest.mark.slow  # it trains: 9-13 s on 2 cores
-@pytest.mark.skipif(_omniglot_root() is None, reason="Omniglot not found: set METALEARN_DATA")
-def test_readme_engine_example_trains_and_evaluates(monkeypatch):
-    monkeypatch.setenv("METALEARN_DATA", str(_omniglot_root()))
+@needs_omniglot  # the example's load_omniglot() finds it through $METALEARN_DATA (conftest.py)
+def test_readme_engine_example_trains_and_evaluates():
     code = next(block for block in _python_examples() if "learner.backward" in block)
     scope: dict = {}
     exec(compile(code, "README.md", "exec"), scope)

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 import wandb
+from conftest import NO_OMNIGLOT
 from run_helpers import make, om
 from test_omniglot_experiment import DATA, TINY, _flags, _spawn, _steps, _wait_for_step
 
@@ -96,7 +97,7 @@ def test_an_out_dir_that_cannot_hold_runs_is_refused_before_anything_runs(tmp_pa
             om.main(make(om, out_dir=str(locked), track=False))
 
 
-@pytest.mark.skipif(not (DATA / "images_background").is_dir(), reason="Omniglot not found")
+@pytest.mark.skipif(not (DATA / "images_background").is_dir(), reason=NO_OMNIGLOT)
 @pytest.mark.slow
 def test_two_runs_of_one_name_the_second_exits_2_and_the_first_finishes(tmp_path):
     n = 400  # long enough to be still training when the second process starts

@@ -31,8 +31,8 @@ def offline_run(
     import wandb
 
     run = wandb.init(
-        project="t", mode="offline", dir=tmp_path, config=config or {}, id=run_id,
-        resume="allow" if run_id else None, **init,
+        project=init.pop("project", "t"), mode="offline", dir=tmp_path, config=config or {},
+        id=run_id, resume="allow" if run_id else None, **init,
     )  # fmt: skip
     for step, row in rows.items():
         run.log(row, step=step)
@@ -157,3 +157,26 @@ def test_missing_or_empty_folders_are_named(tmp_path):
         find_run_dirs(tmp_path)
     with pytest.raises(FileNotFoundError, match="no W&B run at"):
         read_offline_run(tmp_path / "nope")
+
+
+def test_each_run_folder_is_read_by_one_wandb_process(tmp_path, monkeypatch):
+    from metalearn.runs import records
+
+    for name in ("a", "b", "c"):
+        offline_run(tmp_path, {0: {"val/acc": 0.5}, 1: {"val/acc": 0.6}}, name=name,
+                    config={"lr": 0.1}, summary={"test/acc": 0.9}, project="p",
+                    tags=["x"])  # fmt: skip
+    calls: list[list[str]] = []
+    real = records._leet
+
+    def counted(cmd: list[str]) -> tuple[int, str, str]:
+        calls.append(cmd)
+        return real(cmd)
+
+    monkeypatch.setattr(records, "_leet", counted)
+    runs = read_offline_runs([tmp_path])
+    assert len(calls) == 3 and sorted(r.name for r in runs) == ["a", "b", "c"]
+    for r in runs:  # what the one read gives: identity, config, summary, history, state
+        assert (r.project, r.tags, r.state, r.config) == ("p", ["x"], "finished", {"lr": 0.1})
+        assert r.summary["test/acc"] == 0.9 and r.summary["val/acc"] == 0.6
+        assert [h["val/acc"] for h in r.history] == [0.5, 0.6]

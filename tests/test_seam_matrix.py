@@ -27,7 +27,6 @@ without a row here fails `test_every_registered_algorithm_has_a_row`.
 from __future__ import annotations
 
 import math
-import os
 import sys
 from dataclasses import replace
 from pathlib import Path
@@ -35,6 +34,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import NO_OMNIGLOT, OMNIGLOT
 from image_set_fixtures import write_folder
 from run_helpers import fs, make, om, recipe_of
 
@@ -50,7 +50,7 @@ sys.path.insert(0, str(ROOT / "scripts"))
 import transfer_check  # noqa: E402
 
 F64 = torch.float64
-OMNIGLOT = Path(os.environ.get("METALEARN_DATA", ROOT.parent / "shared" / "data" / "omniglot"))
+
 pytestmark = pytest.mark.filterwarnings("ignore:.*published:UserWarning")
 
 TINY = dict(
@@ -101,7 +101,7 @@ def arguments(experiment: str, cell: str, folder: Path, out: Path, **extra):
         flat.pop("inner_steps", None)
     if experiment == "omniglot":
         if not (OMNIGLOT / "images_background").is_dir():
-            pytest.skip("full Omniglot not found: set METALEARN_DATA")
+            pytest.skip(NO_OMNIGLOT)
         return om, make(om, **flat, data_root=str(OMNIGLOT))
     return fs, make(fs, **flat, dataset="folder", data_root=str(folder), image_size=16,
                     channels=1, ways=3)  # fmt: skip

@@ -6,12 +6,12 @@ line."""
 
 from __future__ import annotations
 
-import os
 import re
 import sys
 from pathlib import Path
 
 import pytest
+from conftest import NO_OMNIGLOT, OMNIGLOT
 from image_set_fixtures import write_cifar, write_folder
 from run_helpers import fs, make, om
 
@@ -19,7 +19,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "scripts"))
 import transfer_check as script  # noqa: E402
 
-DATA = Path(os.environ.get("METALEARN_DATA", ROOT.parent / "shared" / "data" / "omniglot"))
+DATA = OMNIGLOT
 LINE = re.compile(r"^(\w+): (\d\.\d{4}) ± (\d\.\d{4}|nan)", re.M)
 TINY = dict(iterations=2, meta_batch=2, query=1, eval_query=1, val_every=1, val_tasks=2,
             test_tasks=2, eval_inner_steps=1, track=False, device="cpu")  # fmt: skip
@@ -28,7 +28,7 @@ pytestmark = pytest.mark.filterwarnings("ignore:.*published:UserWarning")
 
 def omniglot_run(tmp: Path, split: str) -> Path:
     if not (DATA / "images_background").is_dir():
-        pytest.skip("full Omniglot not found: set METALEARN_DATA or put it at ../shared/data/")
+        pytest.skip(NO_OMNIGLOT)
     protocol = "within-alphabet" if split == "alphabet" else "episodic"
     om.main(make(om, **TINY, algorithm="protomaml", ways=4, split=split, hidden=8,
                  eval_protocol=protocol, data_root=str(DATA), out_dir=str(tmp),

@@ -6,7 +6,6 @@ payload would create a marker file; each test asserts the file does not exist.""
 from __future__ import annotations
 
 import io
-import sys
 import zipfile
 from pathlib import Path
 
@@ -17,10 +16,9 @@ from run_helpers import checkpoint_of, fs, make
 
 from metalearn.deploy import export_adapted, load_aot, load_exported, predict
 from metalearn.deploy.archive import UntrustedPackageError
+from metalearn.tools import evaluate
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "scripts"))
-import evaluate  # noqa: E402
 
 
 def _exported(tmp_path: Path) -> Path:

@@ -6,13 +6,13 @@ drawn task is checked by reading its images back, independently of the sampler's
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+from conftest import HAS_OMNIGLOT, NO_OMNIGLOT, OMNIGLOT
 
 from metalearn.data import load_omniglot, omniglot_samplers
 from metalearn.data.augment import SmallAffine
@@ -72,9 +72,9 @@ def test_bad_arguments_name_the_fix():
 
 @pytest.fixture(scope="module")
 def omniglot():
-    if not os.environ.get("METALEARN_DATA"):
-        pytest.skip("needs Omniglot: set METALEARN_DATA")
-    return load_omniglot(progress=False)
+    if not HAS_OMNIGLOT:
+        pytest.skip(NO_OMNIGLOT)
+    return load_omniglot(OMNIGLOT, progress=False)
 
 
 def test_omniglot_file_names_give_the_drawers(omniglot):

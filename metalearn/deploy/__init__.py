@@ -1,14 +1,16 @@
 """Deploy an adapted learner: checkpoint -> adapt on a support folder -> ``torch.export``.
 
-The pipeline, one function per step (``scripts/export_adapted.py`` is the command line)::
+The pipeline, one function per step (``metalearn-export`` is the command line, and
+``metalearn-predict`` classifies a folder of images with what it writes)::
 
-    learner, recipe = load_learner("runs/maml-5w1s-seed0/checkpoint.pt", which="best")
+    learner, recipe = load_learner("runs/NAME/checkpoint.pt", which="best")
     support = load_support_folder("my_support/", image=recipe.data.image,  # as in training
                                   ways=recipe.model.ways)                  # a folder per class
     params = adapt_to_support(learner, support.x, support.y,
                               steps=recipe.training.eval_inner_steps)
     model = adapted_model(learner, params, support_x=support.x)   # an ordinary nn.Module
-    export_adapted(model, support.x, "adapted.pt2", metadata={"classes": support.class_names})
+    export_adapted(model, support.x, "adapted.pt2",
+                   metadata={"class_names": list(support.class_names)})
     program, meta = load_exported("adapted.pt2")
     prediction = predict(program, images)                         # classes, probabilities
     compile_aot(program, "adapted.aoti.pt2", metadata=meta)      # AOTInductor, ~30 s

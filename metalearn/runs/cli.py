@@ -15,7 +15,7 @@ resumed run's saved arguments (``base=``). A mistake is one line on stderr and e
 an unknown flag is answered with the closest known ones.
 
 Flat names are also how the rest of a run speaks of its arguments: presets, checkpoints, the
-W&B config, ``--resume`` and ``scripts/grid.py`` use `flatten` / `unflatten`.
+W&B config, ``--resume`` and ``metalearn-grid`` use `flatten` / `unflatten`.
 """
 
 from __future__ import annotations
@@ -126,7 +126,8 @@ def parse_dataclass(
     """Parse ``argv`` into an instance of the (nested) dataclass ``cls``.
 
     Args:
-        cls: a dataclass whose fields all have defaults; nested dataclasses are groups.
+        cls: a dataclass; nested dataclasses are groups. A field without a default is a
+            required flag (with ``presets``, every field needs a default).
         argv: the arguments (``sys.argv[1:]`` when None).
         description: ``--help``'s opening text.
         presets: named groups of leaf values, applied when ``cls`` has a ``preset`` leaf
@@ -166,11 +167,11 @@ def _redirect_errors(buffer: io.StringIO, argv: Sequence[str]) -> Iterator[None]
 
 
 def _preset_default(cls: type, argv: Sequence[str], presets: Mapping | None) -> Any:
-    """The defaults under the preset named on the command line (or the field's default)."""
+    """The defaults under the preset named on the command line; None without presets (each
+    field's own default, and a field without one is a required flag)."""
+    if not presets or "preset" not in flat_fields(cls):
+        return None
     default = cls()
-    paths = flat_fields(cls)
-    if not presets or "preset" not in paths:
-        return default
     name = flatten(default)["preset"]
     for i, arg in enumerate(argv):
         if arg == "--preset" and i + 1 < len(argv):
@@ -239,12 +240,12 @@ def _check_flags(cls: type, argv: Sequence[str]) -> None:
 
 def _one_line(text: str) -> str:
     """tyro's error panel as one line: its message, without the help pointers."""
-    lines = [ln.strip(" │╭╮╰╯─-") for ln in text.splitlines()]
+    lines = [ln.strip(" │╭╮╰╯─") for ln in text.splitlines()]
     kept = []
     for line in lines:
         if line.startswith(("For full helptext", "Argument helptext")):
             break
-        if line:
+        if line.strip("-"):  # a rule of dashes says nothing; a flag's leading -- stays
             kept.append(line)
     return " ".join(kept[1:] or kept) or "invalid command line; see --help"
 

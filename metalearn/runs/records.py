@@ -1,9 +1,9 @@
 """Reading tracked runs back: offline run folders and online projects as `RunRecord`s.
 
-Offline runs are read with wandb's own reader, ``wandb leet inspect --json`` (wandb >= 0.31):
-``--summary`` gives the state, config, tags and final summary, the record stream gives the
-full history, the group and whether the run wrote its exit record. Facts this relies on
-(wandb 0.31, measured):
+Offline runs are read with wandb's own reader, ``wandb leet inspect --json`` (wandb >= 0.31),
+once per run folder: its record stream holds the run record (name, group, job type, tags,
+config), every summary update and history row, and the exit record (`_replay`). Facts this
+relies on (wandb 0.31, measured):
 
 - A live offline run flushes its ``.wandb`` file every 15 s; a file without an exit record
   that has not been written for `STALE_AFTER_S` belongs to a run that was killed or
@@ -22,7 +22,9 @@ resumed segments there.
 
 from __future__ import annotations
 
+import importlib.util
 import json
+import os
 import subprocess
 import sys
 import time
@@ -52,7 +54,7 @@ STALE_AFTER_S = 600.0
 the 15 s flush of a live run, and the 10 min ``wandb leet inspect --follow`` waits."""
 
 READ_WORKERS = 4
-"""Run folders read at once (each read is two ``wandb leet`` processes)."""
+"""Run folders read at once (each read is one ``wandb-core leet`` process)."""
 
 
 class RunReadError(RuntimeError):
@@ -82,9 +84,11 @@ class RunRecord:
     """What was wrong with its files (truncated, corrupt), each naming the file."""
     job_type: str = ""
     """W&B's job type: ``train`` for the experiments' runs, ``eval`` for
-    ``scripts/evaluate.py``'s; empty for runs recorded without one."""
+    ``metalearn-evaluate``'s; empty for runs recorded without one."""
     segment_summaries: list[dict[str, Any]] = field(default_factory=list)
     """Each segment's own final summary, oldest first (one per entry of ``segments``)."""
+    project: str = ""
+    """The W&B project the run was logged to (empty where the file does not say)."""
 
     def series(self, key: str) -> tuple[list[float], list[float]]:
         """(steps, values) of a logged metric, in logging order."""
@@ -120,13 +124,13 @@ def read_offline_runs(paths: Iterable[str | Path]) -> list[RunRecord]:
     """Every run under ``paths`` (see `find_run_dirs`), resumed segments merged into one
     record, ordered by start time."""
     dirs = sorted({d.resolve() for p in paths for d in find_run_dirs(p)})
-    # Each read waits on two ``wandb`` CLI processes (~1 s each, mostly its start-up).
+    # Each read waits on one ``wandb-core`` process (`_inspect_command`).
     with ThreadPoolExecutor(max_workers=READ_WORKERS) as pool:
         return merge_segments(pool.map(read_offline_run, dirs))
 
 
 def read_offline_run(run_dir: str | Path) -> RunRecord:
-    """Read one offline run folder (one segment of a resumed run) with ``wandb leet``.
+    """Read one offline run folder (one segment of a resumed run) with one ``wandb leet``.
 
     Args:
         run_dir: a ``wandb/offline-run-*`` folder, or its ``.wandb`` file.
@@ -136,35 +140,52 @@ def read_offline_run(run_dir: str | Path) -> RunRecord:
         readable and a line in ``problems``) instead of an exception.
     """
     file = _wandb_file(Path(run_dir))
-    cli = _wandb_cli()
-    rc, out, err = _leet([*cli, "leet", "inspect", "--summary", "--json", str(file)])
+    rc, stream, err = _leet(_inspect_command(file))
     if rc != 0:
         return _unreadable(file, err)
-    summary = json.loads(out)
-    _, stream, stream_err = _leet([*cli, "leet", "inspect", "--json", str(file)])
-    history, group, job_type, exited = [], None, "", False
+    seen = _replay(stream)
+    exit_code = seen.pop("exit_code")
+    state = "running" if exit_code is None else ("finished" if exit_code == 0 else "failed")
+    state, problem = _file_state(file, state, exit_code is not None, err)
+    run_id = seen["run_id"] or _id_from_name(file)
+    return RunRecord(
+        path=str(file.parent), name=seen["name"] or run_id or file.parent.name,
+        state=state, run_id=run_id, segments=[str(file.parent)],
+        problems=[problem] if problem else [], segment_summaries=[seen["summary"]], **{
+            k: seen[k] for k in ("group", "tags", "config", "summary", "history", "start_time",
+                                 "job_type", "project")},
+    )  # fmt: skip
+
+
+def _replay(stream: str) -> dict[str, Any]:
+    """The run as its record stream (``wandb leet inspect --json``, one JSON record a line)
+    leaves it: the run record's identity and config (later records update earlier ones), the
+    summary updates applied in order, the history rows, the exit code (None: no exit record).
+    """
+    seen: dict[str, Any] = {"name": "", "group": None, "tags": [], "config": {}, "summary": {},
+                            "history": [], "start_time": "", "job_type": "", "run_id": "",
+                            "exit_code": None, "project": ""}  # fmt: skip
     for line in stream.splitlines():
         record = json.loads(line)
         kind = record.get("type")
         if kind == "history":
-            history.append(record["history"]["item"])
+            seen["history"].append(record["history"]["item"])
+        elif kind == "summary":
+            update = record["summary"].get("update") or {}
+            seen["summary"].update({k: v for k, v in update.items() if not k.startswith("_wandb")})
         elif kind == "run":
-            group = record["run"].get("run_group") or group
-            job_type = record["run"].get("job_type") or job_type
+            run = record["run"]
+            config = (run.get("config") or {}).get("update") or {}
+            seen["config"].update({k: v for k, v in config.items() if not k.startswith("_")})
+            for key, field_ in (("display_name", "name"), ("run_group", "group"),
+                                ("job_type", "job_type"), ("run_id", "run_id"),
+                                ("start_time", "start_time"), ("tags", "tags"),
+                                ("project", "project")):  # fmt: skip
+                if run.get(key):
+                    seen[field_] = list(run[key]) if key == "tags" else run[key]
         elif kind == "exit":
-            exited = True
-    state, problem = _file_state(file, summary.get("state", "unknown"), exited, stream_err)
-    run_id = summary.get("run_id") or _id_from_name(file)
-    final = dict(summary.get("summary") or {})
-    return RunRecord(
-        path=str(file.parent), name=summary.get("name") or run_id or file.parent.name,
-        group=group,
-        tags=list(summary.get("tags") or []), state=state,
-        config={k: v for k, v in (summary.get("config") or {}).items() if not k.startswith("_")},
-        summary=final, history=history, start_time=summary.get("start_time") or "",
-        run_id=run_id, segments=[str(file.parent)], problems=[problem] if problem else [],
-        job_type=job_type, segment_summaries=[final],
-    )  # fmt: skip
+            seen["exit_code"] = int(record["exit"].get("exit_code") or 0)
+    return seen
 
 
 def _file_state(file: Path, state: str, exited: bool, stderr: str) -> tuple[str, str | None]:
@@ -238,6 +259,7 @@ def _merge(segments: list[RunRecord]) -> RunRecord:
         problems=[p for s in segments for p in s.problems],
         job_type=next((s.job_type for s in reversed(segments) if s.job_type), ""),
         segment_summaries=[x for s in segments for x in s.segment_summaries],
+        project=next((s.project for s in reversed(segments) if s.project), ""),
     )  # fmt: skip
 
 
@@ -276,9 +298,20 @@ def _last_line(text: str) -> str:
     return lines[-1] if lines else "no message"
 
 
-def _wandb_cli() -> list[str]:
+def _inspect_command(file: Path) -> list[str]:
+    """The command that prints ``file``'s records, one JSON object a line: wandb's reader,
+    ``wandb leet inspect --json``, run as the ``wandb-core`` binary the ``wandb`` command
+    starts (0.1 s, where the ``wandb`` command spends about a second importing wandb first);
+    the ``wandb`` command where that binary is not found."""
+    spec = importlib.util.find_spec("wandb")
+    core = Path(spec.origin).parent / "bin" / "wandb-core" if spec and spec.origin else None
+    if core is not None and os.access(core, os.X_OK):
+        # The arguments `wandb leet inspect` passes it for a .wandb file (wandb 0.31).
+        return [str(core), "leet", "inspect", "--no-observability", "--json", "--run-file",
+                str(file), str(file.parent.parent)]  # fmt: skip
     exe = Path(sys.executable).with_name("wandb")
-    return [str(exe)] if exe.exists() else [sys.executable, "-m", "wandb"]
+    cli = [str(exe)] if exe.exists() else [sys.executable, "-m", "wandb"]
+    return [*cli, "leet", "inspect", "--json", str(file)]
 
 
 def _leet(cmd: list[str]) -> tuple[int, str, str]:
@@ -310,7 +343,7 @@ def offline_artifacts(run_dir: str | Path) -> list[OfflineArtifact]:
         RunReadError: the file cannot be read.
     """
     file = _wandb_file(Path(run_dir))
-    rc, out, err = _leet([*_wandb_cli(), "leet", "inspect", "--json", str(file)])
+    rc, out, err = _leet(_inspect_command(file))
     if rc != 0:
         raise RunReadError(f"wandb leet inspect failed on {file}: {_last_line(err)}")
     found = []
@@ -379,5 +412,5 @@ def _online_record(path: str, run: Any) -> RunRecord:
         summary=dict(run.summary), history=list(run.scan_history()),
         start_time=str(getattr(run, "created_at", "") or ""), run_id=run.id,
         segments=[f"{path}/{run.id}"], job_type=getattr(run, "job_type", "") or "",
-        segment_summaries=[dict(run.summary)],
+        segment_summaries=[dict(run.summary)], project=path.rsplit("/", 1)[-1],
     )  # fmt: skip

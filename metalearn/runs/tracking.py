@@ -100,7 +100,7 @@ def git_commit(cwd: str | Path | None = None) -> str:
 def run_group(algorithm: str, ways: int, shots: int, group: str | None = None) -> str:
     """A run's W&B group: ``group`` if given, else ``<algorithm>-<N>w<K>s``.
 
-    The experiments and ``scripts/evaluate.py`` (whose eval runs join the trained run's
+    The experiments and ``metalearn-evaluate`` (whose eval runs join the trained run's
     group) both name groups here.
     """
     return group or f"{algorithm}-{ways}w{shots}s"

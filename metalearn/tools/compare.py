@@ -1,14 +1,15 @@
 """Compare tracked runs: the config that differs, how each run ended, and its curves.
 
 Usage:
-    python scripts/compare_runs.py runs/wandb                        # every offline run there
-    python scripts/compare_runs.py runs/wandb --group-by algorithm   # seeds: mean ± 95% CI
-    python scripts/compare_runs.py runs/wandb --metrics val/acc perf/tasks_per_s --format csv
-    python scripts/compare_runs.py runs/wandb --group-by inner_lr --plot runs/compare.png
-    python scripts/compare_runs.py runs/wandb --metrics curv/meta_top_eig curv/meta_trace
-    python scripts/compare_runs.py runs/wandb --evals    # each run's evaluations beside it
-    python scripts/compare_runs.py runs/wandb --job-type eval --group-by shots
-    python scripts/compare_runs.py ENTITY/PROJECT --online --filter config.algorithm=maml
+    metalearn-compare runs/wandb                        # the offline runs there
+    metalearn-compare runs/wandb --group-by algorithm   # seeds: mean ± 95% CI
+    metalearn-compare runs/wandb --metrics val/acc perf/tasks_per_s --format csv
+    metalearn-compare runs/wandb --group-by inner_lr --plot runs/compare.png
+    metalearn-compare runs/wandb --metrics curv/meta_top_eig curv/meta_trace
+    metalearn-compare runs/wandb --evals    # each run's evaluations beside it
+    metalearn-compare runs/wandb --job-type eval --group-by shots
+    metalearn-compare ENTITY/PROJECT --online --filter config.algorithm=maml
+    metalearn-compare runs/wandb --project metalearn-omniglot --group grid --tag maml
 
 Each metric is read in the direction `DIRECTIONS` gives it (accuracies up; losses, interval
 widths and times down; throughput up); a metric it does not know shows its final value only.
@@ -21,11 +22,14 @@ n - 1 degrees of freedom). Offline runs are read with `metalearn.runs.records`; 
 is one row (its time, `SEGMENT_TOTALS`, summed over its segments), a damaged file is named on
 stderr. For an interactive look, open the same folder with ``wandb leet runs/wandb``.
 
-What is compared is what was trained: the runs of one W&B job type (``--job-type``,
-default ``train``; an evaluation of a checkpoint by ``scripts/evaluate.py`` is an ``eval``
-job), never a mix; ``--evals`` shows each training run's evaluations in rows beside it,
-outside the ranking. A config's nested dicts are columns with dotted names
-(`flatten_config`): the recipe's ``learner.first_order``, ``data.image.size``, ...
+One W&B project is compared at a time (``--project``; by default the one with the most runs,
+the others named on stderr), so the sine and curvature demos never join an Omniglot table;
+``--group`` and ``--tag`` narrow it further. What is compared is what was trained: the runs
+of one W&B job type (``--job-type``, default ``train``; an evaluation of a checkpoint by
+``metalearn-evaluate`` is an ``eval`` job), never a mix; ``--evals`` shows each training
+run's evaluations in rows beside it, outside the ranking. A config's nested dicts are
+columns with dotted names (`flatten_config`): the recipe's ``learner.first_order``,
+``data.image.size``, ...
 """
 
 from __future__ import annotations
@@ -71,6 +75,14 @@ DIRECTIONS: tuple[tuple[str, str, str], ...] = (
     ("*mse*", "down", "squared error"),
 )
 
+RANGES: dict[str, tuple[float | None, float | None]] = {
+    "accuracy": (0.0, 1.0), "loss": (0.0, None), "squared error": (0.0, None),
+    "seconds": (0.0, None), "minutes": (0.0, None), "throughput": (0.0, None),
+    "95% interval half-width": (0.0, None),
+}  # fmt: skip
+"""The values a metric can take, by what it measures (`direction`): a plotted interval is
+clipped to them (a mean accuracy of 0.98 ± 0.05 is drawn up to 1, not 1.03)."""
+
 BOOKKEEPING = frozenset({
     "out_dir", "run_name", "resume", "track", "wandb", "wandb_mode", "wandb_project",
     "threads", "device", "data_root", "tune_malloc", "dist_timeout", "checkpoint_every",
@@ -88,11 +100,25 @@ last write), so a run resumed three times does not look faster than one that ran
 ONLINE_PATH = re.compile(r"[\w-][\w.-]*/[\w-][\w.-]*")
 """``ENTITY/PROJECT``: the only form read from the W&B server, and only with ``--online``."""
 
+PROG = "metalearn-compare"
+
 PLOTS_HINT = "pip install 'metalearn[plots]'"
 
 
 class UsageError(Exception):
     """A mistake in the command line: printed as one line, exit status 2."""
+
+
+def value_range(metric: str) -> tuple[float | None, float | None]:
+    """(lowest, highest) value ``metric`` can take; None where it is not bounded or known."""
+    known = direction(metric)
+    return RANGES.get(known[1], (None, None)) if known else (None, None)
+
+
+def clip(values: list[float], bounds: tuple[float | None, float | None]) -> list[float]:
+    """``values`` clipped into ``bounds`` (a None bound: none on that side)."""
+    lo, hi = bounds
+    return [min(max(v, lo if lo is not None else v), hi if hi is not None else v) for v in values]
 
 
 def direction(metric: str) -> tuple[str, str] | None:
@@ -298,6 +324,7 @@ class Row:
     config: dict[str, Any]
     final: dict[str, Estimate | None] = field(default_factory=dict)
     best: dict[str, Estimate | None] = field(default_factory=dict)
+    """Only metrics with a best-over-steps column; an evaluation row has none (one value)."""
     evaluates: str | None = None
     """For an evaluation run shown beside its training run: that run's row label (the row
     is outside the ranking)."""
@@ -456,7 +483,7 @@ def notes(c: Comparison) -> list[str]:
         if m in SEGMENT_TOTALS:
             lines.append(f"{m}: a resumed run's is the sum over its segments")
     if any(row.evaluates for row in c.rows):
-        lines.append("↳ rows: evaluations (scripts/evaluate.py) of the row above, not ranked")
+        lines.append("↳ rows: evaluations (metalearn-evaluate) of the row above, not ranked")
     return lines
 
 
@@ -487,7 +514,7 @@ def to_markdown(c: Comparison) -> str:
         cells = [row.label, *([str(len(row.runs))] if c.group_by else []), _state(row)]
         cells += [_fmt(row.config.get(k)) for k in c.config_keys]
         for _, m, kind in cols:
-            text = _cell(getattr(row, kind)[m])
+            text = _cell(getattr(row, kind).get(m))
             bold = kind == "final" and c.best_row[m] == row.label and len(c.rows) > 1
             cells.append(f"**{text}**" if bold else text)
         lines.append("| " + " | ".join(cells) + " |")
@@ -505,7 +532,7 @@ def to_csv(c: Comparison) -> str:
         cells: list[Any] = [row.label, len(row.runs), _state(row)]
         cells += [row.config.get(k) for k in c.config_keys]
         for _, m, kind in cols:
-            e = getattr(row, kind)[m]
+            e = getattr(row, kind).get(m)
             cells += ["", ""] if e is None else [e.value, "" if e.ci95 is None else e.ci95]
         writer.writerow(cells)
     return out.getvalue().rstrip("\n")
@@ -578,10 +605,14 @@ def figure(c: Comparison) -> Any:
             _points(ax, c.rows, m)
         ax.set_ylabel(f"{m}{way}")
         ax.set_title(m)
-        if ax.get_legend_handles_labels()[0]:
-            ax.legend(fontsize=7)
+    legend: dict[str, Any] = {}  # one legend for every panel, beside them: off the data
+    for ax in axes:
+        for handle, label in zip(*ax.get_legend_handles_labels()):
+            legend.setdefault(label, handle)
+    if legend:
+        fig.legend(list(legend.values()), list(legend), loc="outside right upper", fontsize=7)
     band = "mean ± 95% CI across runs (t)" if c.group_by else "± logged 95% interval"
-    fig.suptitle(f"bands and bars: {band}", fontsize=9)
+    fig.suptitle(f"bands and bars: {band}, clipped to each metric's range", fontsize=9)
     return fig
 
 
@@ -604,18 +635,22 @@ def _curve(ax: Any, row: Row, m: str, grouped: bool) -> None:
     band = [(s, mean, half) for s, (mean, half) in zip(steps, stats) if half is not None]
     if band:
         xs, means, halves = zip(*band)
-        lo = [a - h for a, h in zip(means, halves)]
-        hi = [a + h for a, h in zip(means, halves)]
+        bounds = value_range(m)
+        lo = clip([a - h for a, h in zip(means, halves)], bounds)
+        hi = clip([a + h for a, h in zip(means, halves)], bounds)
         ax.fill_between(xs, lo, hi, color=line.get_color(), alpha=0.25, linewidth=0)
 
 
 def _points(ax: Any, rows: list[Row], m: str) -> None:
     """A point per row at its final value, with its interval as an error bar."""
+    bounds = value_range(m)
     for i, row in enumerate(rows):
         e = row.final.get(m)
         if e is not None:
-            ax.errorbar([i], [e.value], yerr=[e.ci95 or 0.0], fmt="o", capsize=4,
-                        label=f"{row.label} (n={e.n})")  # fmt: skip
+            half = e.ci95 or 0.0
+            (lo,), (hi,) = clip([e.value - half], bounds), clip([e.value + half], bounds)
+            ax.errorbar([i], [e.value], yerr=[[e.value - lo], [hi - e.value]], fmt="o",
+                        capsize=4, label=f"{row.label} (n={e.n})")  # fmt: skip
     ax.set_xticks(range(len(rows)), [row.label for row in rows], rotation=20, fontsize=7)
     ax.set_xlim(-0.5, len(rows) - 0.5)
 
@@ -625,7 +660,7 @@ def _points(ax: Any, rows: list[Row], m: str) -> None:
 
 @dataclass
 class Args:
-    """Arguments of compare_runs.py (each is a --flag; see --help)."""
+    """Arguments of metalearn-compare (each is a --flag; see --help)."""
 
     sources: tyro.conf.Positional[tuple[str, ...]] = ()
     """Run folders, wandb/ folders, .wandb files; ENTITY/PROJECT with --online."""
@@ -635,7 +670,7 @@ class Args:
     """Config keys (dotted for nested ones: learner.first_order): a row per group, mean ±
     95% CI of its runs."""
     job_type: str = "train"
-    """The W&B job type compared: train (the experiments' runs) or eval (scripts/evaluate.py's
+    """The W&B job type compared: train (the experiments' runs) or eval (metalearn-evaluate's
     evaluations); a run recorded without one is train, or eval if tagged eval."""
     evals: bool = False
     """Show each training run's evaluation runs in rows after it (not ranked, not averaged)."""
@@ -647,6 +682,13 @@ class Args:
     """Read ENTITY/PROJECT sources from the W&B server."""
     filter: tyro.conf.UseAppendAction[tuple[str, ...]] = ()
     """Online runs only, KEY=VALUE (repeat for more), e.g. config.algorithm=maml."""
+    project: str | None = None
+    """The W&B project compared (default: the one with the most runs of the compared job
+    type; the others are named on stderr)."""
+    group: tyro.conf.UseAppendAction[tuple[str, ...]] = ()
+    """Only runs in this W&B group (repeat: any of them)."""
+    tag: tyro.conf.UseAppendAction[tuple[str, ...]] = ()
+    """Only runs with this W&B tag (repeat: every one of them)."""
 
 
 def parse_args(argv: list[str] | None) -> Args:
@@ -699,7 +741,9 @@ def run(argv: list[str] | None = None) -> str:
         runs = load(args.sources, args.online, filters)
     except (FileNotFoundError, RunReadError) as e:
         raise UsageError(str(e)) from None
+    runs, note = in_project(runs, args.project, args.job_type)
     runs, evals = select(runs, args.job_type, args.evals, args.sources)
+    runs = filtered(runs, args.group, args.tag)
     group_by = list(args.group_by)
     for key in group_by:
         if not any(key in r.config for r in runs):
@@ -711,6 +755,8 @@ def run(argv: list[str] | None = None) -> str:
         plot.parent.mkdir(parents=True, exist_ok=True)
         figure(c).savefig(plot, dpi=120)
         print(f"plot: {plot}", file=sys.stderr)
+    if note is not None:
+        print(note, file=sys.stderr)
     return text
 
 
@@ -733,16 +779,60 @@ def select(runs: list[RunRecord], wanted: str, with_evals: bool,
     return chosen, evals
 
 
-def main(argv: list[str] | None = None) -> str:
-    """Print the comparison; a usage error is one line on stderr and exit status 2."""
+def in_project(runs: list[RunRecord], project: str | None,
+               wanted: str) -> tuple[list[RunRecord], str | None]:  # fmt: skip
+    """The runs of one W&B project: ``project``, else the one with the most runs of job type
+    ``wanted`` (ties: the latest started), so that runs of different experiments (an
+    Omniglot grid, the sine demo) never share a table; and, where it chose, a note naming
+    the others (printed on stderr).
+
+    Raises:
+        UsageError: ``project`` names no project among the runs (naming those there are).
+    """
+    counts = Counter(r.project for r in runs)
+    note = None
+    if project is None:
+        if len(counts) < 2:
+            return runs, None
+        latest = {r.project: r.start_time for r in runs}
+        wanted_counts = Counter(r.project for r in runs if job_type(r) == wanted)
+        project = max(counts, key=lambda p: (wanted_counts[p], latest[p]))
+        others = ", ".join(f"{p or '(none)'} ({n})" for p, n in counts.items() if p != project)
+        note = (f"comparing project {project} ({counts[project]} runs); also here: {others}; "
+                "pass --project to choose")  # fmt: skip
+    elif project not in counts:
+        there = ", ".join(f"{p or '(none)'} ({n} runs)" for p, n in counts.items())
+        raise UsageError(f"--project {project}: no run of that project here (projects: {there})")
+    return [r for r in runs if r.project == project], note
+
+
+def filtered(runs: list[RunRecord], groups: tuple[str, ...],
+             tags: tuple[str, ...]) -> list[RunRecord]:  # fmt: skip
+    """The runs in one of ``groups`` (all when empty) that carry every one of ``tags``.
+
+    Raises:
+        UsageError: no run is left (naming the groups and tags there are).
+    """
+    kept = [r for r in runs if (not groups or r.group in groups) and set(tags) <= set(r.tags)]
+    if not kept:
+        found = sorted({str(r.group) for r in runs}), sorted({t for r in runs for t in r.tags})
+        raise UsageError(f"no run in group {' or '.join(groups) or 'any'} with tags "
+                         f"{', '.join(tags) or 'any'} (groups: {', '.join(found[0])}; tags: "
+                         f"{', '.join(found[1]) or 'none'})")  # fmt: skip
+    return kept
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``metalearn-compare``: print the comparison; a usage error is one line on stderr and
+    exit status 2."""
     try:
         text = run(argv)
     except UsageError as e:
-        print(f"compare_runs.py: error: {e}", file=sys.stderr)
-        raise SystemExit(2) from None
+        print(f"{PROG}: error: {e}", file=sys.stderr)
+        return 2
     print(text)
-    return text
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -7,9 +7,9 @@ network to a ``.pt2`` file, reloads it and prints the largest logit difference b
 exported program and the eager model on the support set. Support images of different
 sizes are refused unless ``--mixed-sizes`` (recorded in the program's metadata).
 
-Command:
-    python scripts/export_adapted.py --checkpoint runs/maml-5w1s-seed0/checkpoint.pt \\
-        --support my_support/ --out adapted.pt2 [--aot] [--tensorrt]
+Command (NAME: a run's folder name, as the run printed it):
+    metalearn-export --checkpoint runs/NAME/checkpoint.pt --support my_support/ \\
+        --out adapted.pt2 [--aot] [--tensorrt]
 
 --aot also compiles the program with AOTInductor into adapted.aoti.pt2 (a C++ compiler is
 needed; about half a minute), reloads it and prints its largest logit difference from
@@ -21,7 +21,8 @@ An existing ``--out`` (or package, or table) is replaced only with ``--overwrite
 training checkpoint never (not even with ``--overwrite``); each file is written atomically.
 Bad input ends with a one-line error and exit code 2, with nothing on disk changed.
 
-Then, anywhere with torch (see docs/deploy.md)::
+Then ``metalearn-predict --model adapted.pt2 --images FOLDER`` classifies a folder of images;
+or, anywhere with torch (see docs/deploy.md)::
 
     program = torch.export.load("adapted.pt2")
     logits = program.module()(images)          # images as the run's: e.g. [B, 1, 28, 28], ink 1
@@ -35,20 +36,24 @@ import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
-from metalearn.deploy import ExportReport, export_from_checkpoint
 from metalearn.runs.cli import parse_dataclass
+
+if TYPE_CHECKING:  # imported where used: --help loads no torch
+    from metalearn.deploy import ExportReport
+
+PROG = "metalearn-export"
 
 
 @dataclass
 class Args:
-    """Arguments of export_adapted.py (each is a --flag; see --help)."""
+    """Arguments of metalearn-export (each is a --flag; see --help)."""
 
-    checkpoint: str = "runs/maml-5w1s-seed0/checkpoint.pt"
-    """The experiment's checkpoint file."""
-    support: str | None = None
-    """Support folder: one sub-folder of images per class (required)."""
+    checkpoint: str
+    """The run's checkpoint file, runs/NAME/checkpoint.pt."""
+    support: str
+    """Support folder: one sub-folder of images per class."""
     out: str | None = None
     """The .pt2 to write (default: adapted.pt2 beside the checkpoint)."""
     overwrite: bool = False
@@ -74,10 +79,10 @@ class Args:
     """Timed calls per form for the latency table <out>.latency.md (with --aot/--tensorrt)."""
 
 
-def main(args: Args) -> ExportReport:
+def export(args: Args) -> ExportReport:
     """Run the pipeline and print the path and the self-check."""
-    if args.support is None:
-        raise ValueError("--support is required: a folder with one sub-folder of images per class")
+    from metalearn.deploy import export_from_checkpoint
+
     out = args.out or str(Path(args.checkpoint).parent / "adapted.pt2")
     report = export_from_checkpoint(
         args.checkpoint, args.support, out, which=args.which, steps=args.steps, norm=args.norm,
@@ -107,16 +112,17 @@ def main(args: Args) -> ExportReport:
     return report
 
 
-def cli(argv: Sequence[str] | None = None) -> int:
-    """Parse, export, and turn a user error into one line on stderr and exit status 2."""
+def main(argv: Sequence[str] | None = None) -> int:
+    """``metalearn-export``: parse, export, and turn a user error into one line on stderr and
+    exit status 2."""
     args = parse_dataclass(Args, argv, description=__doc__.split("\n\n")[0])
     try:
-        main(args)
+        export(args)
     except (FileNotFoundError, FileExistsError, ValueError) as err:
-        print(f"export_adapted.py: error: {err}", file=sys.stderr)
+        print(f"{PROG}: error: {err}", file=sys.stderr)
         return 2
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(cli())
+    sys.exit(main())

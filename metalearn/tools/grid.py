@@ -1,38 +1,48 @@
 """A seeds x settings grid of either experiment, without a W&B server.
 
-What: runs every combination of the given settings and seeds as a separate process of
-``experiments/<experiment>.py``, N at a time, all in one W&B group. A cell is its whole
-recipe: the run the cell's command line makes, every flag after presets and defaults
-(`metalearn.runs.recipe`), built here before anything launches, without loading data. Its
-run folder is named by what differs between the cells, the seed and a hash of that recipe
-(`cell_key`), so a cell is done only when a run of exactly that recipe finished: run the
-grid again with another flag after ``--`` and its cells are new ones, next to the old. A
-cell whose run stopped is resumed; one whose folder holds another recipe is refused (it
-would have to be a hash collision, or a folder renamed by hand). At the end it prints one
-row per cell and the mean and spread over seeds of each setting.
+What: runs every combination of the given settings and seeds as a separate process of an
+experiment file (``python experiments/<experiment>.py ...``), N at a time, all in one W&B
+group. A cell is its whole recipe: the run the cell's command line makes, every flag after
+presets and defaults (`metalearn.runs.recipe`), built here before anything launches, without
+loading data. Its run folder is named by what differs between the cells, the seed and a hash
+of that recipe (`cell_key`), so a cell is done only when a run of exactly that recipe
+finished: run the grid again with another flag after ``--`` and its cells are new ones, next
+to the old. A cell whose run stopped is resumed; one whose folder holds another recipe is
+refused (it would have to be a hash collision, or a folder renamed by hand). At the end it
+prints one row per cell and the mean and spread over seeds of each setting.
 
-Command:
-    python scripts/grid.py --seeds 0 1 2 --set inner_lr=0.1,0.4 --set inner_steps=1,5 \\
+Command (from the folder that holds experiments/, e.g. a clone of metalearn):
+    metalearn-grid --seeds 0 1 2 --set inner_lr=0.1,0.4 --set inner_steps=1,5 \\
         --jobs 2 -- --iterations 500 --wandb-mode offline
-    python scripts/grid.py --experiment fewshot_maml --set backbone=conv4,resnet12 \\
+    metalearn-grid --experiment fewshot_maml --set backbone=conv4,resnet12 \\
         -- --dataset cifar-fs --data-root DIR
+    metalearn-grid --experiment path/to/my_experiment.py --set inner_lr=0.1,0.4
     # flags after "--" go to every cell; logs: <out-dir>/<group>-logs/<cell>.log
+
+The experiment is a file, not an installed module: ``--experiment NAME`` is
+``experiments/NAME.py`` under the current folder, anything ending in ``.py`` a path. The grid
+reads its ``Args``, ``parse_args`` and ``EXPERIMENT`` by loading the file by its path
+(`experiment_module`; nothing is added to ``sys.path``), and runs each cell as ``python
+FILE ...``. Ctrl-C stops the cells (each saves a checkpoint) and lists the ones that a rerun
+of the same command resumes.
 
 A ``--set`` name is an experiment flag (``inner_lr`` or ``inner-lr``), checked before
 anything runs, as is every cell's command line; the grid owns ``seed`` (``--seeds``),
 ``run_name``, ``out_dir``, ``wandb_group`` and ``resume``.
 
 Expected result: 12 runs under ``runs/`` named ``grid-lr0.1-steps1-seed0-<hash>`` and so
-on, a table of test accuracies; ``scripts/compare_runs.py runs/wandb`` compares the curves.
+on, a table of test accuracies; ``metalearn-compare runs/wandb`` compares the curves.
 """
 
 from __future__ import annotations
 
 import difflib
 import hashlib
-import importlib
+import importlib.util
 import itertools
 import json
+import shlex
+import signal
 import statistics
 import subprocess
 import sys
@@ -41,18 +51,17 @@ from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
 from types import ModuleType
-from typing import Literal
+from typing import TYPE_CHECKING
 
 import tyro
 
-from metalearn.deploy import read_run_checkpoint
-from metalearn.runs import loop
 from metalearn.runs.cli import flag, flat_fields, parse_dataclass
 from metalearn.runs.lifecycle import UserError
-from metalearn.runs.lock import describe, run_holder
-from metalearn.runs.recipe import Recipe, read_recipe
 
-ROOT = Path(__file__).resolve().parents[1]
+if TYPE_CHECKING:  # imported where used: --help loads no torch
+    from metalearn.runs.recipe import Recipe
+
+PROG = "metalearn-grid"
 SHORT = {"inner_lr": "lr", "inner_steps": "steps", "outer_lr": "olr", "algorithm": ""}
 OWNED = ("seed", "run_name", "out_dir", "wandb_group", "resume")
 """Flags the grid sets for every cell (the seed through --seeds)."""
@@ -64,14 +73,15 @@ class GridError(Exception):
 
 @dataclass
 class Args:
-    """Arguments of grid.py (each is a --flag; flags after -- go to every cell)."""
+    """Arguments of metalearn-grid (each is a --flag; flags after -- go to every cell)."""
 
     seeds: tuple[int, ...] = (0,)
     """Seeds: every setting runs once per seed."""
     set: tyro.conf.UseAppendAction[tuple[str, ...]] = ()
     """An experiment flag and its values, NAME=V1,V2 (repeat for more)."""
-    experiment: Literal["omniglot_maml", "fewshot_maml"] = "omniglot_maml"
-    """The experiment each cell runs (experiments/<experiment>.py)."""
+    experiment: str = "omniglot_maml"
+    """The experiment each cell runs: NAME (experiments/NAME.py under the current folder:
+    omniglot_maml, fewshot_maml) or the path of an experiment file (ending in .py)."""
     jobs: int = 1
     """Processes at a time."""
     group: str = "grid"
@@ -97,13 +107,45 @@ class Cell:
         return [*self.argv, f"--run-name={self.name}", *(["--resume"] if resume else [])]
 
 
+def experiment_file(experiment: str) -> Path:
+    """The experiment's file: ``experiment`` itself when it ends in ``.py``, else
+    ``experiments/<experiment>.py`` under the current folder.
+
+    Raises:
+        GridError: no such file.
+    """
+    path = Path(experiment if experiment.endswith(".py") else f"experiments/{experiment}.py")
+    if not path.is_file():
+        raise GridError(f"--experiment {experiment}: no experiment file {path} here; run from the "
+                        "folder that holds experiments/ (a clone of metalearn) or pass "
+                        "--experiment PATH.py")  # fmt: skip
+    return path.resolve()
+
+
 @cache
-def experiment_module(name: str) -> ModuleType:
-    """``experiments/<name>.py``, imported (as the module ``name``)."""
-    folder = str(ROOT / "experiments")
-    if folder not in sys.path:
-        sys.path.insert(0, folder)
-    return importlib.import_module(name)
+def experiment_module(path: Path) -> ModuleType:
+    """The experiment file at ``path``, loaded by its path (``sys.path`` is left as it is).
+
+    It is registered in ``sys.modules`` under a name of its own (``metalearn_experiment_`` and
+    its stem), which its dataclasses need while they are built; its ``__main__`` block does
+    not run.
+    """
+    name = f"metalearn_experiment_{path.stem}"
+    spec = importlib.util.spec_from_file_location(name, path)
+    if spec is None or spec.loader is None:
+        raise GridError(f"--experiment {path}: not a Python file")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    try:
+        spec.loader.exec_module(module)
+    except BaseException:
+        del sys.modules[name]
+        raise
+    missing = [a for a in ("Args", "EXPERIMENT", "parse_args") if not hasattr(module, a)]
+    if missing:
+        raise GridError(f"--experiment {path}: not an experiment file (it defines no "
+                        f"{', '.join(missing)})")  # fmt: skip
+    return module
 
 
 def parse_settings(items: tuple[str, ...] | list[str], exp: ModuleType) -> dict[str, list[str]]:
@@ -127,7 +169,7 @@ def parse_settings(items: tuple[str, ...] | list[str], exp: ModuleType) -> dict[
         if key not in names:
             close = difflib.get_close_matches(key, names, n=2)
             hint = f"; did you mean {' or '.join(close)}?" if close else "; see its --help"
-            raise GridError(f"--set {key}: experiments/{exp.EXPERIMENT.name}.py has no flag "
+            raise GridError(f"--set {key}: {Path(exp.__file__).name} has no flag "
                             f"{flag(key)}{hint}")  # fmt: skip
         settings[key] = values.split(",")
     return settings
@@ -140,6 +182,8 @@ def cell_recipe(exp: ModuleType, argv: list[str]) -> Recipe:
         UserError: a value the experiment refuses. A command line it cannot parse exits
             with its one-line error and status 2.
     """
+    from metalearn.runs import loop
+
     args = exp.parse_args(argv)
     return loop.make_recipe(exp.EXPERIMENT, loop.resolve_args(exp.EXPERIMENT, args))
 
@@ -168,7 +212,7 @@ def make_cells(settings: dict[str, list[str]], seeds: tuple[int, ...] | list[int
     Raises:
         GridError: a cell's command line the experiment refuses (named).
     """
-    exp = experiment_module(args.experiment)
+    exp = experiment_module(experiment_file(args.experiment))
     varied = [k for k, v in settings.items() if len(v) > 1]
     cells = []
     for combo in itertools.product(*settings.values()):
@@ -192,6 +236,10 @@ def status(cell: Cell, out_dir: str) -> str:
     run of the cell's recipe), ``"stopped"`` (an unfinished one: resume it), ``"differs"``
     (a run of another recipe under the cell's name: refused), ``"running"`` (a live process
     holds its run lock: skipped) or ``"damaged"`` (an unreadable checkpoint: skipped)."""
+    from metalearn.deploy import read_run_checkpoint
+    from metalearn.runs.lock import run_holder
+    from metalearn.runs.recipe import read_recipe
+
     path = Path(out_dir) / cell.name / "checkpoint.pt"
     if run_holder(path.parent) is not None:
         return "running"
@@ -209,6 +257,8 @@ def status(cell: Cell, out_dir: str) -> str:
 
 def results(cell: Cell, out_dir: str) -> dict[str, float] | None:
     """The test results of the cell's finished run, or None."""
+    from metalearn.deploy import read_run_checkpoint
+
     if status(cell, out_dir) != "done":
         return None
     return read_run_checkpoint(Path(out_dir) / cell.name / "checkpoint.pt")["results"]
@@ -216,6 +266,8 @@ def results(cell: Cell, out_dir: str) -> dict[str, float] | None:
 
 def skip_note(cell: Cell, state: str, out_dir: Path) -> str | None:
     """The one line a skipped cell (``"running"`` or ``"damaged"``) prints, else None."""
+    from metalearn.runs.lock import describe, run_holder
+
     folder = out_dir / cell.name
     if state == "running":
         holder = run_holder(folder)
@@ -243,24 +295,69 @@ def run_all(cells: list[Cell], args: Args) -> dict[str, int]:
         note = skip_note(cell, states[cell.name], Path(args.out_dir))
         if note:
             print(note)
-    experiment = ROOT / "experiments" / f"{args.experiment}.py"
-    running: dict[str, subprocess.Popen] = {}
     codes: dict[str, int] = {name: 2 for name in refused}
     codes |= {c.name: 2 for c in cells if states[c.name] == "damaged"}
-    while todo or running:
-        while todo and len(running) < args.jobs:
-            cell = todo.pop(0)
-            resume = states[cell.name] == "stopped"
-            cmd = [sys.executable, str(experiment), *cell.command(resume)]
-            with open(logs / f"{cell.name}.log", "a") as log:
-                running[cell.name] = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
-            print(f"start {cell.name}{' (resume)' if resume else ''}", flush=True)
-        for name, proc in list(running.items()):
-            if proc.poll() is not None:
-                codes[name] = running.pop(name).returncode
-                print(f"{'done ' if codes[name] == 0 else 'FAILED'} {name} (exit {codes[name]})")
-        time.sleep(0.5)
+    return codes | _run_processes(todo, states, experiment_file(args.experiment), args.jobs, logs)
+
+
+def _run_processes(todo: list[Cell], states: dict[str, str], experiment: Path, jobs: int,
+                   logs: Path) -> dict[str, int]:  # fmt: skip
+    """Run ``todo`` as ``python EXPERIMENT ...`` processes, ``jobs`` at a time; their exit
+    codes by name. Ctrl-C (KeyboardInterrupt) stops the running cells (`stop_cells`) and
+    is raised again."""
+    todo, running, codes = list(todo), {}, {}
+    try:
+        while todo or running:
+            while todo and len(running) < jobs:
+                cell = todo.pop(0)
+                resume = states[cell.name] == "stopped"
+                cmd = [sys.executable, str(experiment), *cell.command(resume)]
+                with open(logs / f"{cell.name}.log", "a") as log:
+                    running[cell.name] = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+                print(f"start {cell.name}{' (resume)' if resume else ''}", flush=True)
+            for name, proc in list(running.items()):
+                if proc.poll() is not None:
+                    codes[name] = running.pop(name).returncode
+                    print(f"{'done ' if codes[name] == 0 else 'FAILED'} {name} "
+                          f"(exit {codes[name]})")  # fmt: skip
+            time.sleep(0.5)
+    except KeyboardInterrupt:
+        stop_cells(list(running.values()))
+        raise
     return codes
+
+
+def stop_cells(processes: list[subprocess.Popen]) -> None:
+    """Send each running cell SIGINT (a terminal's Ctrl-C reached them already; a signal
+    sent to the grid alone did not) and wait while they save their checkpoints; a second
+    Ctrl-C stops the wait and kills them (each resumes from its last checkpoint)."""
+    for proc in processes:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGINT)
+    print(f"stopping {len(processes)} running cell(s): each saves a checkpoint "
+          "(Ctrl-C again to kill them)", flush=True)  # fmt: skip
+    try:
+        for proc in processes:
+            proc.wait()
+    except KeyboardInterrupt:
+        for proc in processes:
+            proc.kill()
+            proc.wait()
+
+
+def resumable_note(cells: list[Cell], out_dir: str, argv: list[str]) -> str:
+    """What a stopped grid prints: each cell not finished, and the command that resumes it."""
+    lines = []
+    for cell in cells:
+        state = status(cell, out_dir)
+        if state in ("stopped", "new"):
+            what = "resumes from its checkpoint" if state == "stopped" else "starts over"
+            lines.append(f"  {cell.name} ({what})")
+    if not lines:
+        return "stopped; every cell had finished"
+    rerun = shlex.join([PROG, *argv])
+    return "\n".join([f"stopped; {len(lines)} cell(s) to run, resumed by running the same "
+                      f"command again:\n  {rerun}", *lines])  # fmt: skip
 
 
 def summary(cells: list[Cell], out_dir: str) -> str:
@@ -292,7 +389,7 @@ def plan(argv: list[str]) -> tuple[Args, list[Cell]]:
     args = parse_dataclass(Args, own, description=__doc__.split("\n\n")[0])
     if args.jobs < 1:
         raise GridError(f"--jobs {args.jobs}: must be at least 1")
-    exp = experiment_module(args.experiment)
+    exp = experiment_module(experiment_file(args.experiment))
     for item in extra:
         name = item.split("=", 1)[0].removeprefix("--").replace("-", "_")
         if item.startswith("--") and name in OWNED:
@@ -303,13 +400,23 @@ def plan(argv: list[str]) -> tuple[Args, list[Cell]]:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """``metalearn-grid``: plan, run and summarise the grid; a mistake in its command line is
+    one line on stderr and exit status 2, Ctrl-C lists the cells a rerun resumes (status
+    130)."""
     argv = sys.argv[1:] if argv is None else list(argv)
     try:
         args, cells = plan(argv)
     except GridError as err:
-        print(f"grid.py: error: {err}", file=sys.stderr)
+        print(f"{PROG}: error: {err}", file=sys.stderr)
         return 2
-    codes = run_all(cells, args)
+    except KeyboardInterrupt:  # while the cells' recipes were built: nothing ran
+        print("stopped before any cell started")
+        return 128 + signal.SIGINT
+    try:
+        codes = run_all(cells, args)
+    except KeyboardInterrupt:
+        print(resumable_note(cells, args.out_dir, argv))
+        return 128 + signal.SIGINT
     print(summary(cells, args.out_dir))
     failed = [name for name, code in codes.items() if code != 0]
     if failed:

@@ -17,15 +17,14 @@ the lineage: this model, evaluated by that run). Offline it is found among the r
 ``--out-dir``; W&B refuses ``use_artifact`` offline, so the evaluation records the
 artifact's name, alias and digest in its config instead.
 
-Command:
-    python scripts/evaluate.py --checkpoint runs/maml-5w1s-seed0/checkpoint.pt
-    python scripts/evaluate.py --artifact maml-5w1s-lr0.4-steps1-seed0-1a2b3c4d-model:best
-    python scripts/evaluate.py --checkpoint runs/maml-5w1s-seed0/checkpoint.pt \\
+Command (NAME: a run's folder name, as the run printed it):
+    metalearn-evaluate --checkpoint runs/NAME/checkpoint.pt
+    metalearn-evaluate --artifact NAME-model:best
+    metalearn-evaluate --checkpoint runs/NAME/checkpoint.pt \\
         --tasks 2000 --steps 20 --shots 5 --which last
-    python scripts/evaluate.py --checkpoint runs/maml-20w1s-seed0/checkpoint.pt \\
+    metalearn-evaluate --checkpoint runs/NAME/checkpoint.pt \\
         --protocol within-alphabet --tasks 1000   # Lake et al.'s 20-way protocol
-    python scripts/evaluate.py --data-root /data/cifar \\
-        --checkpoint runs/cifar-fs-conv4-maml-5w1s-lr0.01-steps5-seed0/checkpoint.pt
+    metalearn-evaluate --data-root /data/cifar --checkpoint runs/NAME/checkpoint.pt
 
 Ways: the network's head has one output per class it was trained on, so an N-way model is
 tested N-way only. Fewer ways would leave outputs that no class of the task owns, and
@@ -42,17 +41,15 @@ import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
-import torch
-
-from metalearn.deploy import learner_from, read_run_checkpoint
 from metalearn.runs.cli import parse_dataclass
-from metalearn.runs.evaluation import TEST_SEED, TaskSource, evaluate_tasks
-from metalearn.runs.loop import new_run_identity
-from metalearn.runs.recipe import DataRecipe, Recipe, build_samplers
-from metalearn.runs.records import find_offline_artifact
-from metalearn.runs.tracking import decide_mode, init_run, run_group
+
+if TYPE_CHECKING:  # imported where used: --help loads neither torch nor wandb
+    from metalearn.runs.evaluation import TaskSource
+    from metalearn.runs.recipe import DataRecipe, Recipe
+
+PROG = "metalearn-evaluate"
 
 PROJECT = "metalearn-omniglot"
 """The experiments' default W&B project, where an artifact named without one is looked for."""
@@ -60,7 +57,7 @@ PROJECT = "metalearn-omniglot"
 
 @dataclass
 class Args:
-    """Arguments of evaluate.py (each is a --flag; see --help)."""
+    """Arguments of metalearn-evaluate (each is a --flag; see --help)."""
 
     checkpoint: str | None = None
     """The run's checkpoint, runs/<run_name>/checkpoint.pt (this or --artifact)."""
@@ -92,8 +89,9 @@ class Args:
     data_root: str | None = None
     """The run's data set's folder (default: the run's; Omniglot: else $METALEARN_DATA, else
     the cache dir)."""
-    seed: int = TEST_SEED
-    """Seeds the task sampling; the default draws the run's own test tasks."""
+    seed: int | None = None
+    """Seeds the task sampling (default: the experiments' test seed, which draws the run's
+    own test tasks)."""
     device: str = "cpu"
     """Torch device."""
     threads: int = 1
@@ -147,6 +145,8 @@ def test_data(args: Args, recipe: Recipe) -> tuple[DataRecipe, int]:
 
 def task_source(data: DataRecipe, device: str) -> TaskSource:
     """The test sampler of ``data``, built as the run built its own (`build_samplers`)."""
+    from metalearn.runs.recipe import build_samplers
+
     return build_samplers(data, device=device, splits=("test",))["test"]
 
 
@@ -164,6 +164,9 @@ def model_source(args: Args) -> tuple[Path, dict[str, Any], Any]:
         ValueError: neither or both of --checkpoint and --artifact.
         FileNotFoundError: an offline artifact no run in --out-dir logged.
     """
+    from metalearn.runs.records import find_offline_artifact
+    from metalearn.runs.tracking import decide_mode
+
     if (args.checkpoint is None) == (args.artifact is None):
         raise ValueError("pass --checkpoint runs/<run_name>/checkpoint.pt or --artifact "
                          "<run_name>-model:best (one of the two)")  # fmt: skip
@@ -202,6 +205,13 @@ def _fetch(name: str, alias: str, out_dir: Path) -> tuple[Path, dict[str, Any], 
 
 def evaluate(args: Args) -> dict[str, float]:
     """Load, draw, test, log; returns ``{"test/acc": ..., "test/acc_ci95": ...}``."""
+    import torch
+
+    from metalearn.deploy import learner_from, read_run_checkpoint
+    from metalearn.runs.evaluation import TEST_SEED, evaluate_tasks
+
+    args = dataclasses.replace(args, seed=TEST_SEED if args.seed is None else args.seed)
+    seed = args.seed
     if args.threads > 0:
         torch.set_num_threads(args.threads)
     path, origin, artifact = model_source(args)
@@ -212,7 +222,7 @@ def evaluate(args: Args) -> dict[str, float]:
     print(
         f"{args.artifact or path} ({args.which} weights): {data.ways}-way {data.shots}-shot, "
         f"{data.eval_query} queries, {steps} inner steps, {args.tasks} tasks of the "
-        f"test classes of {drawn_from(data)}, seed {args.seed}, {data.eval_protocol} protocol"
+        f"test classes of {drawn_from(data)}, seed {seed}, {data.eval_protocol} protocol"
     )
     wandb_run = None
     if args.track:
@@ -220,7 +230,7 @@ def evaluate(args: Args) -> dict[str, float]:
         if wandb_run is not None and artifact is not None:
             wandb_run.use_artifact(artifact)  # the lineage: this model, evaluated by this run
     try:
-        generator = torch.Generator().manual_seed(args.seed)
+        generator = torch.Generator().manual_seed(seed)
         acc, half = evaluate_tasks(learner, source, args.tasks, steps, generator, desc="test")
         results = {"test/acc": acc, "test/acc_ci95": half}
         if wandb_run is not None:
@@ -243,6 +253,9 @@ def _start_run(
 ) -> Any:
     """An ``eval`` W&B run named ``<run>-eval-<id>`` in the trained run's group and its W&B
     folder (`runs_folder`); its config names the trained run (name and W&B id)."""
+    from metalearn.runs.loop import new_run_identity
+    from metalearn.runs.tracking import init_run, run_group
+
     run_args = saved["args"]
     checkpoint = path.resolve()
     trained = str(run_args.get("run_name") or checkpoint.parent.name)
@@ -270,16 +283,17 @@ def runs_folder(checkpoint: Path, run_name: str, out_dir: str) -> Path:
     return checkpoint.parent.parent if checkpoint.parent.name == run_name else Path(out_dir)
 
 
-def cli(argv: Sequence[str] | None = None) -> int:
-    """Parse, evaluate, and turn a user error into one line on stderr and exit status 2."""
+def main(argv: Sequence[str] | None = None) -> int:
+    """``metalearn-evaluate``: parse, evaluate, and turn a user error into one line on stderr
+    and exit status 2."""
     args = parse_dataclass(Args, argv, description=__doc__.split("\n\n")[0])
     try:
         evaluate(args)
     except (FileNotFoundError, ValueError, ImportError) as err:  # ImportError: h5py absent
-        print(f"evaluate.py: error: {err}", file=sys.stderr)
+        print(f"{PROG}: error: {err}", file=sys.stderr)
         return 2
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(cli())
+    sys.exit(main())
