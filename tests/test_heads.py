@@ -167,7 +167,7 @@ def svm_face_solution(fs: Tensor, ys: Tensor, c_reg: float, ridge: float, active
 
 def svm_query_loss(fs: Tensor, fq: Tensor, ys: Tensor, yq: Tensor, *, c_reg: float,
                    ridge: float, scale: Tensor, smoothing: float) -> Tensor:  # fmt: skip
-    """Lee et al. (2019), Sec. 3.3 with MetaOptNet's SVM-CS head: the dual's solution on its
+    """Lee et al. (2019) with MetaOptNet's SVM-CS head: the dual's solution on its
     optimal face (the face read off `solve_dual`'s answer at a 1e-9 gap; the face's solution
     then certified by the QP's KKT conditions, so it is the unique optimum), ``W = alpha^T
     X``, logits ``scale X_q W^T``, the loss label-smoothed as MetaOptNet's train.py (``1 -

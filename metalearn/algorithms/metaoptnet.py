@@ -1,7 +1,7 @@
 """MetaOptNet (Lee, Maji, Ravichandran & Soatto, 2019, "Meta-Learning with Differentiable
 Convex Optimization"): a Crammer-Singer multi-class SVM head solved per task.
 
-The paper's head (its Sec. 3.3, Eq. 7-8; MetaOptNet's ``MetaOptNetHead_SVM_CS``) is the dual
+The paper's head (MetaOptNet's final one, its code's ``MetaOptNetHead_SVM_CS``) is the dual
 of Crammer & Singer's multi-class SVM on the support features ``X [S, D]`` with one-hot
 labels ``Y [S, C]``, over ``alpha [S, C]`` (``S C`` variables)::
 
@@ -40,7 +40,7 @@ Tasks run in the Python loop: the face is data-dependent, which vmap cannot expr
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import replace
 from functools import partial
 from typing import Any, NamedTuple
@@ -426,7 +426,7 @@ class MetaOptNet(HeadLearner):
             return super().task_fn()
         return partial(_smoothed_task_loss, learner=self)
 
-    def evaluate(self, tasks: list[Task], steps: int | None = None) -> tuple[Tensor, Tensor]:
+    def evaluate(self, tasks: Sequence[Task], steps: int | None = None) -> tuple[Tensor, Tensor]:
         """Query loss (plain, not smoothed) and accuracy per task: ``([T], [T])``."""
         plain = partial(head_task_loss, learner=self)
         return self._evaluate(tasks, self.inner_loop(0, first_order=True), plain)
