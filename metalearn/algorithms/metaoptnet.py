@@ -139,7 +139,9 @@ def _newton_solver(
         gram: ``K [S, S]``; barrier: ``[S, C]`` (rhs likewise, rhs_eq ``[S]``).
     """
     blocks = gram + torch.diag_embed((ridge + barrier).T)  # [C, S, S]
-    inverse = torch.cholesky_inverse(torch.linalg.cholesky(blocks))
+    eye = torch.eye(gram.shape[0], dtype=gram.dtype, device=gram.device)
+    # cholesky_solve against I: batched cholesky_inverse is ~200x slower on the CPU (torch 2.13).
+    inverse = torch.cholesky_solve(eye.expand_as(blocks), torch.linalg.cholesky(blocks))
     schur = torch.linalg.cholesky(inverse.sum(0))
 
     def solve(rhs: Tensor, rhs_eq: Tensor) -> tuple[Tensor, Tensor]:
