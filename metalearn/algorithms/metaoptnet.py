@@ -19,7 +19,7 @@ Solver (`solve_dual`): a primal-dual interior-point method (Mehrotra's predictor
 on the dual, at most ``ipm_steps`` iterations (the reference's ``maxIter`` 15). Its Newton
 systems separate by class: with the inequality multipliers' barrier diagonal ``d``, class
 ``m``'s block is ``K + diag(ridge + d_m)`` (``S x S``), coupled only through the ``S``
-equality constraints, which a Schur complement of size ``S`` solves. Near convergence each
+equality constraints, which a Schur complement of size ``S`` solves. Each
 iterate's partition (slack below multiplier: at the bound) names the active constraints, and
 the QP on that face, an equality-constrained one, is solved exactly (`_solve_face`); the
 first face whose solution is feasible with non-negative active multipliers (the KKT
@@ -171,11 +171,11 @@ def solve_dual(
 
     The interior point keeps ``alpha``, slacks ``s = c_reg Y - alpha > 0``, multipliers
     ``lam > 0`` of ``alpha <= c_reg Y`` and ``nu`` of ``alpha 1 = 0``; each iteration solves
-    two Newton systems with one factorisation (`_newton_solver`). Once the mean
-    complementarity ``s lam`` is below 1e-8 of its start, each iterate's partition
-    (``s > lam``: free) names a face, and the QP on it is solved exactly (`_solve_face`); the
-    first face whose solution satisfies the whole problem's KKT conditions (feasible, active
-    multipliers >= 0) is the answer.
+    two Newton systems with one factorisation (`_newton_solver`). Each iterate's partition
+    (``s > lam``: free) names a face, and the QP on it is solved exactly (`_solve_face`)
+    whenever the partition differs from the last one tried; the first face whose solution
+    satisfies the whole problem's KKT conditions (feasible, active multipliers >= 0) is the
+    answer, so a task stops as soon as its active set is identified.
 
     Args:
         support: ``X [S, D]`` (a constant: no graph is built).
@@ -195,21 +195,24 @@ def solve_dual(
     x = support.detach().to(torch.float64)
     onehot, _ = class_targets(labels, columns, x.dtype)
     problem = _Dual(x @ x.T, onehot, c_reg * onehot, ridge)
-    # Start: the minimiser under the equalities alone, its slacks shifted to at least
-    # c_reg / 10, unit multipliers (interior-point codes start alike, e.g. CVXOPT's).
+    # Start (Nocedal & Wright, 2006, Ch. 16's heuristic): the minimiser under the equalities alone
+    # with unit slacks and multipliers, then the slacks and multipliers of one affine-scaling
+    # step from there, in absolute value, floored at c_reg.
     start = _newton_solver(problem.gram, ridge, torch.zeros_like(onehot))
     alpha, nu = start(onehot, onehot.new_zeros(len(x)))
-    slack = problem.bound - alpha
-    slack = slack + max(0.0, 0.1 * c_reg - float(slack.min()))
-    lam = torch.ones_like(onehot)
-    mu_start, violation = float((slack * lam).mean()), "no face was tried"
+    ones = torch.ones_like(onehot)
+    _, _, ds, dlam = _directions(problem, alpha, nu, ones, ones)(torch.zeros_like(ones))
+    slack, lam = (1 + ds).abs().clamp(min=c_reg), (1 + dlam).abs().clamp(min=c_reg)
+    tried, violation = None, "no face was tried"
     for step in range(1, ipm_steps + 1):
         alpha, nu, slack, lam = _mehrotra_step(problem, alpha, nu, slack, lam)
-        if float((slack * lam).mean()) > 1e-8 * mu_start:
+        free = slack > lam
+        if tried is not None and torch.equal(free, tried):
             continue
-        face, violation = _solve_face(problem, slack > lam)
+        face, violation = _solve_face(problem, free)
         if face is not None:
-            return DualSolution(face, slack > lam, step)
+            return DualSolution(face, free, step)
+        tried = free
     raise ValueError(
         f"the SVM dual's interior point found no optimal face in {ipm_steps} iterations "
         f"({violation}); raise ipm_steps"
@@ -225,14 +228,15 @@ class _Dual(NamedTuple):
     ridge: float
 
 
-def _mehrotra_step(
+def _directions(
     problem: _Dual, alpha: Tensor, nu: Tensor, slack: Tensor, lam: Tensor
-) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """One predictor-corrector step (Mehrotra, 1992), 0.99 of the way to the boundary."""
+) -> Callable[[Tensor], tuple[Tensor, Tensor, Tensor, Tensor]]:
+    """``target -> (da, dnu, ds, dlam)``: the Newton step of the KKT conditions at the point
+    with complementarity ``s lam`` driven to ``target`` (one factorisation for all targets)."""
     gram, onehot, bound, ridge = problem
     r_dual = gram @ alpha + ridge * alpha - onehot + lam + nu[:, None]
     r_eq, r_slack = alpha.sum(1), alpha + slack - bound
-    mu, newton = float((slack * lam).mean()), _newton_solver(gram, ridge, lam / slack)
+    newton = _newton_solver(gram, ridge, lam / slack)
 
     def direction(target: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
         # lam ds + s dlam = target - s lam, with ds = -r_slack - da, eliminates ds and dlam.
@@ -241,11 +245,19 @@ def _mehrotra_step(
         ds = -r_slack - da
         return da, dnu, ds, (target - slack * lam - lam * ds) / slack
 
+    return direction
+
+
+def _mehrotra_step(
+    problem: _Dual, alpha: Tensor, nu: Tensor, slack: Tensor, lam: Tensor
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """One predictor-corrector step (Mehrotra, 1992), 0.999 of the way to the boundary."""
+    mu, direction = float((slack * lam).mean()), _directions(problem, alpha, nu, slack, lam)
     da, dnu, ds, dlam = direction(torch.zeros_like(lam))  # predictor (affine scaling)
     t = min(_step_length(slack, ds), _step_length(lam, dlam))
     sigma = (float(((slack + t * ds) * (lam + t * dlam)).mean()) / mu) ** 3
     da, dnu, ds, dlam = direction(sigma * mu - ds * dlam)  # centring and second order
-    t = min(1.0, 0.99 * min(_step_length(slack, ds), _step_length(lam, dlam)))
+    t = min(1.0, 0.999 * min(_step_length(slack, ds), _step_length(lam, dlam)))
     return alpha + t * da, nu + t * dnu, slack + t * ds, lam + t * dlam
 
 
