@@ -1,10 +1,13 @@
-"""ProtoNet, R2D2 and MetaOptNet against independent references, in float64.
+"""ProtoNet, R2D2, MetaOptNet and MetaOptNet-LR against independent references, in float64.
 
-Each reference (`protonet_reference`, `r2d2_reference`, `metaoptnet_reference`) is the
-paper's formula written out with plain torch ops on Conv4's own feature stack (not the
-identity-head trick): squared distances by ``torch.cdist``; ridge regression in its primal
-``D x D`` form (not the Woodbury one the learner solves); logistic regression by Newton's
-method with dense Hessians and its implicit gradient from dense Jacobians (not CG on HVPs).
+Each reference (`protonet_reference`, `r2d2_reference`, `svm_reference`,
+`metaoptnet_lr_reference`) is the paper's formula written out with plain torch ops on Conv4's
+own feature stack (not the identity-head trick): squared distances by ``torch.cdist``; ridge
+regression in its primal ``D x D`` form (not the Woodbury one the learner solves); the SVM's
+dual as MetaOptNet's dense QP matrices, its solution on the optimal face by one dense KKT
+solve that autograd differentiates (not CG on HVPs), checked by the QP's KKT conditions;
+logistic regression by Newton's method with dense Hessians and its implicit gradient from
+dense Jacobians (not CG on HVPs).
 Each takes ``(learner, tasks)`` and returns the meta-gradient, name -> tensor, over the
 learner's parameters that get one. Tasks mix 3- and 5-way (the model's head is 3-way), so
 the per-task sizing is tested too; vmap against the loop; the adapted head against
@@ -18,13 +21,15 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
+from test_svm_head import kkt_violation
 from torch import Tensor, nn
 from torch.autograd.functional import hessian, jacobian
 from torch.func import functional_call
 
-from metalearn.algorithms import R2D2, MetaOptNet, ProtoNet, make_learner
+from metalearn.algorithms import R2D2, MetaOptNet, MetaOptNetLR, ProtoNet, make_learner
 from metalearn.algorithms.compiled import CompiledMetaGradient
 from metalearn.algorithms.heads import HeadLearner
+from metalearn.algorithms.metaoptnet import solve_dual
 from metalearn.engine import Task
 from metalearn.models import Conv4
 
@@ -123,7 +128,7 @@ def logistic_gradient(w: Tensor, x: Tensor, ys: Tensor, decay: float) -> Tensor:
     return jacobian(objective, w, create_graph=True)
 
 
-def metaoptnet_reference(learner: MetaOptNet, tasks_: list[Task]) -> dict[str, Tensor]:
+def metaoptnet_lr_reference(learner: MetaOptNetLR, tasks_: list[Task]) -> dict[str, Tensor]:
     """The implicit gradient with dense matrices: ``dW*/dX = -H^{-1} d(grad_W f)/dX``, and the
     query loss ``CE(scale X_q W*^T)`` differentiated through it into the backbone."""
     scale, decay = learner.log_scale.exp(), learner.weight_decay
@@ -144,12 +149,60 @@ def metaoptnet_reference(learner: MetaOptNet, tasks_: list[Task]) -> dict[str, T
     return meta_gradient(learner, total / len(tasks_), {"log_scale": learner.log_scale})
 
 
+def svm_face_solution(fs: Tensor, ys: Tensor, c_reg: float, ridge: float, active: Tensor):
+    """MetaOptNetHead_SVM_CS's QP (``G = K (x) I + ridge I``, ``e = -Y``, ``z <= c_reg Y``,
+    ``(I (x) 1^T) z = 0``) with the ``active`` bounds as equalities, by one dense KKT solve:
+    ``alpha [S, C]`` and ``(G, e, h, A)``, differentiable in ``fs``."""
+    s, ways = len(fs), int(ys.max()) + 1
+    y = F.one_hot(ys, ways).to(F64).reshape(-1)
+    g = torch.kron(fs @ fs.T, torch.eye(ways, dtype=F64)) + ridge * torch.eye(s * ways, dtype=F64)
+    a = torch.kron(torch.eye(s, dtype=F64), torch.ones(1, ways, dtype=F64))
+    eq = torch.cat([a, torch.eye(s * ways, dtype=F64)[active]])
+    rhs = torch.cat([y, torch.zeros(s, dtype=F64), c_reg * y[active]])
+    k = len(eq)
+    kkt = torch.cat([torch.cat([g, eq.T], 1), torch.cat([eq, torch.zeros(k, k, dtype=F64)], 1)])
+    alpha = torch.linalg.solve(kkt, rhs)[: s * ways].reshape(s, ways)
+    return alpha, (g, -y, c_reg * y, a)
+
+
+def svm_query_loss(fs: Tensor, fq: Tensor, ys: Tensor, yq: Tensor, *, c_reg: float,
+                   ridge: float, scale: Tensor, smoothing: float) -> Tensor:  # fmt: skip
+    """Lee et al. (2019) with MetaOptNet's SVM-CS head: the dual's solution on its
+    optimal face (the face read off `solve_dual`'s answer at a 1e-9 gap; the face's solution
+    then certified by the QP's KKT conditions, so it is the unique optimum), ``W = alpha^T
+    X``, logits ``scale X_q W^T``, the loss label-smoothed as MetaOptNet's train.py (``1 -
+    eps`` on the label, ``eps / (C - 1)`` elsewhere)."""
+    ways = int(ys.max()) + 1
+    bound = c_reg * F.one_hot(ys, ways).to(F64).reshape(-1)
+    face = solve_dual(fs.detach(), ys, ways, c_reg=c_reg, ridge=ridge).alpha
+    alpha, qp = svm_face_solution(fs, ys, c_reg, ridge, (bound - face.reshape(-1)) < 1e-9)
+    assert kkt_violation(alpha.detach().reshape(-1), *[t.detach() for t in qp]) < 1e-10
+    assert bool(((bound - alpha.detach().reshape(-1)) < 1e-9).any())  # a real QP: bounds active
+    logits = scale * fq @ (alpha.T @ fs).T
+    onehot = F.one_hot(yq, ways).to(F64)
+    target = onehot * (1 - smoothing) + (1 - onehot) * smoothing / (ways - 1)
+    return -(target * torch.log_softmax(logits, 1)).sum(1).mean()
+
+
+def svm_reference(learner: MetaOptNet, tasks_: list[Task]) -> dict[str, Tensor]:
+    """The meta-gradient of `svm_query_loss` by autograd through the dense face solve."""
+    total = 0.0
+    for task in tasks_:
+        (xs, ys), (xq, yq) = task.support, task.query
+        total = total + svm_query_loss(
+            embed(learner, xs), embed(learner, xq), ys, yq, c_reg=learner.c_reg,
+            ridge=learner.ridge, scale=learner.scale, smoothing=learner.label_smoothing,
+        )  # fmt: skip
+    return meta_gradient(learner, total / len(tasks_), {"scale": learner.scale})
+
+
 REFERENCES = {"protonet": protonet_reference, "r2d2": r2d2_reference,
-              "metaoptnet": metaoptnet_reference}  # fmt: skip
+              "metaoptnet": svm_reference, "metaoptnet-lr": metaoptnet_lr_reference}  # fmt: skip
 SETTINGS = {
     "protonet": {},
     "r2d2": {"lam": 0.5, "scale": 3.0, "bias": 0.2},
-    "metaoptnet": {"weight_decay": 0.5, "scale": 2.0, "tol": 1e-12, "cg_tol": 1e-13},
+    "metaoptnet": {"scale": 2.0, "c_reg": 0.5},
+    "metaoptnet-lr": {"weight_decay": 0.5, "scale": 2.0, "tol": 1e-12, "cg_tol": 1e-13},
 }
 
 
@@ -174,7 +227,7 @@ def test_meta_gradient_equals_the_papers_formula(algorithm: str) -> None:
     assert set(got) == set(expected)  # the model's own head gets no gradient
     for name in expected:
         torch.testing.assert_close(got[name], expected[name], rtol=0, atol=EXACT, msg=name)
-    assert metrics.vectorized == (0 if algorithm == "metaoptnet" else len(batch))
+    assert metrics.vectorized == (0 if algorithm.startswith("metaoptnet") else len(batch))
 
 
 @pytest.mark.parametrize("algorithm", ["protonet", "r2d2"])
@@ -245,16 +298,17 @@ def test_heads_refuse_inner_loop_settings_and_a_model_without_a_linear_head() ->
         R2D2(conv(), lam=0.0)
 
 
-def test_metaoptnet_names_an_inner_solve_that_did_not_converge() -> None:
-    learner = learner_of("metaoptnet", newton_steps=1)
+def test_metaoptnet_lr_names_an_inner_solve_that_did_not_converge() -> None:
+    learner = learner_of("metaoptnet-lr", newton_steps=1)
     with pytest.raises(ValueError, match=r"inner solver did not converge: \|\|F\(x\*, theta\)"):
         learner.backward(tasks((3,)))
 
 
-def test_metaoptnet_solves_each_task_to_its_tolerance() -> None:
+@pytest.mark.parametrize("algorithm", ["metaoptnet", "metaoptnet-lr"])
+def test_metaoptnet_solves_each_task_to_its_tolerance(algorithm: str) -> None:
     """float32, the default tolerances: every task of a Conv4 meta-batch converges."""
     torch.manual_seed(0)
-    learner = make_learner("metaoptnet", Conv4(in_channels=1, ways=5, hidden=16), {})
+    learner = make_learner(algorithm, Conv4(in_channels=1, ways=5, hidden=16), {})
     batch = [Task((t.support[0].float(), t.support[1]), (t.query[0].float(), t.query[1]))
              for t in tasks((5, 5, 5, 5), seed=2)]  # fmt: skip
     metrics = learner.backward(batch)
@@ -281,5 +335,7 @@ def test_compiled_meta_gradient_equals_eager(algorithm: str) -> None:
     expected = grads_of(eager)
     for name, grad in grads_of(compiled).items():
         torch.testing.assert_close(grad, expected[name], rtol=0, atol=1e-12, msg=name)
-    with pytest.raises(ValueError, match="MetaOptNet: its Newton solver .* run MetaOptNet "):
+    with pytest.raises(ValueError, match="MetaOptNetLR: its Newton solver .* run MetaOptNetLR "):
+        CompiledMetaGradient(learner_of("metaoptnet-lr"))
+    with pytest.raises(ValueError, match="MetaOptNet: its interior-point .* run MetaOptNet "):
         CompiledMetaGradient(learner_of("metaoptnet"))

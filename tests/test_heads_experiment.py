@@ -1,5 +1,5 @@
-"""--algorithm protonet | r2d2 | metaoptnet through experiments/omniglot_maml.py on the real
-Omniglot: a tiny run trains, resumes to the uninterrupted run's weights, is evaluated by
+"""--algorithm protonet | r2d2 | metaoptnet | metaoptnet-lr through experiments/omniglot_maml.py
+on the real Omniglot: a tiny run trains, resumes to the uninterrupted run's weights, is evaluated by
 metalearn-evaluate to the accuracy the run tested, and is exported by metalearn.deploy; and
 --train-ways draws wider training tasks for these heads and is refused for MAML."""
 
@@ -31,7 +31,11 @@ TINY = dict(
     iterations=3, meta_batch=2, query=1, eval_query=2, hidden=8, val_every=1, val_tasks=3,
     test_tasks=4, checkpoint_every=1, data_root=str(DATA), track=False, device="cpu",
 )  # fmt: skip
-OWN = {"protonet": [], "r2d2": ["lam", "scale", "bias"], "metaoptnet": ["weight_decay", "scale"]}
+OWN = {
+    "protonet": [], "r2d2": ["lam", "scale", "bias"],
+    "metaoptnet": ["c_reg", "ridge", "ipm_steps", "scale", "label_smoothing"],
+    "metaoptnet-lr": ["weight_decay", "scale"],
+}  # fmt: skip
 
 
 def tiny(tmp_path: Path, **overrides) -> om.Args:
@@ -86,7 +90,7 @@ def test_train_ways_draws_wider_training_tasks_for_the_heads(tmp_path):
     [({"algorithm": "maml", "train_ways": 10},
       "--train-ways 10 with --algorithm maml: it adapts the model's 5-way head, so it trains "
       "5-way; drop --train-ways or use an algorithm that sizes its head per task (protonet, "
-      "r2d2, metaoptnet)"),
+      "r2d2, metaoptnet, metaoptnet-lr)"),
      ({"algorithm": "protomaml", "train_ways": 10}, "--train-ways 10 with --algorithm protomaml"),
      ({"algorithm": "protonet", "train_ways": 1}, "--train-ways 1: a task needs at least 2"),
      ({"algorithm": "r2d2", "inner_lr": 0.4},

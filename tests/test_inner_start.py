@@ -23,7 +23,7 @@ from metalearn.models import MetaBatchNorm
 F64 = torch.float64
 EPS = 1e-5
 INNER = ("maml", "fomaml", "anil", "metasgd", "mamlpp", "imaml", "reptile", "protomaml", "lora")
-HEADS = ("protonet", "r2d2", "metaoptnet")
+HEADS = ("protonet", "r2d2", "metaoptnet", "metaoptnet-lr")
 
 
 class Tiny(nn.Module):

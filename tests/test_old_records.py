@@ -16,10 +16,11 @@ from conftest import NO_OMNIGLOT, OMNIGLOT
 from run_helpers import fs, om
 from test_deploy import make_support_folder
 
+from metalearn.algorithms import MetaOptNet, MetaOptNetLR, complete_arguments
 from metalearn.data import ImageFormat
 from metalearn.deploy import export_from_checkpoint, load_exported
 from metalearn.runs.lifecycle import UserError
-from metalearn.runs.recipe import read_recipe
+from metalearn.runs.recipe import build_learner, read_recipe
 from metalearn.tools import evaluate
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -113,3 +114,29 @@ def test_a_flag_the_old_record_predates_is_refused_on_resume_not_dropped(tmp_pat
                                         "default") as err:  # fmt: skip
         om.main(args)
     assert "\n" not in str(err.value)
+
+
+# The learner arguments every `metaoptnet` run recorded while it was the logistic-regression
+# head (learner_arguments("metaoptnet") before the SVM took the name).
+LOGISTIC_METAOPTNET = {
+    "weight_decay": 1.0, "scale": 1.0, "newton_steps": 30, "cg_steps": 200, "tol": None,
+    "cg_tol": None, "head": "head", "loss_fn": "cross_entropy", "vectorize": "auto",
+    "on_nonfinite": "raise", "chunk_size": "auto",
+}  # fmt: skip
+
+
+def test_a_metaoptnet_record_of_the_logistic_head_reads_as_metaoptnet_lr():
+    """``metaoptnet`` names the SVM head now; a recipe written when it named the logistic
+    head rebuilds that head (`MetaOptNetLR`), holding the recorded state; one written since
+    stays the SVM."""
+    recipe = read_recipe(saved("folder-maml")).to_dict()
+    old = {**recipe, "learner": {"algorithm": "metaoptnet", "arguments": LOGISTIC_METAOPTNET}}
+    rebuilt = read_recipe({"recipe": old})
+    assert rebuilt.learner.algorithm == "metaoptnet-lr"
+    assert dict(rebuilt.learner.arguments) == LOGISTIC_METAOPTNET
+    learner = build_learner(rebuilt)
+    assert type(learner) is MetaOptNetLR
+    assert "log_scale" in learner.state_dict()  # the parameter a logistic run saved
+    svm = {**recipe, "learner": {"algorithm": "metaoptnet",
+                                 "arguments": complete_arguments("metaoptnet", {})}}  # fmt: skip
+    assert type(build_learner(read_recipe({"recipe": svm}))) is MetaOptNet

@@ -10,8 +10,10 @@ For each cell:
     on the loop's own task draw, equals a float64 reference written out here from the
     paper's update (a Conv4 forward written with ``F.conv2d``, unrolled autograd, the
     inner optimizers' updates, the closed-form heads, iMAML's implicit gradient by a dense
-    Hessian and a dense solve, MetaOptNet's head by Newton's method and its implicit
-    gradient by a dense solve), not from the engine's functions;
+    Hessian and a dense solve, MetaOptNet's SVM dual on its optimal face by a dense KKT
+    solve certified by the QP's KKT conditions and differentiated by autograd, MetaOptNet-LR's
+    head by Newton's method and its implicit gradient by a dense solve), not from the
+    engine's functions;
 (c) ``--curvature-every 1``'s ``curv/support_top_eig`` equals the mean top eigenvalue of
     dense float64 Hessians of the hand-written support loss where the algorithm's inner
     loop starts (Proto-MAML's prototype head, MAML++'s step-0 batch-norm copies, LoRA's
@@ -37,6 +39,7 @@ import torch.nn.functional as F
 from conftest import NO_OMNIGLOT, OMNIGLOT
 from image_set_fixtures import write_folder
 from run_helpers import fs, make, om, recipe_of
+from test_heads import svm_query_loss
 
 from metalearn.algorithms import HeadLearner, MetaLossLearner
 from metalearn.algorithms.curvature import PROBE_SEED
@@ -62,7 +65,7 @@ ROWS: dict[str, dict] = {
     "maml": {"inner_steps": 2}, "fomaml": {"inner_steps": 2}, "anil": {"inner_steps": 2},
     "metasgd": {"inner_steps": 1}, "mamlpp": {"inner_steps": 1}, "imaml": {"inner_steps": 2},
     "reptile": {"inner_steps": 2}, "protomaml": {"inner_steps": 1}, "lora": {"inner_steps": 1},
-    "protonet": {}, "r2d2": {}, "metaoptnet": {},
+    "protonet": {}, "r2d2": {}, "metaoptnet": {}, "metaoptnet-lr": {},
 }  # fmt: skip
 # Cells beyond one per algorithm: name -> (algorithm, what its tiny run sets beyond TINY).
 # Adam's second-order step is ill-conditioned where an inner gradient entry is small: its
@@ -97,7 +100,7 @@ def arguments(experiment: str, cell: str, folder: Path, out: Path, **extra):
             **extra}  # fmt: skip
     if LEARNERS[algorithm].head_sized_per_task or algorithm in ("imaml", "reptile"):
         flat.pop("vectorize")  # loop-only or no inner loop: the default
-    if algorithm in ("protonet", "r2d2", "metaoptnet"):
+    if LEARNERS[algorithm].head_sized_per_task:
         flat.pop("inner_steps", None)
     if experiment == "omniglot":
         if not (OMNIGLOT / "images_background").is_dir():
@@ -325,8 +328,16 @@ def reference_gradient(algorithm: str, learner, tasks, arguments: dict):
             total = direction if isinstance(total, float) else \
                 {k: total[k] + direction[k] for k in total}  # fmt: skip
             continue
-        if algorithm == "metaoptnet":
+        if algorithm == "metaoptnet-lr":
             loss = metaoptnet_task(theta, named, support, query, model, learner.weight_decay)
+            total = total + loss / len(tasks)
+            continue
+        if algorithm == "metaoptnet":  # Lee et al. (2019): MetaOptNetHead_SVM_CS
+            f_s = conv4(theta, support[0], model, body_only=True)
+            f_q = conv4(theta, query[0], model, body_only=True)
+            loss = svm_query_loss(f_s, f_q, support[1], query[1], c_reg=learner.c_reg,
+                                  ridge=learner.ridge, scale=named["scale"],
+                                  smoothing=learner.label_smoothing)  # fmt: skip
             total = total + loss / len(tasks)
             continue
         if algorithm in ("protonet", "r2d2"):
@@ -416,7 +427,7 @@ def test_seam(cell, experiment, folder, tmp_path, capsys):
 
     # (b) step 1's meta-gradient, through the loop's meta_step on the loop's task draw.
     checked = recipe
-    if algorithm == "metaoptnet":
+    if algorithm == "metaoptnet-lr":
         # The float32 default accepts the head at ||grad_W f|| <= 1e-4 (its Newton solver
         # stops at 1e-5), which leaves the meta-gradient ~4e-5 of its largest entry off
         # (measured); (b) checks the maths with the learner argument tol = 1e-6, edited into

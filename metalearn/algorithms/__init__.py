@@ -7,7 +7,8 @@ from metalearn.algorithms.imaml import IMAML, IMAMLMetrics, implicit_meta_gradie
 from metalearn.algorithms.lora_maml import LoRAMAML
 from metalearn.algorithms.maml import ANIL, FOMAML, MAML
 from metalearn.algorithms.mamlpp import MAMLpp, msl_weights, multi_step_task_loss
-from metalearn.algorithms.metaoptnet import MetaOptNet, logistic_classifier
+from metalearn.algorithms.metaoptnet import MetaOptNet, svm_classifier
+from metalearn.algorithms.metaoptnet_lr import MetaOptNetLR, logistic_classifier
 from metalearn.algorithms.metasgd import MetaSGD
 from metalearn.algorithms.protomaml import ProtoMAML, prototype_head
 from metalearn.algorithms.protonet import ProtoNet, prototype_classifier
@@ -36,6 +37,7 @@ __all__ = [
     "MetaLearner",
     "MetaLossLearner",
     "MetaOptNet",
+    "MetaOptNetLR",
     "MetaSGD",
     "ProtoMAML",
     "ProtoNet",
@@ -52,4 +54,5 @@ __all__ = [
     "prototype_classifier",
     "prototype_head",
     "ridge_classifier",
+    "svm_classifier",
 ]

@@ -22,6 +22,7 @@ from metalearn.algorithms.lora_maml import LoRAMAML
 from metalearn.algorithms.maml import ANIL, FOMAML, MAML
 from metalearn.algorithms.mamlpp import MAMLpp
 from metalearn.algorithms.metaoptnet import MetaOptNet
+from metalearn.algorithms.metaoptnet_lr import MetaOptNetLR
 from metalearn.algorithms.metasgd import MetaSGD
 from metalearn.algorithms.protomaml import ProtoMAML
 from metalearn.algorithms.protonet import ProtoNet
@@ -41,7 +42,9 @@ __all__ = [
 LEARNERS: Mapping[str, type[MetaLearner]] = {
     "maml": MAML, "fomaml": FOMAML, "anil": ANIL, "metasgd": MetaSGD, "mamlpp": MAMLpp,
     "imaml": IMAML, "reptile": Reptile, "protomaml": ProtoMAML, "lora": LoRAMAML,
-    "protonet": ProtoNet, "r2d2": R2D2, "metaoptnet": MetaOptNet,
+    "protonet": ProtoNet, "r2d2": R2D2,
+    "metaoptnet": MetaOptNet,
+    "metaoptnet-lr": MetaOptNetLR,
 }  # fmt: skip
 ALGORITHMS: tuple[str, ...] = tuple(LEARNERS)
 Algorithm = Literal[ALGORITHMS]  # type: ignore[valid-type]

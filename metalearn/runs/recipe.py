@@ -97,6 +97,7 @@ RUN_DEFAULTS: dict[str, dict[str, Any]] = {
     "protonet": {},
     "r2d2": {},
     "metaoptnet": {},
+    "metaoptnet-lr": {},
 }
 # The flags that set a learner argument, by flag name -> argument name. A switch (bool) that
 # is off and a value left at None set nothing: the learner's default stands (and is recorded).
@@ -224,7 +225,7 @@ class Recipe:
                 experiment=record["experiment"],
                 data=DataRecipe(**{**data, "image": ImageFormat(**data["image"])}),
                 model=ModelRecipe(**record["model"]),
-                learner=LearnerRecipe(**record["learner"]),
+                learner=_upgrade_learner(LearnerRecipe(**record["learner"])),
                 training=TrainingRecipe(**record["training"]),
             )
         except (KeyError, TypeError) as err:
@@ -426,6 +427,14 @@ _RENAMED = {"checkpoint": "gradient_checkpointing"}
 def upgrade_args(args: Mapping[str, Any]) -> dict[str, Any]:
     """A checkpoint's flat arguments under today's flag names (`_RENAMED`)."""
     return {_RENAMED.get(k, k): v for k, v in args.items()}
+
+
+def _upgrade_learner(learner: LearnerRecipe) -> LearnerRecipe:
+    """``metaoptnet`` was the logistic-regression head before it became the SVM: a record
+    naming it with the logistic head's arguments (``newton_steps``) is ``metaoptnet-lr``."""
+    if learner.algorithm == "metaoptnet" and "newton_steps" in learner.arguments:
+        return LearnerRecipe("metaoptnet-lr", learner.arguments)
+    return learner
 
 
 def with_resumed(recipe: Recipe, args: Mapping[str, Any]) -> Recipe:
