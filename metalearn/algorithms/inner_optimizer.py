@@ -21,7 +21,6 @@ from torch import Tensor, nn
 
 from metalearn.algorithms.base import MetaLossLearner
 from metalearn.algorithms.metasgd import adapted_names, keyed_names
-from metalearn.engine import LearningRate
 from metalearn.optim import SGD, Adam, Hyperparameter, InnerOptimizer, RMSprop
 
 __all__ = ["INNER_OPTIMIZERS", "LEARNABLE", "InnerOptimizerLearner", "optimizer_hyperparameters"]
@@ -122,9 +121,9 @@ class InnerOptimizerLearner(MetaLossLearner):
             {n: values[key][s] for n, key in self._keys.items()} for s in range(self.inner_steps)
         ]
 
-    def learning_rate(self) -> LearningRate:
+    def learning_rate(self) -> Hyperparameter:
         """The step size: ``inner_lr``, or the learned values (per tensor, or by step)."""
-        return self._value("lr")  # type: ignore[return-value]
+        return self._value("lr")
 
     def inner_update(self) -> InnerOptimizer:
         """The inner optimizer, with the current (fixed or learned) hyperparameters."""

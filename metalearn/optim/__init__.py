@@ -12,7 +12,13 @@ them (`metalearn.engine.inner`)::
 """
 
 from metalearn.optim.adam import Adam, adam_update
-from metalearn.optim.base import Hyperparameter, InnerOptimizer, State, hyper_at, safe_sqrt
+from metalearn.optim.base import (
+    Hyperparameter,
+    InnerOptimizer,
+    State,
+    hyper_at,
+    safe_sqrt,
+)
 from metalearn.optim.rmsprop import RMSprop, rmsprop_update
 from metalearn.optim.sgd import SGD, sgd_update
 

@@ -27,7 +27,15 @@ from typing import ClassVar
 import torch
 from torch import Tensor
 
-__all__ = ["Hyperparameter", "InnerOptimizer", "State", "detached", "hyper_at", "safe_sqrt"]
+from metalearn.functional import detached
+
+__all__ = [
+    "Hyperparameter",
+    "InnerOptimizer",
+    "State",
+    "hyper_at",
+    "safe_sqrt",
+]
 
 _Value = float | Tensor | Mapping[str, float | Tensor]
 Hyperparameter = _Value | Sequence[_Value]
@@ -61,17 +69,6 @@ def safe_sqrt(v: Tensor) -> Tensor:
     """
     positive = v > 0
     return torch.where(positive, torch.where(positive, v, torch.ones_like(v)).sqrt(), 0.0 * v)
-
-
-def detached(value: Hyperparameter) -> Hyperparameter:
-    """A hyperparameter with every tensor detached, its structure kept."""
-    if isinstance(value, Tensor):
-        return value.detach()
-    if isinstance(value, Mapping):
-        return {k: detached(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return type(value)(detached(v) for v in value)
-    return value
 
 
 class InnerOptimizer(abc.ABC):
