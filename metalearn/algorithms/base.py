@@ -54,7 +54,7 @@ from metalearn.engine import (
     task_loss,
 )
 from metalearn.functional import accumulate_grad, detached
-from metalearn.optim import SGD, Hyperparameter, InnerOptimizer, hyper_at
+from metalearn.optim import SGD, Hyperparameter, InnerOptimizer, check_hyperparameter, hyper_at
 
 __all__ = [
     "InnerStart",
@@ -157,6 +157,7 @@ class MetaLearner(nn.Module, abc.ABC):
             raise ValueError(f"inner_steps must be >= 0, got {inner_steps}")
         if on_nonfinite not in ("raise", "skip"):
             raise ValueError(f"on_nonfinite must be 'raise' or 'skip', got {on_nonfinite!r}")
+        check_hyperparameter("lr", inner_lr, "inner_lr")
         self.model = model
         self.inner_lr = inner_lr
         self.inner_steps = inner_steps

@@ -16,6 +16,7 @@ from metalearn.optim.base import (
     Hyperparameter,
     InnerOptimizer,
     State,
+    check_hyperparameter,
     hyper_at,
     safe_sqrt,
 )
@@ -30,6 +31,7 @@ __all__ = [
     "RMSprop",
     "State",
     "adam_update",
+    "check_hyperparameter",
     "hyper_at",
     "rmsprop_update",
     "safe_sqrt",
