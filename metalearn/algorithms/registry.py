@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from metalearn.algorithms.base import MetaLearner
+from metalearn.algorithms.boil import BOIL
 from metalearn.algorithms.imaml import IMAML
 from metalearn.algorithms.lora_maml import LoRAMAML
 from metalearn.algorithms.maml import ANIL, FOMAML, MAML
@@ -42,6 +43,7 @@ LEARNERS: Mapping[str, type[MetaLearner]] = {
     "maml": MAML, "fomaml": FOMAML, "anil": ANIL, "metasgd": MetaSGD, "mamlpp": MAMLpp,
     "imaml": IMAML, "reptile": Reptile, "protomaml": ProtoMAML, "lora": LoRAMAML,
     "protonet": ProtoNet, "r2d2": R2D2, "metaoptnet": MetaOptNet,
+    "boil": BOIL,
 }  # fmt: skip
 ALGORITHMS: tuple[str, ...] = tuple(LEARNERS)
 Algorithm = Literal[ALGORITHMS]  # type: ignore[valid-type]
