@@ -72,6 +72,18 @@ def tree_map(fn: Callable[..., Tensor], tree: Tree, *rest: Tree) -> Tree:
     return tree_unflatten(tree, (fn(*group) for group in zip(leaves, *rest_leaves)))
 
 
+def detached(tree: Tree) -> Tree:
+    """`tree` with every tensor detached, its structure kept (other leaves, such as a float
+    learning rate, as they are)."""
+    if isinstance(tree, Tensor):
+        return tree.detach()
+    if isinstance(tree, Mapping):
+        return {k: detached(v) for k, v in tree.items()}
+    if isinstance(tree, (tuple, list)):
+        return type(tree)(detached(v) for v in tree)
+    return tree
+
+
 def tree_dot(a: Tree, b: Tree) -> Tensor:
     """Sum over leaves of <a_i, b_i>: the Euclidean inner product of two trees (0-dim)."""
     return sum((x * y).sum() for x, y in zip(tree_leaves(a), tree_leaves(b), strict=True))

@@ -9,7 +9,6 @@ chunks and the mode.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from typing import Any
 
 import pytest
@@ -20,11 +19,10 @@ from metalearn.algorithms import IMAML, MAML, MAMLpp, MetaLearner, MetaSGD, Rept
 from metalearn.engine import (
     AllTasksSkippedError,
     Chunk,
+    ChunkCall,
     ChunkedMetaGradient,
     ChunkRunner,
-    InnerLoop,
     MetaBatch,
-    Mode,
     NonFiniteLossError,
     Task,
     run_meta_batch,
@@ -131,13 +129,10 @@ class RecordingRunner:
     def __init__(self, runner: ChunkRunner = run_meta_batch) -> None:
         self.runner, self.chunks = runner, []
 
-    def __call__(
-        self, model: nn.Module, params: Any, tasks: Sequence[Task], inner: InnerLoop, mode: Mode,
-        **kwargs: Any,
-    ) -> MetaBatch:  # fmt: skip
-        start = kwargs.get("first_index", 0)
-        self.chunks.append(Chunk(range(start, start + len(tasks)), mode))
-        return self.runner(model, params, tasks, inner, mode, **kwargs)
+    def __call__(self, model: nn.Module, params: Any, chunk: ChunkCall) -> MetaBatch:
+        start = chunk.first_index
+        self.chunks.append(Chunk(range(start, start + len(chunk.tasks)), chunk.mode))
+        return self.runner(model, params, chunk)
 
 
 @pytest.mark.parametrize("chunk_size", [None, 2])

@@ -27,8 +27,8 @@ from metalearn.engine import (
     NonFiniteLossError,
     Task,
     adapt,
-    adapt_with_losses,
     meta_batch,
+    run_inner_loop,
 )
 from metalearn.models import MLP, Conv4
 
@@ -241,7 +241,7 @@ def test_inner_step_equals_a_hand_written_autograd_step(first_order: bool) -> No
         loss = F.cross_entropy(functional_call(model, params, (query[0],)), query[1])
         return torch.autograd.grad(loss, leaves, allow_unused=True)
 
-    fast, losses = adapt_with_losses(model, theta, support, steps=2, lr=lr, first_order=first_order)
+    fast, losses = run_inner_loop(model, theta, support, InnerLoop(2, lr, first_order))
     ref, ref_losses = dict(theta), []
     for _ in range(2):
         inputs = {k: ref[k].detach().requires_grad_() if first_order else ref[k] for k in lr}
@@ -304,9 +304,10 @@ def test_checkpointing_gives_the_same_values_and_meta_gradients(first_order: boo
     leaves = [*theta.values(), lr]
     results = []
     for checkpoint in (False, True):
-        fast, losses = adapt_with_losses(
-            model, theta, support, steps=3, lr=lr, first_order=first_order, checkpoint=checkpoint
-        )
+        fast, losses = run_inner_loop(
+            model, theta, support,
+            InnerLoop(steps=3, lr=lr, first_order=first_order, checkpoint=checkpoint),
+        )  # fmt: skip
         loss = F.cross_entropy(functional_call(model, fast, (query[0],)), query[1])
         grads = torch.autograd.grad(loss, leaves, allow_unused=True)
         results.append((fast, losses, loss, grads))
@@ -451,8 +452,8 @@ def test_stop_rule_ends_the_inner_loop_early() -> None:
         seen.append((step, loss))
         return step == 2
 
-    fast, losses = adapt_with_losses(model, theta, support, steps=5, lr=0.5, stop=stop)
-    two, two_losses = adapt_with_losses(model, theta, support, steps=2, lr=0.5)
+    fast, losses = run_inner_loop(model, theta, support, InnerLoop(5, 0.5), stop=stop)
+    two, two_losses = run_inner_loop(model, theta, support, InnerLoop(2, 0.5))
     assert len(losses) == 2
     assert [s for s, _ in seen] == [0, 1, 2]
     torch.testing.assert_close(losses, two_losses, rtol=0, atol=0)
@@ -460,8 +461,8 @@ def test_stop_rule_ends_the_inner_loop_early() -> None:
     for k in theta:
         torch.testing.assert_close(fast[k], two[k], rtol=0, atol=0)
     # A loss threshold: it stops as soon as the support loss is low enough.
-    fast, losses = adapt_with_losses(
-        model, theta, support, steps=50, lr=0.5, stop=lambda s, loss: loss < 0.5
+    fast, losses = run_inner_loop(
+        model, theta, support, InnerLoop(50, 0.5), stop=lambda s, loss: loss < 0.5
     )
     assert 0 < len(losses) < 50 and bool((losses >= 0.5).all())
 
@@ -469,7 +470,7 @@ def test_stop_rule_ends_the_inner_loop_early() -> None:
 def test_zero_steps_and_bad_arguments() -> None:
     model = _mlp()
     theta = _theta(model)
-    fast, losses = adapt_with_losses(model, theta, _data(1, 6), steps=0)
+    fast, losses = run_inner_loop(model, theta, _data(1, 6), InnerLoop(steps=0))
     assert all(fast[k] is theta[k] for k in theta) and losses.numel() == 0
     with pytest.raises(ValueError, match="steps"):
         adapt(model, theta, _data(1, 6), steps=-1)

@@ -22,7 +22,8 @@ from metalearn.models import MetaBatchNorm
 
 F64 = torch.float64
 EPS = 1e-5
-INNER = ("maml", "fomaml", "anil", "metasgd", "mamlpp", "imaml", "reptile", "protomaml", "lora")
+INNER = ("maml", "fomaml", "anil", "metasgd", "mamlpp", "imaml", "reptile", "protomaml", "lora",
+         "boil")  # fmt: skip
 HEADS = ("protonet", "r2d2", "metaoptnet", "metaoptnet-lr")
 
 
@@ -114,6 +115,8 @@ def reference(name: str, learner, t: Task) -> tuple:
         return (lambda p: support_loss(p, t)), theta, everything
     if name == "anil":
         return (lambda p: support_loss(p, t)), theta, ["head.weight", "head.bias"]
+    if name == "boil":  # the body only: the head stays theta's
+        return (lambda p: support_loss(p, t)), theta, [k for k in theta if "head" not in k]
     if name == "protomaml":
         return (lambda p: support_loss(p, t)), prototype_start(theta, t), everything
     if name == "mamlpp":  # BNWB: step 0's copies, meta-learned, not adapted

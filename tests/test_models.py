@@ -292,7 +292,7 @@ def test_the_fused_kernels_vmapped_second_order_is_wrong_and_batch_norms_is_righ
     torch 2.13: 10%, 72% and 11% off along these three directions), while `MetaBatchNorm`'s
     and the fused kernel's in the loop agree to 1e-7. ``run_meta_batch`` is given the mode,
     so it skips the planner's refusal of fused norms under vmap."""
-    from metalearn.engine import InnerLoop, run_meta_batch
+    from metalearn.engine import ChunkCall, InnerLoop, run_meta_batch
 
     inner = InnerLoop(steps=2, lr=0.3)
 
@@ -302,7 +302,7 @@ def test_the_fused_kernels_vmapped_second_order_is_wrong_and_batch_norms_is_righ
         tasks, theta = _tasks_and_theta(model)
 
         def objective(p: dict[str, torch.Tensor]) -> torch.Tensor:
-            return run_meta_batch(model, p, tasks, inner, mode).loss
+            return run_meta_batch(model, p, ChunkCall(tasks, inner, mode)).loss
 
         grads = torch.autograd.grad(objective(theta), list(theta.values()))
         g = torch.Generator().manual_seed(0)
@@ -361,13 +361,13 @@ FD_STEP = 1e-7
 
 def meta_gradients_agree_across_modes(model: nn.Module, tasks: list) -> None:
     """The vmapped second-order MAML meta-gradient equals the per-task loop's."""
-    from metalearn.engine import InnerLoop, run_meta_batch
+    from metalearn.engine import ChunkCall, InnerLoop, run_meta_batch
 
     theta = {k: v.detach().clone().requires_grad_() for k, v in model.named_parameters()}
     inner = InnerLoop(steps=2, lr=INNER_LR)
     grads = {}
     for mode in ("loop", "vmap"):
-        loss = run_meta_batch(model, theta, tasks, inner, mode).loss
+        loss = run_meta_batch(model, theta, ChunkCall(tasks, inner, mode)).loss
         grads[mode] = torch.autograd.grad(loss, list(theta.values()))
     scale = max(float(g.abs().max()) for g in grads["loop"])
     assert scale > 1e-4  # a real gradient, not an all-zero pass
@@ -378,13 +378,13 @@ def meta_gradients_agree_across_modes(model: nn.Module, tasks: list) -> None:
 def meta_gradient_errors_against_fd(model: nn.Module, tasks: list, directions: int = 2):
     """Relative error of the vmapped second-order meta-gradient along random directions,
     against central differences of the meta-loss (step `FD_STEP`, float64)."""
-    from metalearn.engine import InnerLoop, run_meta_batch
+    from metalearn.engine import ChunkCall, InnerLoop, run_meta_batch
 
     theta = {k: v.detach().clone().requires_grad_() for k, v in model.named_parameters()}
     inner = InnerLoop(steps=2, lr=INNER_LR)
 
     def objective(p: dict[str, torch.Tensor]) -> torch.Tensor:
-        return run_meta_batch(model, p, tasks, inner, "vmap").loss
+        return run_meta_batch(model, p, ChunkCall(tasks, inner, "vmap")).loss
 
     grads = torch.autograd.grad(objective(theta), list(theta.values()))
     g = torch.Generator().manual_seed(0)

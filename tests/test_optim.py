@@ -10,6 +10,7 @@ gradients), fixed seeds and tolerances.
 from __future__ import annotations
 
 import math
+import re
 
 import pytest
 import torch
@@ -21,7 +22,7 @@ from metalearn.algorithms import MAML
 from metalearn.algorithms.inner_optimizer import InnerOptimizerLearner
 from metalearn.engine import InnerLoop, Task, adapt, meta_batch
 from metalearn.models import MLP
-from metalearn.optim import SGD, Adam, RMSprop
+from metalearn.optim import SGD, Adam, RMSprop, adam_update
 
 F64 = torch.float64
 Params = dict[str, Tensor]
@@ -315,6 +316,72 @@ def test_learner_refuses_bad_settings():
     assert issubclass(MAML, InnerOptimizerLearner)
     assert not list(MAML(_mlp(), inner_optimizer="adam").inner_update().init({}).values())
     assert math.isclose(MAML(_mlp()).inner_update().slots(), 0)
+
+
+# Settings an inner optimizer's update is not defined for, each with the learner argument it
+# is given by and the range it must be in.
+OUT_OF_RANGE = [
+    ("adam", "inner_beta1", 1.0, r"in \[0, 1\)"),  # bias correction 1 - beta1^t = 0
+    ("adam", "inner_beta1", 1.5, r"in \[0, 1\)"),
+    ("adam", "inner_beta2", 1.5, r"in \[0, 1\)"),  # sqrt(1 - beta2^t) of a negative number
+    ("adam", "inner_beta2", -0.1, r"in \[0, 1\)"),
+    ("adam", "inner_eps", -1e-8, "finite and >= 0"),
+    ("adam", "inner_eps", math.inf, "finite and >= 0"),
+    ("rmsprop", "inner_eps", math.nan, "finite and >= 0"),
+    ("rmsprop", "inner_alpha", 1.0, r"in \[0, 1\)"),
+    ("momentum", "inner_momentum", 1.5, r"in \[0, 1\)"),
+    ("nesterov", "inner_momentum", 1.0, r"in \[0, 1\)"),
+    ("sgd", "inner_lr", math.inf, "a finite number"),
+    ("adam", "inner_lr", math.nan, "a finite number"),
+]
+
+
+@pytest.mark.parametrize(("optimizer", "argument", "value", "rule"), OUT_OF_RANGE)
+def test_the_learner_refuses_an_inner_optimizer_setting_out_of_range(
+    optimizer, argument, value, rule
+):
+    with pytest.raises(ValueError) as refused:
+        MAML(_mlp(), inner_optimizer=optimizer, **{argument: value})
+    message = str(refused.value)
+    assert re.fullmatch(f"{argument}={value!r} is out of range: it must be {rule}", message)
+
+
+@pytest.mark.parametrize(
+    ("make", "name"),
+    [
+        (lambda: Adam(beta1=1.0), "beta1"),
+        (lambda: Adam(beta2={"w": 0.9, "b": 1.5}), "beta2"),  # per tensor: every entry
+        (lambda: Adam(eps=[1e-8, -1.0]), "eps"),  # per step: every entry
+        (lambda: RMSprop(alpha=-0.5), "alpha"),
+        (lambda: SGD(momentum=1.0), "momentum"),
+    ],
+)
+def test_the_optimizers_refuse_a_fixed_hyperparameter_out_of_range(make, name):
+    with pytest.raises(ValueError, match=f"^{name}=.* is out of range: it must be "):
+        make()
+
+
+def test_the_edges_of_the_ranges_and_learned_values_are_accepted():
+    for optimizer, setting in [("adam", dict(inner_beta1=0.0, inner_beta2=0.0, inner_eps=0.0)),
+                               ("rmsprop", dict(inner_alpha=0.0)),
+                               ("momentum", dict(inner_momentum=0.0))]:  # fmt: skip
+        MAML(_mlp(), inner_optimizer=optimizer, **setting).inner_update()
+    MAML(_mlp(), inner_lr=-0.1)  # finite: a negative rate is allowed, as Meta-SGD learns them
+    # Learned values are tensors: they move in training and are not checked.
+    learner = MAML(_mlp(), inner_optimizer="adam", learn_inner_hyperparameters="tensor")
+    with torch.no_grad():
+        for value in learner.inner_hyperparameters["beta1"].values():
+            value.fill_(1.0)
+    learner.inner_update()
+
+
+def test_without_the_check_adam_at_beta1_1_divides_by_zero():
+    """What the refusal prevents: the update itself is undefined there."""
+    p = torch.ones(2, dtype=F64)
+    with pytest.raises(ZeroDivisionError):
+        adam_update(p, p, 0 * p, 0 * p, t=1, lr=0.1, beta1=1.0)
+    new, _, _ = adam_update(p, p, 0 * p, 0 * p, t=1, lr=0.1, beta2=1.5)
+    assert torch.is_complex(new) or not torch.isfinite(new).all()
 
 
 def test_the_run_records_the_inner_optimizer_and_refuses_what_makes_no_sense():

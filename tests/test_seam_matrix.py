@@ -65,7 +65,7 @@ ROWS: dict[str, dict] = {
     "maml": {"inner_steps": 2}, "fomaml": {"inner_steps": 2}, "anil": {"inner_steps": 2},
     "metasgd": {"inner_steps": 1}, "mamlpp": {"inner_steps": 1}, "imaml": {"inner_steps": 2},
     "reptile": {"inner_steps": 2}, "protomaml": {"inner_steps": 1}, "lora": {"inner_steps": 1},
-    "protonet": {}, "r2d2": {}, "metaoptnet": {}, "metaoptnet-lr": {},
+    "protonet": {}, "r2d2": {}, "metaoptnet": {}, "metaoptnet-lr": {}, "boil": {"inner_steps": 2},
 }  # fmt: skip
 # Cells beyond one per algorithm: name -> (algorithm, what its tiny run sets beyond TINY).
 # Adam's second-order step is ill-conditioned where an inner gradient entry is small: its
@@ -365,6 +365,8 @@ def reference_gradient(algorithm: str, learner, tasks, arguments: dict):
         second = not learner.first_order
         if algorithm == "anil":
             keys = list(heads)
+        if algorithm == "boil":  # Oh et al. (2021): the body adapts, the head stays theta's
+            keys = [k for k in theta if k not in heads]
         if algorithm == "protomaml":  # Triantafillou et al. (2020) Sec. 4
             start.update(prototypes(theta, support, model, learner.model.head.out_features))
         if algorithm == "metasgd":  # Li et al. (2017) Eq. 3: alpha elementwise, learned
@@ -393,6 +395,8 @@ def dense_support_top(algorithm: str, learner, task) -> float:
     start, keys = dict(theta), list(theta)
     if algorithm == "anil":
         keys = ["head.weight", "head.bias"]
+    if algorithm == "boil":
+        keys = [k for k in theta if not k.startswith("head.")]
     if algorithm == "protomaml":
         start.update(prototypes(theta, support, model, model.head.out_features))
     if algorithm == "mamlpp":

@@ -25,6 +25,7 @@ from __future__ import annotations
 import abc
 from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, replace
+from functools import partial
 from typing import ClassVar, NamedTuple
 
 import torch
@@ -35,25 +36,25 @@ from torch.func import functional_call
 from metalearn.engine import (
     AllTasksSkippedError,
     Chunk,
+    ChunkCall,
     ChunkedMetaGradient,
     ChunkRunner,
     ChunkSize,
     InnerLoop,
-    LearningRate,
     LossFn,
     MetaBatch,
     OnNonfinite,
     Task,
+    TaskCall,
     TaskFn,
     Vectorize,
-    lr_for,
     plan,
     run_inner_loop,
     run_meta_batch,
     task_loss,
 )
-from metalearn.functional import accumulate_grad
-from metalearn.optim import SGD, InnerOptimizer
+from metalearn.functional import accumulate_grad, detached
+from metalearn.optim import SGD, Hyperparameter, InnerOptimizer, check_hyperparameter, hyper_at
 
 __all__ = [
     "InnerStart",
@@ -92,6 +93,11 @@ class InnerStart(NamedTuple):
 class MetaLearner(nn.Module, abc.ABC):
     """The base every algorithm in this package specialises: theta, the inner loop, and
     `backward`, which each algorithm defines.
+
+    An algorithm says where each task's inner loop starts (`start`: theta for MAML, the
+    prototype head for Proto-MAML, a solved head for ProtoNet, R2D2 and MetaOptNet) and, if
+    its meta-loss is not MAML's, what one task's meta-loss is (`task_fn`). From these two
+    the base derives the meta-loss, `adapt`, `evaluate` and `inner_start`.
 
     Args:
         model: the network; its parameters are theta. Called through ``functional_call``.
@@ -151,6 +157,7 @@ class MetaLearner(nn.Module, abc.ABC):
             raise ValueError(f"inner_steps must be >= 0, got {inner_steps}")
         if on_nonfinite not in ("raise", "skip"):
             raise ValueError(f"on_nonfinite must be 'raise' or 'skip', got {on_nonfinite!r}")
+        check_hyperparameter("lr", inner_lr, "inner_lr")
         self.model = model
         self.inner_lr = inner_lr
         self.inner_steps = inner_steps
@@ -183,8 +190,9 @@ class MetaLearner(nn.Module, abc.ABC):
         """The model's buffers, name -> tensor, for ``functional_call``."""
         return dict(self.model.named_buffers())
 
-    def learning_rate(self) -> LearningRate:
-        """The inner learning rate(s) in `metalearn.engine.inner.LearningRate` form."""
+    def learning_rate(self) -> Hyperparameter:
+        """The inner learning rate(s), a `metalearn.optim.Hyperparameter` (see
+        `metalearn.engine.inner.InnerLoop`)."""
         return self.inner_lr
 
     def inner_update(self) -> InnerOptimizer:
@@ -233,48 +241,91 @@ class MetaLearner(nn.Module, abc.ABC):
         """
         return {}
 
-    def inner_start(self, task: Task) -> InnerStart:
-        """The support loss of ``task`` at the point this learner's inner loop starts.
+    # ------------------------------------------------------------------ the extension point
 
-        MAML's inner loop starts at theta and its first step adapts the parameters that have
-        a learning rate at step 0 (``adapt_keys``). Learners that start elsewhere override
-        this (Proto-MAML's prototype head, MAML++'s step-0 batch-norm copies), so that what
-        is measured there (`metalearn.algorithms.curvature.support_curvature`) is where the
-        algorithm is. The loss holds no regulariser (iMAML's proximal term).
+    def start(
+        self, model: nn.Module, params: Mapping[str, Tensor], call: TaskCall
+    ) -> Mapping[str, Tensor]:
+        """Where a task's inner loop starts: phi_0 from theta ``params`` and the task.
+
+        The one method an algorithm overrides to start elsewhere than theta (MAML's phi_0,
+        Finn et al., 2017, Eq. 1): Proto-MAML sets the head from the support prototypes,
+        the solved-head learners solve it, MAML++ puts in its step-0 batch-norm copies.
+        Differentiable in ``params`` (the meta-gradient flows through it), and a function of
+        ``model`` and ``call`` (the task's sets, buffers and forward kwargs), not of
+        ``self.model``, so it runs under vmap and ``torch.compile`` inside `task_fn`.
+
+        Args:
+            model: the network.
+            params: theta, name -> tensor.
+            call: the task (`metalearn.engine.TaskCall`).
+
+        Returns:
+            phi_0, name -> tensor, with every key of ``params``.
+        """
+        return params
+
+    def task_fn(self) -> TaskFn:
+        """The meta-loss of one task (a `metalearn.engine.TaskFn`): `metalearn.engine.task_loss`
+        from `start` (Finn et al., 2017, Eq. 2 for one task). Algorithms whose meta-loss is
+        another override it (MAML++'s multi-step loss, the solved heads' query loss)."""
+        if type(self).start is MetaLearner.start:
+            return task_loss  # the inner loop starts at theta itself: nothing to bind
+        return partial(task_loss, start=self.start)
+
+    # ------------------------------------------------------------------ derived from start
+
+    def inner_start(self, task: Task) -> InnerStart:
+        """The support loss of ``task`` at `start`, where this learner's inner loop starts.
+
+        Its first step adapts the parameters that have a learning rate at step 0 (MAML's
+        ``adapt_keys``), the others held where `start` puts them (Proto-MAML's prototype
+        head, MAML++'s step-0 batch-norm copies), so that what is measured there
+        (`metalearn.algorithms.curvature.support_curvature`) is where the algorithm is.
+        The loss holds no regulariser (iMAML's proximal term).
 
         Raises:
             ValueError: no parameter is adapted at the first inner step.
         """
-        return support_start(self, _detached(self.theta()), task.support, task)
+        return support_start(self, self.start_of(task), task.support, task)
 
-    # ------------------------------------------------------------------ using a learner
+    def start_of(self, task: Task) -> dict[str, Tensor]:
+        """`start` for ``task`` at the current theta, detached (no graph is built)."""
+        call = TaskCall.of(task, self.inner_loop(), buffers=self.buffers_dict())
+        with torch.no_grad():
+            return detached(dict(self.start(self.model, detached(self.theta()), call)))
 
     def adapt(self, task: Task, steps: int | None = None) -> dict[str, Tensor]:
-        """Fast weights for one task, detached (for evaluation and deployment)."""
+        """Fast weights for one task, detached (for evaluation and deployment): the inner loop
+        from `start`, first order (the same weights; no graph is built)."""
         inner = _evaluation_loop(self.inner_loop(steps, first_order=True))
+        buffers = self.buffers_dict()
+        call = TaskCall.of(task, inner, buffers=buffers)
         with torch.no_grad():  # torch.func.grad inside still differentiates
+            phi = self.start(self.model, detached(self.theta()), call)
             fast, _ = run_inner_loop(
-                self.model, _detached(self.theta()), task.support, inner,
-                buffers=self.buffers_dict(), model_kwargs=task.model_kwargs,
+                self.model, phi, task.support, inner, buffers=buffers,
+                model_kwargs=task.model_kwargs,
             )  # fmt: skip
-        return fast
+        return detached(fast)
 
     def evaluate(self, tasks: Sequence[Task], steps: int | None = None) -> tuple[Tensor, Tensor]:
         """Query loss and accuracy per task after ``steps`` inner steps: ``([T], [T])``.
 
-        No outer graph is built (evaluation never needs the meta-gradient), so this is the
-        first-order inner loop, which gives the same adapted weights. Planned and run as
-        `backward` runs, so evaluation is vmapped exactly when training would be. Under
-        ``on_nonfinite="skip"`` a task whose loss is not finite gets NaN loss and accuracy.
+        `task_fn` on each task with no outer graph (evaluation never needs the
+        meta-gradient), so the inner loop is first order, which gives the same adapted
+        weights. Planned and run as `backward` runs, so evaluation is vmapped exactly when
+        training would be. Under ``on_nonfinite="skip"`` a task whose loss is not finite
+        gets NaN loss and accuracy.
         """
         inner = _evaluation_loop(self.inner_loop(steps, first_order=True))
-        return self._evaluate(tasks, inner, task_loss)
+        return self._evaluate(tasks, inner, self.task_fn())
 
     def _evaluate(
         self, tasks: Sequence[Task], inner: InnerLoop, task_fn: TaskFn
     ) -> tuple[Tensor, Tensor]:
-        """`evaluate` with a given per-task function (MAML++ passes its multi-step loss)."""
-        theta = _detached(self.theta())
+        """`evaluate` with a given per-task function (MAML++ passes its final-step loss)."""
+        theta = detached(self.theta())
         losses, accuracies = [], []
         with torch.no_grad():
             for chunk in self.plan(tasks, inner):
@@ -298,20 +349,17 @@ class MetaLearner(nn.Module, abc.ABC):
     ) -> MetaBatch:
         """One chunk of a plan through ``run_chunk`` (`metalearn.engine.outer.run_meta_batch`
         unless `MetaLossLearner.backward` was given another)."""
-        return run_chunk(
-            self.model, theta, [tasks[i] for i in chunk.tasks], inner, chunk.mode,
-            buffers=self.buffers_dict(), on_nonfinite=self.on_nonfinite, task_fn=task_fn,
+        call = ChunkCall(
+            [tasks[i] for i in chunk.tasks], inner, chunk.mode, task_fn,
+            buffers=self.buffers_dict(), on_nonfinite=self.on_nonfinite,
             first_index=chunk.tasks.start,
         )  # fmt: skip
+        return run_chunk(self.model, theta, call)
 
 
 class MetaLossLearner(MetaLearner):
     """MAML (Finn et al., 2017) and its relatives: the meta-gradient is the gradient of
     `meta_loss`, the mean query loss after adaptation. Arguments as for `MetaLearner`."""
-
-    def task_fn(self) -> TaskFn:
-        """The meta-loss of one task (`metalearn.engine.outer.task_loss`; MAML++ overrides it)."""
-        return task_loss
 
     def meta_loss(self, tasks: Sequence[Task]) -> MetaBatch:
         """Mean query loss after adaptation, one graph over all of ``tasks``; differentiable
@@ -368,7 +416,8 @@ def support_start(
     lr = learner.learning_rate()
     keys = [
         k for k in start
-        if (learner.adapt_keys is None or k in learner.adapt_keys) and lr_for(lr, k, 0) is not None
+        if (learner.adapt_keys is None or k in learner.adapt_keys)
+        and hyper_at(lr, k, 0) is not None
     ]  # fmt: skip
     if not keys:
         raise ValueError(
@@ -395,18 +444,7 @@ def _metrics(result: MetaBatch) -> StepMetrics:
 def _evaluation_loop(inner: InnerLoop) -> InnerLoop:
     """``inner`` with detached learning rates and optimizer hyperparameters: evaluation
     builds no graph to them."""
-    return replace(inner, lr=_detached(inner.lr), optimizer=inner.optimizer.detached())
-
-
-def _detached(tree: Mapping | Sequence | Tensor | float) -> Mapping | Sequence | Tensor | float:
-    """Detach every tensor of a dict / list / tensor, keeping its structure."""
-    if isinstance(tree, Tensor):
-        return tree.detach()
-    if isinstance(tree, Mapping):
-        return {k: _detached(v) for k, v in tree.items()}
-    if isinstance(tree, (list, tuple)):
-        return type(tree)(_detached(v) for v in tree)
-    return tree
+    return replace(inner, lr=detached(inner.lr), optimizer=inner.optimizer.detached())
 
 
 def check_loop_only(learner: MetaLearner, name: str) -> None:

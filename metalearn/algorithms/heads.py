@@ -18,15 +18,15 @@ the solve into the backbone. Every such head is a `HeadLearner`: a
   are set to ``-inf``: the softmax, loss and accuracy are those of the task's own ``C``-way
   head exactly. So a learner trains ``--train-ways`` classes per task and tests ``--ways``.
 
-`HeadLearner.adapt` returns theta with the model's ``head.weight`` and ``head.bias``
-replaced by the solved head (which has the model's ``ways`` rows), so the deployed model
-(`metalearn.deploy`) computes what `HeadLearner.evaluate` scores.
+`HeadLearner.start` (and so `adapt`) is theta with the model's ``head.weight`` and
+``head.bias`` replaced by the solved head (which has the model's ``ways`` rows), so the
+deployed model (`metalearn.deploy`) computes what `HeadLearner.evaluate` scores.
 """
 
 from __future__ import annotations
 
 import abc
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from functools import partial
 from typing import Any, NamedTuple
 
@@ -34,8 +34,16 @@ import torch
 from torch import Tensor, nn
 from torch.func import functional_call
 
-from metalearn.algorithms.base import InnerStart, MetaLossLearner, _detached
-from metalearn.engine import NonFiniteLossError, Task, TaskCall, TaskFn, TaskResult, accuracy
+from metalearn.algorithms.base import InnerStart, MetaLossLearner
+from metalearn.engine import (
+    InnerLoop,
+    NonFiniteLossError,
+    Task,
+    TaskCall,
+    TaskFn,
+    TaskResult,
+    accuracy,
+)
 
 __all__ = [
     "HeadLearner",
@@ -193,33 +201,31 @@ class HeadLearner(MetaLossLearner):
             "there is no support loss where an inner loop starts; measure a MAML-family learner"
         )
 
-    def adapt(self, task: Task, steps: int | None = None) -> dict[str, Tensor]:
-        """theta with the model's head replaced by the task's solved head, detached.
+    def inner_loop(self, steps: int | None = None, first_order: bool | None = None) -> InnerLoop:
+        """No inner step, whatever ``steps`` asks (`adapt` and `evaluate` ignore it)."""
+        return super().inner_loop(0, first_order=True)
 
-        The head has the model's ``ways`` rows, so the deployed network scores the task's
-        classes as `evaluate` does (``steps`` is ignored: there is no inner loop).
+    def start(
+        self, model: nn.Module, params: Mapping[str, Tensor], call: TaskCall
+    ) -> dict[str, Tensor]:
+        """theta with the model's head replaced by the task's solved head.
+
+        The head has the model's ``ways`` rows, so the deployed network (`adapt`) scores
+        the task's classes as `evaluate` does; training and `evaluate` solve heads sized
+        per task instead (`head_task_loss`, this learner's `task_fn`).
 
         Raises:
             ValueError: the support set's classes are not ``0..ways-1``, each present.
         """
-        theta = _detached(self.theta())
-        ways = theta[f"{self.head}.weight"].shape[0]
-        x, y = task.support
+        ways = params[f"{self.head}.weight"].shape[0]
+        x, y = call.support
         classes = sorted(set(y.tolist()))
         if classes != list(range(ways)):
             raise ValueError(
                 f"the support set's labels must be 0..{ways - 1}, each with an example (the "
                 f"model's head has {ways} outputs); got classes {classes}"
             )
-        with torch.no_grad():
-            support = features(
-                self.model, theta, x, head=self.head, buffers=self.buffers_dict(),
-                model_kwargs=task.model_kwargs,
-            )  # fmt: skip
-            solved = self.solve(support, y, ways)
-        return {**theta, f"{self.head}.weight": solved.weight.detach(),
-                f"{self.head}.bias": solved.bias.detach()}  # fmt: skip
-
-    def evaluate(self, tasks: Sequence[Task], steps: int | None = None) -> tuple[Tensor, Tensor]:
-        """Query loss and accuracy per task with the solved heads: ``([T], [T])``."""
-        return self._evaluate(tasks, self.inner_loop(0, first_order=True), self.task_fn())
+        support = features(model, params, x, head=self.head, buffers=call.buffers,
+                           model_kwargs=call.model_kwargs)  # fmt: skip
+        solved = self.solve(support, y, ways)
+        return {**params, f"{self.head}.weight": solved.weight, f"{self.head}.bias": solved.bias}

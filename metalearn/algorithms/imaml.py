@@ -33,13 +33,11 @@ from torch.func import functional_call, grad_and_value
 from metalearn.algorithms.base import (
     MetaLearner,
     StepMetrics,
-    _detached,
     accumulate_grad,
     check_loop_only,
 )
 from metalearn.engine import (
     AllTasksSkippedError,
-    LearningRate,
     LossFn,
     NonFiniteLossError,
     StopRule,
@@ -47,8 +45,9 @@ from metalearn.engine import (
     accuracy,
     adapt,
 )
-from metalearn.functional import tree_dot
+from metalearn.functional import detached, tree_dot
 from metalearn.implicit import LinearSolve, NotPositiveDefiniteError, Optimality, implicit_vjp
+from metalearn.optim import Hyperparameter
 from metalearn.second_order import DEFAULT_HVP_METHOD, HVPMethod
 
 __all__ = [
@@ -67,7 +66,7 @@ def proximal_adapt(
     *,
     lam: float,
     steps: int,
-    lr: LearningRate,
+    lr: Hyperparameter,
     loss_fn: LossFn = F.cross_entropy,
     buffers: Mapping[str, Tensor] | None = None,
     model_kwargs: Mapping[str, Any] | None = None,
@@ -82,7 +81,7 @@ def proximal_adapt(
         support: ``(x [N_s, ...], y [N_s])``.
         lam: the proximal strength lambda > 0.
         steps: gradient steps from ``phi_0 = theta``.
-        lr: inner learning rate (see `metalearn.engine.inner.LearningRate`).
+        lr: inner learning rate (see `metalearn.optim.Hyperparameter`).
         loss_fn: ``loss_fn(outputs, y) -> Tensor[]``.
         buffers: non-adapted tensors for ``functional_call``.
         model_kwargs: forward keyword arguments.
@@ -92,7 +91,7 @@ def proximal_adapt(
     Returns:
         phi, a dict with every key of ``theta``, detached.
     """
-    anchor = _detached(theta)
+    anchor = detached(theta)
 
     def proximal(fast: Mapping[str, Tensor]) -> Tensor:
         # Eq. 4's regulariser, around a constant theta: no path from phi back to theta.
@@ -100,7 +99,7 @@ def proximal_adapt(
 
     with torch.no_grad():  # torch.func.grad inside adapt still differentiates
         fast = adapt(
-            model, anchor, support, steps=steps, lr=_detached(lr), loss_fn=loss_fn,
+            model, anchor, support, steps=steps, lr=detached(lr), loss_fn=loss_fn,
             first_order=True, buffers=buffers, model_kwargs=model_kwargs,
             regularizer=proximal, stop=stop, check_finite=True, task_index=task_index,
         )  # fmt: skip
@@ -132,7 +131,7 @@ def implicit_meta_gradient(
     *,
     lam: float = 2.0,
     inner_steps: int = 16,
-    inner_lr: LearningRate = 0.02,
+    inner_lr: Hyperparameter = 0.02,
     loss_fn: LossFn = F.cross_entropy,
     cg_steps: int = 5,
     cg_tol: float = 1e-10,
@@ -193,7 +192,7 @@ def implicit_meta_gradient(
     if first_order:
         return ImplicitResult(g_query, loss, accuracy(out, query[1]), phi, g_query, None)
 
-    anchor = _detached(theta)
+    anchor = detached(theta)
 
     def inner_objective(p: dict[str, Tensor], th: dict[str, Tensor]) -> Tensor:
         # Eq. 4's objective: its gradient in phi is the optimality condition F(phi, theta) = 0,

@@ -21,8 +21,7 @@ from torch import Tensor, nn
 
 from metalearn.algorithms.base import MetaLossLearner
 from metalearn.algorithms.metasgd import adapted_names, keyed_names
-from metalearn.engine import LearningRate
-from metalearn.optim import SGD, Adam, Hyperparameter, InnerOptimizer, RMSprop
+from metalearn.optim import SGD, Adam, Hyperparameter, InnerOptimizer, RMSprop, check_hyperparameter
 
 __all__ = ["INNER_OPTIMIZERS", "LEARNABLE", "InnerOptimizerLearner", "optimizer_hyperparameters"]
 
@@ -86,6 +85,9 @@ class InnerOptimizerLearner(MetaLossLearner):
             "momentum": inner_momentum, "beta1": inner_beta1, "beta2": inner_beta2,
             "eps": inner_eps, "alpha": inner_alpha,
         }  # fmt: skip
+        # Checked here, by the arguments' names, so a bad setting is refused before any step.
+        for kind, value in self._fixed.items():
+            check_hyperparameter(kind, value, f"inner_{kind}")
         self._keys = keyed_names(adapted_names(model, self.adapt_keys))
         if learn_inner_hyperparameters != "none":
             self.inner_hyperparameters = self._learnable(model)
@@ -122,9 +124,9 @@ class InnerOptimizerLearner(MetaLossLearner):
             {n: values[key][s] for n, key in self._keys.items()} for s in range(self.inner_steps)
         ]
 
-    def learning_rate(self) -> LearningRate:
+    def learning_rate(self) -> Hyperparameter:
         """The step size: ``inner_lr``, or the learned values (per tensor, or by step)."""
-        return self._value("lr")  # type: ignore[return-value]
+        return self._value("lr")
 
     def inner_update(self) -> InnerOptimizer:
         """The inner optimizer, with the current (fixed or learned) hyperparameters."""

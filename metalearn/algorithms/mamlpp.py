@@ -36,17 +36,10 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from metalearn.algorithms.base import (
-    InnerStart,
-    MetaLossLearner,
-    _detached,
-    _evaluation_loop,
-    support_start,
-)
+from metalearn.algorithms.base import MetaLossLearner, _evaluation_loop
 from metalearn.algorithms.metasgd import adapted_names, keyed_names
 from metalearn.engine import (
     InnerLoop,
-    LearningRate,
     NonFiniteLossError,
     Task,
     TaskCall,
@@ -55,7 +48,9 @@ from metalearn.engine import (
     run_inner_loop,
     task_loss,
 )
+from metalearn.functional import detached
 from metalearn.models import MetaBatchNorm
+from metalearn.optim import Hyperparameter
 
 __all__ = ["MAMLpp", "batch_norm_names", "msl_weights", "multi_step_task_loss"]
 
@@ -196,7 +191,7 @@ def _add(total: Tensor | None, term: Tensor) -> Tensor:
     return term if total is None else total + term
 
 
-def _rate_at(lr: LearningRate, step: int) -> LearningRate:
+def _rate_at(lr: Hyperparameter, step: int) -> Hyperparameter:
     """Step ``step``'s entry of a per-step list (clamped to the last), else ``lr`` itself."""
     if isinstance(lr, (list, tuple)):
         if not lr:
@@ -329,18 +324,20 @@ class MAMLpp(MetaLossLearner):
             multi_step_task_loss, step_weights=self.step_weights(), step_params=self.step_params()
         )
 
-    def inner_start(self, task: Task) -> InnerStart:
-        """The support loss at theta with step 0's batch-norm copies (BNWB), over the
-        parameters with a step-0 rate (LSLR): where MAML++'s first inner step is taken."""
-        start = {**_detached(self.theta()), **_at(_detached(self.step_params()), 0)}
-        return support_start(self, start, task.support, task)
+    def start(
+        self, model: nn.Module, params: Mapping[str, Tensor], call: TaskCall
+    ) -> dict[str, Tensor]:
+        """theta with step 0's batch-norm copies (BNWB): where MAML++'s first inner step is
+        taken (its parameters with a step-0 rate, LSLR, are the ones it adapts). Later
+        steps swap in their own copies, so `task_fn` and `adapt` apply them step by step."""
+        return {**params, **_at(self.step_params(), 0)}
 
     def adapt(self, task: Task, steps: int | None = None) -> dict[str, Tensor]:
         """Fast weights for one task, detached, with the final step's batch-norm copies."""
         steps = self.inner_steps if steps is None else steps
         inner = _evaluation_loop(self.inner_loop(steps, first_order=True))
-        step_params = _detached(self.step_params())
-        fast = _detached(self.theta())
+        step_params = detached(self.step_params())
+        fast = detached(self.theta())
         call = TaskCall(task.support, task.query, inner, buffers=self.buffers_dict(),
                         model_kwargs=task.model_kwargs, check_finite=True)  # fmt: skip
         with torch.no_grad():  # torch.func.grad inside still differentiates the support loss
@@ -355,5 +352,5 @@ class MAMLpp(MetaLossLearner):
         batch-norm copies; otherwise as `MetaLearner.evaluate` (NaN for skipped tasks).
         """
         inner = _evaluation_loop(self.inner_loop(steps, first_order=True))
-        task_fn = partial(multi_step_task_loss, step_params=_detached(self.step_params()))
+        task_fn = partial(multi_step_task_loss, step_params=detached(self.step_params()))
         return self._evaluate(tasks, inner, task_fn)

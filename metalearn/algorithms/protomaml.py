@@ -23,24 +23,17 @@ so any model whose head is a ``nn.Linear`` named ``head`` (`metalearn.models.Con
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
-from functools import partial
+from collections.abc import Mapping
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 from torch.func import functional_call
 
-from metalearn.algorithms.base import (
-    InnerStart,
-    MetaLossLearner,
-    _detached,
-    _evaluation_loop,
-    support_start,
-)
-from metalearn.engine import Task, TaskCall, TaskFn, TaskResult, run_inner_loop, task_loss
+from metalearn.algorithms.base import MetaLossLearner
+from metalearn.engine import TaskCall
 
-__all__ = ["ProtoMAML", "prototype_head", "proto_task_loss"]
+__all__ = ["ProtoMAML", "prototype_head"]
 
 
 def prototype_head(
@@ -84,20 +77,6 @@ def prototype_head(
     return out
 
 
-def proto_task_loss(
-    model: nn.Module, params: Mapping[str, Tensor], call: TaskCall, *, head: str = "head"
-) -> TaskResult:
-    """`metalearn.engine.outer.task_loss` from theta with its head set by `prototype_head`.
-
-    A `metalearn.engine.outer.TaskFn` once ``head`` (the classifier's name) is bound.
-    """
-    start = prototype_head(
-        model, params, call.support, head=head, buffers=call.buffers,
-        model_kwargs=call.model_kwargs,
-    )  # fmt: skip
-    return task_loss(model, {**params, **start}, call)
-
-
 class ProtoMAML(MetaLossLearner):
     """MAML with each task's head initialised from its support prototypes.
 
@@ -120,33 +99,13 @@ class ProtoMAML(MetaLossLearner):
         super().__init__(model, **kwargs)
         self.head = head
 
-    def task_fn(self) -> TaskFn:
-        """`proto_task_loss` on this learner's head."""
-        return partial(proto_task_loss, head=self.head)
-
-    def inner_start(self, task: Task) -> InnerStart:
-        """The support loss at theta with its head set by `prototype_head`: where Proto-MAML's
-        inner loop starts (theta's own head is never used)."""
-        theta, buffers = _detached(self.theta()), self.buffers_dict()
-        with torch.no_grad():
-            head = prototype_head(self.model, theta, task.support, head=self.head,
-                                  buffers=buffers, model_kwargs=task.model_kwargs)  # fmt: skip
-        return support_start(self, {**theta, **head}, task.support, task)
-
-    def adapt(self, task: Task, steps: int | None = None) -> dict[str, Tensor]:
-        """Fast weights for one task, detached, from the prototype head."""
-        inner = _evaluation_loop(self.inner_loop(steps, first_order=True))
-        theta, buffers = _detached(self.theta()), self.buffers_dict()
-        with torch.no_grad():  # torch.func.grad inside still differentiates
-            start = prototype_head(self.model, theta, task.support, head=self.head,
-                                   buffers=buffers, model_kwargs=task.model_kwargs)  # fmt: skip
-            fast, _ = run_inner_loop(
-                self.model, {**theta, **start}, task.support, inner, buffers=buffers,
-                model_kwargs=task.model_kwargs,
-            )  # fmt: skip
-        return fast
-
-    def evaluate(self, tasks: Sequence[Task], steps: int | None = None) -> tuple[Tensor, Tensor]:
-        """As `MetaLearner.evaluate`, each task starting from its prototype head."""
-        inner = _evaluation_loop(self.inner_loop(steps, first_order=True))
-        return self._evaluate(tasks, inner, self.task_fn())
+    def start(
+        self, model: nn.Module, params: Mapping[str, Tensor], call: TaskCall
+    ) -> dict[str, Tensor]:
+        """theta with its head set by `prototype_head` on the task's support set: where
+        Proto-MAML's inner loop starts (theta's own head is never used)."""
+        head = prototype_head(
+            model, params, call.support, head=self.head, buffers=call.buffers,
+            model_kwargs=call.model_kwargs,
+        )  # fmt: skip
+        return {**params, **head}

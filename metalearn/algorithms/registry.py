@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from metalearn.algorithms.base import MetaLearner
+from metalearn.algorithms.boil import BOIL
 from metalearn.algorithms.imaml import IMAML
 from metalearn.algorithms.lora_maml import LoRAMAML
 from metalearn.algorithms.maml import ANIL, FOMAML, MAML
@@ -45,6 +46,7 @@ LEARNERS: Mapping[str, type[MetaLearner]] = {
     "protonet": ProtoNet, "r2d2": R2D2,
     "metaoptnet": MetaOptNet,
     "metaoptnet-lr": MetaOptNetLR,
+    "boil": BOIL,
 }  # fmt: skip
 ALGORITHMS: tuple[str, ...] = tuple(LEARNERS)
 Algorithm = Literal[ALGORITHMS]  # type: ignore[valid-type]

@@ -27,12 +27,12 @@ from metalearn.algorithms.base import (
     InnerStart,
     MetaLearner,
     StepMetrics,
-    _detached,
     accumulate_grad,
     check_loop_only,
     support_start,
 )
 from metalearn.engine import AllTasksSkippedError, NonFiniteLossError, Task, accuracy, adapt
+from metalearn.functional import detached
 
 __all__ = ["Reptile"]
 
@@ -110,7 +110,7 @@ class Reptile(MetaLearner):
         if not tasks:
             raise ValueError("the meta-batch is empty; pass at least one Task")
         theta = self.theta()
-        start = _detached(theta)
+        start = detached(theta)
         directions, losses, accs, skipped = [], [], [], 0
         for i, task in enumerate(tasks):
             try:
@@ -135,7 +135,7 @@ class Reptile(MetaLearner):
     def inner_start(self, task: Task) -> InnerStart:
         """The loss at theta on the data the inner loop trains on (support, plus the query
         with ``train_on_query``)."""
-        return support_start(self, _detached(self.theta()), self._train_data(task), task)
+        return support_start(self, self.start_of(task), self._train_data(task), task)
 
     def _train_data(self, task: Task) -> tuple[Tensor, Tensor]:
         """The task's training data: the support set, or support + query (dim 0)."""
@@ -154,7 +154,7 @@ class Reptile(MetaLearner):
             fast = adapt(
                 self.model, theta, data,
                 steps=self.inner_steps if task.steps is None else task.steps,
-                lr=_detached(self.learning_rate()), loss_fn=self.loss_fn, first_order=True,
+                lr=detached(self.learning_rate()), loss_fn=self.loss_fn, first_order=True,
                 adapt_keys=self.adapt_keys, buffers=buffers, model_kwargs=task.model_kwargs,
                 stop=task.stop, check_finite=True, task_index=index,
             )  # fmt: skip

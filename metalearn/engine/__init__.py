@@ -18,15 +18,13 @@ Modules, bottom-up (each imports only those before it):
 from metalearn.engine.accumulate import ChunkedMetaGradient
 from metalearn.engine.inner import (
     InnerLoop,
-    LearningRate,
     LossFn,
     Regularizer,
     adapt,
-    adapt_with_losses,
-    lr_for,
     run_inner_loop,
 )
 from metalearn.engine.outer import (
+    ChunkCall,
     ChunkRunner,
     OnNonfinite,
     TaskCall,
@@ -58,11 +56,11 @@ __all__ = [
     "VMAP_CHUNK_EXAMPLES",
     "AllTasksSkippedError",
     "Chunk",
+    "ChunkCall",
     "ChunkRunner",
     "ChunkSize",
     "ChunkedMetaGradient",
     "InnerLoop",
-    "LearningRate",
     "LossFn",
     "MetaBatch",
     "Mode",
@@ -77,8 +75,6 @@ __all__ = [
     "Vectorize",
     "accuracy",
     "adapt",
-    "adapt_with_losses",
-    "lr_for",
     "meta_batch",
     "plan",
     "run_inner_loop",

@@ -49,18 +49,15 @@ import torch
 import torch._dynamo
 from torch import Tensor, nn
 
-from metalearn.engine.inner import InnerLoop, Regularizer
 from metalearn.engine.outer import (
-    OnNonfinite,
+    ChunkCall,
     TaskCall,
     TaskFn,
     run_meta_batch,
     stack_tasks,
-    task_loss,
     vmap_buckets,
     vmapped_task_results,
 )
-from metalearn.engine.plan import Mode
 from metalearn.engine.task import MetaBatch, Task, TaskResult
 
 __all__ = ["CompiledChunkRunner"]
@@ -93,33 +90,22 @@ class CompiledChunkRunner:
         self._task_fn = torch.compile(_call, fullgraph=True, dynamic=False)
 
     def __call__(
-        self,
-        model: nn.Module,
-        params: Mapping[str, Tensor],
-        tasks: Sequence[Task],
-        inner: InnerLoop,
-        mode: Mode,
-        *,
-        buffers: Mapping[str, Tensor] | None = None,
-        on_nonfinite: OnNonfinite = "raise",
-        regularizer: Regularizer | None = None,
-        task_fn: TaskFn = task_loss,
-        first_index: int = 0,
+        self, model: nn.Module, params: Mapping[str, Tensor], chunk: ChunkCall, /
     ) -> MetaBatch:
         """One chunk, as `metalearn.engine.outer.run_meta_batch` (same arguments, same
         result): compiled whole if it can be, else its tasks through the compiled per-task
         function, else eagerly."""
+        tasks, mode = chunk.tasks, chunk.mode
         if mode == "vmap" and self.whole and len(tasks) > 1:
-            settings = TaskCall.of(tasks[0], inner, buffers=buffers, regularizer=regularizer)
-            result = self._whole_chunk(task_fn, model, params, tasks, settings)
+            settings = TaskCall.of(tasks[0], chunk.inner, buffers=chunk.buffers,
+                                   regularizer=chunk.regularizer)  # fmt: skip
+            result = self._whole_chunk(chunk.task_fn, model, params, tasks, settings)
             if result is not None:
                 return result
         per_task = self.per_task and (mode == "loop" or not self.whole or len(tasks) == 1)
-        return run_meta_batch(
-            model, params, tasks, inner, "loop" if per_task else mode, buffers=buffers,
-            on_nonfinite=on_nonfinite, regularizer=regularizer,
-            task_fn=self._per_task(task_fn) if per_task else task_fn, first_index=first_index,
-        )  # fmt: skip
+        if per_task:
+            chunk = replace(chunk, mode="loop", task_fn=self._per_task(chunk.task_fn))
+        return run_meta_batch(model, params, chunk)
 
     def _whole_chunk(
         self,

@@ -20,7 +20,7 @@ checkpointing's saved-tensor hooks. Arguments that need Python-level control flo
 
 from __future__ import annotations
 
-from collections.abc import Callable, Collection, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -31,30 +31,14 @@ from torch.func import functional_call, grad_and_value
 from torch.utils.checkpoint import checkpoint as torch_checkpoint
 
 from metalearn.engine.task import NonFiniteLossError, StopRule
-from metalearn.optim import SGD, InnerOptimizer, State
+from metalearn.optim import SGD, Hyperparameter, InnerOptimizer, State, hyper_at
 
-__all__ = [
-    "InnerLoop",
-    "LearningRate",
-    "LossFn",
-    "Regularizer",
-    "adapt",
-    "adapt_with_losses",
-    "lr_for",
-    "run_inner_loop",
-]
+__all__ = ["InnerLoop", "LossFn", "Regularizer", "adapt", "run_inner_loop"]
 
 LossFn = Callable[[Tensor, Tensor], Tensor]
 """``loss_fn(outputs, targets) -> Tensor[]``."""
 Regularizer = Callable[[Mapping[str, Tensor]], Tensor]
 """``reg(fast_params) -> Tensor[]``, added to the support loss (iMAML's proximal term)."""
-
-_StepRate = float | Tensor | Mapping[str, float | Tensor]
-LearningRate = _StepRate | Sequence[_StepRate]
-"""A float; a 0-dim tensor (learnable); a dict name -> scalar (per parameter tensor) or name
--> tensor of the parameter's shape (Meta-SGD, elementwise); or a list/tuple of those indexed
-by inner step (MAML++'s per-layer per-step rates, LSLR). A list shorter than the number of
-steps repeats its last entry."""
 
 StepFn = Callable[..., tuple[dict[str, Tensor], State, Tensor]]
 
@@ -65,7 +49,10 @@ class InnerLoop:
 
     Attributes:
         steps: inner gradient steps (a `Task` may override it).
-        lr: the inner learning rate(s), see `LearningRate`.
+        lr: the inner learning rate(s), a `metalearn.optim.Hyperparameter`: a float; a 0-dim
+            tensor (learnable); a dict name -> scalar (per parameter tensor) or name ->
+            tensor of the parameter's shape (Meta-SGD, elementwise), a name it lacks being
+            a parameter not adapted; or a list of those by inner step (MAML++'s LSLR).
         first_order: drop second-order terms (FOMAML): inner gradients are constants.
         adapt_keys: names of the parameters to adapt (ANIL: the head only); the others stay
             theta. None: all parameters the learning rate covers.
@@ -77,26 +64,12 @@ class InnerLoop:
     """
 
     steps: int = 1
-    lr: LearningRate = 0.4
+    lr: Hyperparameter = 0.4
     first_order: bool = False
     adapt_keys: Collection[str] | None = None
     loss_fn: LossFn = F.cross_entropy
     checkpoint: bool = False
     optimizer: InnerOptimizer = field(default_factory=SGD)
-
-
-def lr_for(lr: LearningRate, name: str, step: int) -> float | Tensor | None:
-    """The learning rate of parameter ``name`` at inner step ``step``, or None if it has none.
-
-    A dict that lacks ``name`` means that parameter is not adapted.
-    """
-    if isinstance(lr, (list, tuple)):
-        if not lr:
-            raise ValueError("the per-step learning-rate list is empty; give at least one entry")
-        lr = lr[min(step, len(lr) - 1)]
-    if isinstance(lr, Mapping):
-        return lr.get(name)
-    return lr
 
 
 def adapt(
@@ -105,76 +78,33 @@ def adapt(
     support: tuple[Tensor, Tensor],
     *,
     steps: int = 1,
-    lr: LearningRate = 0.4,
+    lr: Hyperparameter = 0.4,
     loss_fn: LossFn = F.cross_entropy,
     first_order: bool = False,
     adapt_keys: Collection[str] | None = None,
-    buffers: Mapping[str, Tensor] | None = None,
-    model_kwargs: Mapping[str, Any] | None = None,
-    regularizer: Regularizer | None = None,
-    stop: StopRule | None = None,
     checkpoint: bool = False,
-    check_finite: bool = False,
-    task_index: int | None = None,
     optimizer: InnerOptimizer | None = None,
+    **per_task: Any,
 ) -> dict[str, Tensor]:
     """Adapt ``params`` to one task's support set; returns the new (fast) parameter dict.
 
-    `adapt_with_losses` without the per-step losses; the arguments are the same.
-    """
-    inner = InnerLoop(steps, lr, first_order, adapt_keys, loss_fn, checkpoint, optimizer or SGD())
-    return run_inner_loop(
-        model, params, support, inner, buffers=buffers, model_kwargs=model_kwargs,
-        regularizer=regularizer, stop=stop, check_finite=check_finite, task_index=task_index,
-    )[0]  # fmt: skip
-
-
-def adapt_with_losses(
-    model: nn.Module,
-    params: Mapping[str, Tensor],
-    support: tuple[Tensor, Tensor],
-    *,
-    steps: int = 1,
-    lr: LearningRate = 0.4,
-    loss_fn: LossFn = F.cross_entropy,
-    first_order: bool = False,
-    adapt_keys: Collection[str] | None = None,
-    buffers: Mapping[str, Tensor] | None = None,
-    model_kwargs: Mapping[str, Any] | None = None,
-    regularizer: Regularizer | None = None,
-    stop: StopRule | None = None,
-    checkpoint: bool = False,
-    check_finite: bool = False,
-    task_index: int | None = None,
-    optimizer: InnerOptimizer | None = None,
-) -> tuple[dict[str, Tensor], Tensor]:
-    """Run the inner loop on one task and return the fast weights and the support losses.
+    `run_inner_loop` with its `InnerLoop` given as keywords; `run_inner_loop` also returns
+    the support loss before each step.
 
     Args:
         model: the network, called as ``functional_call(model, {**buffers, **params}, x)``.
         params: theta, a dict name -> tensor (typically ``dict(model.named_parameters())``).
         support: ``(x [N_s, ...], y [N_s, ...])``, the task's support set.
         steps, lr, loss_fn, first_order, adapt_keys, checkpoint: the `InnerLoop` settings.
-        buffers: extra tensors for ``functional_call`` (not adapted).
-        model_kwargs: keyword arguments for the model's forward (e.g. a per-task branch).
-        regularizer: a term added to the support loss (iMAML's proximal penalty).
-        stop: ``stop(step, support_loss) -> bool``, checked before each step; True ends this
-            task's inner loop early (loop path only: it reads the loss as a Python float).
-        check_finite: raise `NonFiniteLossError` as soon as a support loss is not finite
-            (loop path only; under vmap the caller checks the returned losses).
-        task_index: the task's index in its meta-batch, for error messages.
         optimizer: the inner update (`metalearn.optim`); None: ``SGD()``, Eq. 1.
+        **per_task: ``buffers``, ``model_kwargs``, ``regularizer``, ``stop``,
+            ``check_finite``, ``task_index``, as for `run_inner_loop`.
 
     Returns:
-        ``(fast_params, support_losses)``: a new dict with every key of ``params`` (adapted
-        where a learning rate applies) and the support loss before each step taken,
-        ``Tensor[steps_taken]`` (empty when no step was taken).
+        A new dict with every key of ``params`` (adapted where a learning rate applies).
     """
     inner = InnerLoop(steps, lr, first_order, adapt_keys, loss_fn, checkpoint, optimizer or SGD())
-    return run_inner_loop(
-        model, params, support, inner, buffers=buffers, model_kwargs=model_kwargs,
-        regularizer=regularizer, stop=stop, check_finite=check_finite, task_index=task_index,
-    )  # fmt: skip
+    return run_inner_loop(model, params, support, inner, **per_task)[0]
 
 
 def run_inner_loop(
@@ -190,18 +120,26 @@ def run_inner_loop(
     check_finite: bool = False,
     task_index: int | None = None,
 ) -> tuple[dict[str, Tensor], Tensor]:
-    """`adapt_with_losses` with its settings as one `InnerLoop` (what the engine passes down).
+    """Run the inner loop on one task and return the fast weights and the support losses.
 
     Args:
-        model: the network.
-        params: theta, name -> tensor.
-        support: ``(x [N_s, ...], y [N_s, ...])``.
+        model: the network, called as ``functional_call(model, {**buffers, **params}, x)``.
+        params: theta, a dict name -> tensor (typically ``dict(model.named_parameters())``).
+        support: ``(x [N_s, ...], y [N_s, ...])``, the task's support set.
         inner: the inner-loop settings (``inner.steps`` steps are taken).
-        buffers, model_kwargs, regularizer, stop, check_finite, task_index: as for
-            `adapt_with_losses`.
+        buffers: extra tensors for ``functional_call`` (not adapted).
+        model_kwargs: keyword arguments for the model's forward (e.g. a per-task branch).
+        regularizer: a term added to the support loss (iMAML's proximal penalty).
+        stop: ``stop(step, support_loss) -> bool``, checked before each step; True ends this
+            task's inner loop early (loop path only: it reads the loss as a Python float).
+        check_finite: raise `NonFiniteLossError` as soon as a support loss is not finite
+            (loop path only; under vmap the caller checks the returned losses).
+        task_index: the task's index in its meta-batch, for error messages.
 
     Returns:
-        ``(fast_params, support_losses [steps_taken])``.
+        ``(fast_params, support_losses)``: a new dict with every key of ``params`` (adapted
+        where a learning rate applies) and the support loss before each step taken,
+        ``Tensor[steps_taken]`` (empty when no step was taken).
     """
     if inner.steps < 0:
         raise ValueError(f"steps must be >= 0, got {inner.steps}")
@@ -226,10 +164,10 @@ def run_inner_loop(
     # from step to step; a parameter not adapted at a step keeps its state.
     state = inner.optimizer.init({k: fast[k] for k in keys})
     for step in range(inner.steps):
-        active = [k for k in keys if lr_for(inner.lr, k, step) is not None]
+        active = [k for k in keys if hyper_at(inner.lr, k, step) is not None]
         adapted = {k: fast[k] for k in active}
         rest = {k: v for k, v in fast.items() if k not in adapted}
-        rates = {k: lr_for(inner.lr, k, step) for k in active}
+        rates = {k: hyper_at(inner.lr, k, step) for k in active}
         own = {k: state[k] for k in active}
         new, new_state, loss = step_fn(support_loss, adapted, rest, inner, rates, own, step)
         if check_finite or stop is not None:

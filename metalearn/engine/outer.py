@@ -3,8 +3,8 @@
 `task_loss` adapts theta on a task's support set and returns the query loss of the adapted
 weights (MAML's outer objective, Finn et al., 2017, Eq. 2, for one task). Every per-task
 meta-loss (a `TaskFn`) takes the model, theta and one `TaskCall`, the record of what else it
-needs. `run_meta_batch` runs it over many tasks in the mode it is given
-(`metalearn.engine.plan` decides it):
+needs. `run_meta_batch` runs it over one chunk of tasks (a `ChunkCall`: the tasks, the mode
+`metalearn.engine.plan` decided and the settings they share):
 
 * ``"vmap"``: under ``torch.func.vmap``, tasks bucketed by `vmap_buckets`, each bucket one
   vmap call (`vmapped_task_results`);
@@ -41,8 +41,10 @@ from metalearn.engine.task import (
 )
 
 __all__ = [
+    "ChunkCall",
     "ChunkRunner",
     "OnNonfinite",
+    "StartFn",
     "TaskCall",
     "TaskFn",
     "meta_batch",
@@ -119,17 +121,38 @@ class TaskFn(Protocol):
         ...
 
 
-def task_loss(model: nn.Module, params: Mapping[str, Tensor], call: TaskCall) -> TaskResult:
+class StartFn(Protocol):
+    """Where a task's inner loop starts: phi_0 from theta and the task, differentiable in
+    theta (Proto-MAML's prototype head; `metalearn.algorithms.base.MetaLearner.start`)."""
+
+    def __call__(
+        self, model: nn.Module, params: Mapping[str, Tensor], call: TaskCall, /
+    ) -> Mapping[str, Tensor]:
+        """phi_0, name -> tensor, from theta ``params`` and the task's ``call``."""
+        ...
+
+
+def task_loss(
+    model: nn.Module,
+    params: Mapping[str, Tensor],
+    call: TaskCall,
+    *,
+    start: StartFn | None = None,
+) -> TaskResult:
     """The meta-loss of one task: adapt on ``call.support``, evaluate on ``call.query``.
 
     Args:
         model: the network (called through ``functional_call``).
         params: theta, name -> tensor.
         call: the task's sets and settings (a `TaskCall`).
+        start: where the inner loop starts, ``phi_0 = start(model, params, call)``; None:
+            theta itself (MAML). Bound by ``functools.partial``, the result is a `TaskFn`.
 
     Returns:
         A `TaskResult` (query loss, query accuracy, support losses).
     """
+    if start is not None:
+        params = start(model, params, call)
     inner = call.inner if call.steps is None else replace(call.inner, steps=call.steps)
     fast, support_losses = run_inner_loop(
         model, params, call.support, inner, buffers=call.buffers, model_kwargs=call.model_kwargs,
@@ -181,62 +204,69 @@ def meta_batch(
     """
     (chunk,) = plan(model, tasks, inner, vectorize, chunk_size=None)
     return run_meta_batch(
-        model, params, tasks, inner, chunk.mode, buffers=buffers, on_nonfinite=on_nonfinite,
-        regularizer=regularizer, task_fn=task_fn,
+        model, params, ChunkCall(tasks, inner, chunk.mode, task_fn, buffers=buffers,
+                                 on_nonfinite=on_nonfinite, regularizer=regularizer),
     )  # fmt: skip
 
 
-class ChunkRunner(Protocol):
-    """Runs one chunk of a plan: `run_meta_batch`'s signature and results.
+@dataclass(frozen=True, eq=False)
+class ChunkCall:
+    """One chunk of a plan and the settings its tasks share: what a `ChunkRunner` is given.
 
-    `MetaLossLearner.backward` hands each chunk to one; `run_meta_batch` is the default and
-    `metalearn.engine.compiled.CompiledChunkRunner` the compiled one.
+    Attributes:
+        tasks: the chunk's tasks.
+        inner: the inner-loop settings.
+        mode: ``"vmap"`` or ``"loop"``, as the planner decided it; not checked against
+            `metalearn.engine.plan.vmap_blockers` (the planner did that).
+        task_fn: the meta-loss of one task, called with a `TaskCall` in both modes
+            (`task_loss`, or an algorithm's own such as MAML++'s multi-step loss).
+        buffers: non-adapted tensors for ``functional_call`` (None: none).
+        on_nonfinite: ``"raise"`` a `NonFiniteLossError` naming the task and inner step, or
+            ``"skip"`` such tasks (listed in the result's ``skipped``).
+        regularizer: added to every task's support loss (iMAML's proximal term).
+        first_index: the meta-batch index of ``tasks[0]``, so that errors name a task's
+            place in the whole meta-batch.
+    """
+
+    tasks: Sequence[Task]
+    inner: InnerLoop
+    mode: Mode
+    task_fn: TaskFn = task_loss
+    buffers: Mapping[str, Tensor] | None = None
+    on_nonfinite: OnNonfinite = "raise"
+    regularizer: Regularizer | None = None
+    first_index: int = 0
+
+
+class ChunkRunner(Protocol):
+    """Runs one chunk of a plan (`run_meta_batch` is the default runner).
+
+    `MetaLossLearner.backward` hands each chunk to one;
+    `metalearn.engine.compiled.CompiledChunkRunner` is the compiled one.
     """
 
     def __call__(
-        self,
-        model: nn.Module,
-        params: Mapping[str, Tensor],
-        tasks: Sequence[Task],
-        inner: InnerLoop,
-        mode: Mode,
-        *,
-        buffers: Mapping[str, Tensor] | None = None,
-        on_nonfinite: OnNonfinite = "raise",
-        regularizer: Regularizer | None = None,
-        task_fn: TaskFn = task_loss,
-        first_index: int = 0,
+        self, model: nn.Module, params: Mapping[str, Tensor], chunk: ChunkCall, /
     ) -> MetaBatch:
         """The chunk's `MetaBatch`, as `run_meta_batch` gives it."""
         ...
 
 
-def run_meta_batch(
-    model: nn.Module,
-    params: Mapping[str, Tensor],
-    tasks: Sequence[Task],
-    inner: InnerLoop,
-    mode: Mode,
-    *,
-    buffers: Mapping[str, Tensor] | None = None,
-    on_nonfinite: OnNonfinite = "raise",
-    regularizer: Regularizer | None = None,
-    task_fn: TaskFn = task_loss,
-    first_index: int = 0,
-) -> MetaBatch:
-    """`meta_batch` in a mode already decided (a chunk of a `metalearn.engine.plan.plan`).
+def run_meta_batch(model: nn.Module, params: Mapping[str, Tensor], chunk: ChunkCall) -> MetaBatch:
+    """One chunk of a meta-batch, in the mode already decided (a chunk of a
+    `metalearn.engine.plan.plan`): the default `ChunkRunner`.
 
     Args:
-        model, params, tasks, inner, buffers, on_nonfinite, regularizer, task_fn: as for
-            `meta_batch`.
-        mode: ``"vmap"`` or ``"loop"``; not checked against `metalearn.engine.plan.vmap_blockers`
-            (the planner did that).
-        first_index: the meta-batch index of ``tasks[0]``, so that errors name a task's place
-            in the whole meta-batch when ``tasks`` is one of its chunks.
+        model: the network.
+        params: theta, name -> tensor (differentiate ``result.loss`` with respect to them).
+        chunk: the chunk's tasks, mode and shared settings.
 
     Returns:
-        A `MetaBatch` of ``tasks`` (``skipped`` counts positions in ``tasks``).
+        A `MetaBatch` of ``chunk.tasks`` (``skipped`` counts positions in ``chunk.tasks``).
     """
+    tasks, inner, task_fn = chunk.tasks, chunk.inner, chunk.task_fn
+    buffers, regularizer, on_nonfinite = chunk.buffers, chunk.regularizer, chunk.on_nonfinite
+    first_index = chunk.first_index
     if not tasks:
         raise ValueError("the meta-batch is empty; pass at least one Task")
     if on_nonfinite not in ("raise", "skip"):
@@ -244,7 +274,7 @@ def run_meta_batch(
     results: list[TaskResult | None] = [None] * len(tasks)
     skipped: set[int] = set()
     vectorized = 0
-    if mode == "vmap":
+    if chunk.mode == "vmap":
         for indices in vmap_buckets(tasks, inner):
             if len(indices) == 1:
                 continue  # a bucket of one runs in the loop below, same function

@@ -12,7 +12,14 @@ them (`metalearn.engine.inner`)::
 """
 
 from metalearn.optim.adam import Adam, adam_update
-from metalearn.optim.base import Hyperparameter, InnerOptimizer, State, hyper_at, safe_sqrt
+from metalearn.optim.base import (
+    Hyperparameter,
+    InnerOptimizer,
+    State,
+    check_hyperparameter,
+    hyper_at,
+    safe_sqrt,
+)
 from metalearn.optim.rmsprop import RMSprop, rmsprop_update
 from metalearn.optim.sgd import SGD, sgd_update
 
@@ -24,6 +31,7 @@ __all__ = [
     "RMSprop",
     "State",
     "adam_update",
+    "check_hyperparameter",
     "hyper_at",
     "rmsprop_update",
     "safe_sqrt",

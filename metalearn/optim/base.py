@@ -20,14 +20,24 @@ A hyperparameter (`Hyperparameter`) is, as the engine's inner learning rate:
 from __future__ import annotations
 
 import abc
-from collections.abc import Mapping, Sequence
+import math
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import fields, replace
 from typing import ClassVar
 
 import torch
 from torch import Tensor
 
-__all__ = ["Hyperparameter", "InnerOptimizer", "State", "detached", "hyper_at", "safe_sqrt"]
+from metalearn.functional import detached
+
+__all__ = [
+    "Hyperparameter",
+    "InnerOptimizer",
+    "State",
+    "check_hyperparameter",
+    "hyper_at",
+    "safe_sqrt",
+]
 
 _Value = float | Tensor | Mapping[str, float | Tensor]
 Hyperparameter = _Value | Sequence[_Value]
@@ -50,6 +60,47 @@ def hyper_at(value: Hyperparameter, name: str, step: int) -> float | Tensor | No
     return value
 
 
+def check_hyperparameter(kind: str, value: Hyperparameter, name: str | None = None) -> None:
+    """Refuse a fixed value of a hyperparameter outside the range where its update is defined.
+
+    Decay rates (``momentum``, ``beta1``, ``beta2``, ``alpha``) must lie in [0, 1): Adam's
+    bias correction ``1 - beta1^t`` is 0 at ``beta1 = 1`` and ``sqrt(1 - beta2^t)`` is
+    imaginary above 1, and a rate at or above 1 lets the state grow without bound. ``eps``
+    must be finite and >= 0 (``torch.optim``'s rule; 0 is the form higher's Adam shares with
+    this one), ``lr`` finite. Every float of a dict or per-step list is checked; tensors are
+    not (learned values move during training).
+
+    Args:
+        kind: ``"lr"``, ``"eps"``, or a decay rate's name.
+        value: the hyperparameter (a `Hyperparameter`).
+        name: the name to report (a learner's ``inner_beta1``); None: ``kind``.
+
+    Raises:
+        ValueError: one line naming the argument, the value and the valid range.
+    """
+    if kind == "lr":
+        valid, rule = math.isfinite, "a finite number"
+    elif kind == "eps":
+        valid, rule = (lambda v: math.isfinite(v) and v >= 0), "finite and >= 0"
+    else:
+        valid, rule = (lambda v: 0 <= v < 1), "in [0, 1)"
+    for number in _numbers(value):
+        if not valid(number):
+            raise ValueError(f"{name or kind}={number!r} is out of range: it must be {rule}")
+
+
+def _numbers(value: Hyperparameter) -> Iterator[float]:
+    """The Python numbers of a hyperparameter (its dicts and per-step lists walked)."""
+    if isinstance(value, Mapping):
+        for v in value.values():
+            yield from _numbers(v)
+    elif isinstance(value, (list, tuple)):
+        for v in value:
+            yield from _numbers(v)
+    elif isinstance(value, (int, float)) and not isinstance(value, bool):
+        yield float(value)
+
+
 def safe_sqrt(v: Tensor) -> Tensor:
     """``sqrt(v)`` for ``v >= 0`` whose derivative at 0 is 0 instead of infinite.
 
@@ -61,17 +112,6 @@ def safe_sqrt(v: Tensor) -> Tensor:
     """
     positive = v > 0
     return torch.where(positive, torch.where(positive, v, torch.ones_like(v)).sqrt(), 0.0 * v)
-
-
-def detached(value: Hyperparameter) -> Hyperparameter:
-    """A hyperparameter with every tensor detached, its structure kept."""
-    if isinstance(value, Tensor):
-        return value.detach()
-    if isinstance(value, Mapping):
-        return {k: detached(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return type(value)(detached(v) for v in value)
-    return value
 
 
 class InnerOptimizer(abc.ABC):
@@ -93,6 +133,12 @@ class InnerOptimizer(abc.ABC):
         return {
             k: tuple(torch.zeros_like(p) for _ in range(self.slots())) for k, p in params.items()
         }
+
+    def __post_init__(self) -> None:
+        """Check every fixed hyperparameter (`check_hyperparameter`)."""
+        for kind in (f.name for f in fields(self)):  # type: ignore[arg-type]
+            if kind != "nesterov":
+                check_hyperparameter(kind, getattr(self, kind))
 
     def update(
         self,

@@ -65,6 +65,7 @@ class SGD(InnerOptimizer):
     hyperparameters = ("momentum",)
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         if self.nesterov and self._plain():
             raise ValueError("Nesterov momentum needs a momentum; pass momentum > 0")
 

@@ -93,6 +93,7 @@ RUN_DEFAULTS: dict[str, dict[str, Any]] = {
     "reptile": {"inner_lr": 0.4, "inner_steps": 5},
     "protomaml": {"inner_lr": 0.4, "inner_steps": 1},
     "lora": {"inner_lr": 0.4, "inner_steps": 1},
+    "boil": {"inner_lr": 0.4, "inner_steps": 1},
     # Heads solved per task: no inner loop, nothing left open.
     "protonet": {},
     "r2d2": {},

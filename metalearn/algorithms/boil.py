@@ -1,0 +1,60 @@
+"""BOIL (Oh, Yoo, Kim & Yun, 2021, "BOIL: Towards Representation Change for Few-shot
+Learning"): the body adapts in the inner loop, the head stays.
+
+MAML's inner loop (Finn et al., 2017, Eq. 1) adapts every weight; ANIL (Raghu et al., 2020)
+adapts only the head. BOIL is the converse of ANIL: with theta split into the body theta_b
+(every layer before the classifier) and the head theta_h::
+
+    phi_b = theta_b - alpha * grad_{theta_b} L_support(theta_b, theta_h)
+    phi_h = theta_h
+
+so a task can only be fitted by changing its representation, not the decision boundary.
+The outer loop meta-learns both, through the inner loop (second order unless
+``first_order``). The paper's reference code (github.com/HJ-Yoo/BOIL, ``maml/utils.py``)
+writes the head's inner step size as 0 (``--classifier-step-size 0``); leaving the head
+out of the adapted set is the same update.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch import nn
+
+from metalearn.algorithms.inner_optimizer import InnerOptimizerLearner
+
+__all__ = ["BOIL"]
+
+
+class BOIL(InnerOptimizerLearner):
+    """Body Only update in the Inner Loop: adapt everything but the head, meta-learn all.
+
+    Args:
+        model: the network.
+        head: the prefix of the head's parameter names (``"head"`` for `Conv4`): these stay
+            at theta in the inner loop.
+        **kwargs: as for `metalearn.algorithms.inner_optimizer.InnerOptimizerLearner` (an
+            inner optimizer other than SGD included).
+
+    Raises:
+        ValueError: no parameter is named ``head`` or starts with ``head + "."``, or every
+            parameter does (no body is left to adapt).
+    """
+
+    fixed_arguments = ("adapt_keys",)
+
+    def __init__(self, model: nn.Module, head: str = "head", **kwargs: Any) -> None:
+        names = [n for n, _ in model.named_parameters()]
+        body = [n for n in names if not (n == head or n.startswith(head + "."))]
+        if len(body) == len(names):
+            raise ValueError(
+                f"no parameter of the model is named {head!r} or starts with {head + '.'!r}; "
+                "pass head= the prefix of the classifier's parameters"
+            )
+        if not body:
+            raise ValueError(
+                f"every parameter of the model is in the head {head!r}: BOIL has no body to "
+                "adapt; pass head= the classifier's prefix"
+            )
+        super().__init__(model, adapt_keys=body, **kwargs)
+        self.head = head
