@@ -49,7 +49,7 @@ import torch
 from metalearn.deploy import learner_from, read_run_checkpoint
 from metalearn.runs.cli import parse_dataclass
 from metalearn.runs.evaluation import TEST_SEED, TaskSource, evaluate_tasks
-from metalearn.runs.loop import new_run_identity
+from metalearn.runs.experiment import new_run_identity
 from metalearn.runs.recipe import DataRecipe, Recipe, build_samplers
 from metalearn.runs.records import find_offline_artifact
 from metalearn.runs.tracking import decide_mode, init_run, run_group

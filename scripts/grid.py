@@ -46,7 +46,7 @@ from typing import Literal
 import tyro
 
 from metalearn.deploy import read_run_checkpoint
-from metalearn.runs import loop
+from metalearn.runs import experiment as runs_experiment
 from metalearn.runs.cli import flag, flat_fields, parse_dataclass
 from metalearn.runs.lifecycle import UserError
 from metalearn.runs.lock import describe, run_holder
@@ -141,7 +141,7 @@ def cell_recipe(exp: ModuleType, argv: list[str]) -> Recipe:
             with its one-line error and status 2.
     """
     args = exp.parse_args(argv)
-    return loop.make_recipe(exp.EXPERIMENT, loop.resolve_args(exp.EXPERIMENT, args))
+    return runs_experiment.make_recipe(exp.EXPERIMENT, exp.resolve_args(args))
 
 
 def cell_key(recipe: Recipe) -> str:

@@ -35,8 +35,8 @@ from metalearn.models import Conv4, ResNet12
 from metalearn.runs.cli import flatten, replace_flat
 from metalearn.runs.evaluation import TEST_SEED, evaluate_tasks
 from metalearn.runs.lifecycle import UserError
-from metalearn.runs.loop import make_samplers
 from metalearn.runs.records import read_offline_run
+from metalearn.runs.run import load_samplers as make_samplers
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -75,10 +75,14 @@ def test_seed_everything_repeats_python_numpy_and_torch():
     [("fomaml", FOMAML, 0.4, 1, None), ("imaml", IMAML, 0.1, 5, 10.0),
      ("reptile", Reptile, 0.4, 5, None)],
 )  # fmt: skip
-def test_open_values_come_from_one_table_and_are_built_as_resolved(
+def test_open_values_come_from_the_constructor_and_are_built_as_resolved(
     algorithm, cls, lr, steps, damping
 ):
     resolved = resolve_learner_args({**ARGS, "algorithm": algorithm})
+    # One source: the learner built with no arguments is the one the flag builds.
+    default = cls(Conv4(hidden=8))
+    assert (default.inner_lr, default.inner_steps) == (lr, steps)
+    assert getattr(default, "cg_damping", None) == damping
     assert (resolved["inner_lr"], resolved["inner_steps"], resolved["cg_damping"]) == (
         lr,
         steps,
