@@ -143,6 +143,22 @@ def test_omniglot_keeps_its_tasks(roots):
         assert _same_tasks(samplers[split], reference, seed=7)
 
 
+@pytest.mark.parametrize("algorithm", ["protonet", "r2d2", "metaoptnet", "maml", "imaml"])
+def test_a_learner_without_an_inner_loop_needs_no_flag_dropped(algorithm):
+    """The experiment's open inner-loop values (0.01 and 5) go to learners with an inner
+    loop only: a head learner runs with no learner flag given, and records none."""
+    args = flatten(fs.resolve_args(fs.parse_args(["--algorithm", algorithm,
+                                                  "--data-root", str(ROOT)])))  # fmt: skip
+    heads = ("protonet", "r2d2", "metaoptnet")
+    assert (args["inner_lr"], args["inner_steps"]) == (
+        (None, None) if algorithm in heads else (0.01, 5)
+    )
+    if algorithm in heads:  # a flag given for the inner loop it lacks is still refused
+        with pytest.raises(UserError, match=f"{algorithm} solves its head.*drop --inner-lr"):
+            fs.resolve_args(fs.parse_args(["--algorithm", algorithm, "--data-root", str(ROOT),
+                                           "--inner-lr", "0.1"]))  # fmt: skip
+
+
 def test_paper_presets_build_the_papers_network():
     one = fs.resolve_args(fs.parse_args(["--preset", "paper-miniimagenet-5w1s",
                                          "--data-root", str(ROOT)]))  # fmt: skip

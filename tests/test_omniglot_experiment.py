@@ -228,6 +228,49 @@ def test_clear_errors_for_resume_mistakes(tmp_path):
     om.main(tiny_args(tmp_path, iterations=1, run_name="done"))
     with pytest.raises(UserError, match="pass --resume"):
         om.main(tiny_args(tmp_path, iterations=1, run_name="done"))
+    # Runs have no --overwrite: the message names a free folder and how to start over.
+    (tmp_path / "done-2").mkdir()
+    before = (tmp_path / "done" / "checkpoint.pt").read_bytes()
+    with pytest.raises(UserError) as refused:
+        om.main(tiny_args(tmp_path, iterations=1, run_name="done"))
+    message = str(refused.value)
+    assert "never overwritten" in message and "--run-name done-3" in message
+    assert str(tmp_path / "done-3") in message and f"delete {tmp_path / 'done'}" in message
+    assert (tmp_path / "done" / "checkpoint.pt").read_bytes() == before
+
+
+def test_a_resumed_run_says_where_it_resumes(tmp_path, capsys):
+    om.main(tiny_args(tmp_path, iterations=1, run_name="r"))
+    capsys.readouterr()
+    om.main(tiny_args(tmp_path, iterations=2, run_name="r", resume=True))
+    lines = capsys.readouterr().out.splitlines()
+    assert lines.count("resuming r at meta-step 1 of 2") == 1
+
+
+def test_a_nan_validation_is_never_the_best_and_a_diverged_run_exits_non_zero(tmp_path):
+    """The diverging command of the report (inner lr 200, NaN tasks skipped), sized down.
+    A run whose validations are all NaN ends in one line saying so, exit 2; one whose first
+    validation is NaN keeps the later finite one as its best, and its NaN test accuracy
+    ends the run the same way, unfinished (no NaN result is recorded as the run's)."""
+    diverging = dict(inner_lr=200.0, on_nonfinite="skip", iterations=10, val_every=5,
+                     val_tasks=10, test_tasks=10, eval_inner_steps=10)  # fmt: skip
+    cmd = [sys.executable, str(ROOT / "experiments" / "omniglot_maml.py"),
+           *_flags(tmp_path, **diverging, run_name="all")]  # fmt: skip
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 2 and "test/acc" not in done.stdout
+    assert done.stderr.strip().splitlines()[-1] == (
+        "error: all 2 validations of all were NaN, so no weights are the best and none were "
+        "tested; the run diverged: lower --inner-lr or --outer-lr"
+    )
+    saved = _checkpoint(tmp_path, "all")
+    assert saved["best_val"] is None and saved["results"] is None and saved["iteration"] == 10
+    with pytest.raises(UserError, match="test/acc of some is NaN.*lower --inner-lr"):
+        om.main(tiny_args(tmp_path, **diverging, hidden=32, eval_query=5, run_name="some"))
+    saved = _checkpoint(tmp_path, "some")
+    validations = [row["val/acc"] for row in saved["history"] if "val/acc" in row]
+    assert validations[0] != validations[0] and validations[1] == validations[1]  # NaN, finite
+    assert saved["best_val"] == validations[1] and saved["best_iteration"] == 10
+    assert saved["results"] is None
 
 
 # --------------------------------------------------------------------------- arguments

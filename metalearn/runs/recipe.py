@@ -13,7 +13,7 @@ checkpoint and their W&B config; whoever uses a run afterwards rebuilds from it 
 * ``recipe.data.image``: how a file becomes an input (`metalearn.deploy` decodes a support
   folder with it).
 
-The experiments (`metalearn.runs.loop`), ``--resume``, ``scripts/evaluate.py``,
+The experiments (`metalearn.runs.run`), ``--resume``, ``scripts/evaluate.py``,
 ``scripts/transfer_check.py``, ``scripts/grid.py`` and `metalearn.deploy` all go through
 `read_recipe`, which also reads checkpoints written before recipes existed (their flat
 ``args``: `recipe_from_args`).

@@ -76,7 +76,13 @@ from metalearn.runs.metrics import (
     VAL_ACC,
 )
 from metalearn.runs.recipe import Recipe, build_samplers, flag_arguments
-from metalearn.runs.tracking import define_summaries, graceful_shutdown, init_run, log_model
+from metalearn.runs.tracking import (
+    define_summaries,
+    graceful_shutdown,
+    init_run,
+    log_model,
+    run_group,
+)
 
 __all__ = ["Run", "check_finite_gradient", "load_samplers", "meta_gradient", "my_tasks"]
 
@@ -256,7 +262,16 @@ class Run:
 
     def finish(self, results: dict[str, float]) -> dict[str, float]:
         """Record the test ``results`` (with the run's minutes) as the finished run: in the
-        checkpoint (a finished run, which the grid skips) and the W&B summary."""
+        checkpoint (a finished run, which the grid skips) and the W&B summary.
+
+        Raises:
+            UserError: the test accuracy is NaN (tasks whose losses were not finite, under
+                ``--on-nonfinite skip``); the run is left unfinished at its last step.
+        """
+        require(not math.isnan(results[TEST_ACC]),
+                f"{TEST_ACC} of {self.state.run_name} is NaN: some test tasks' losses were not "
+                "finite (--on-nonfinite skip scores them NaN); the run diverged: lower "
+                "--inner-lr or --outer-lr")  # fmt: skip
         results[PERF_TOTAL_MINUTES] = (time.perf_counter() - self._started) / 60
         self.state.results = results
         final = {**self._snapshot, "results": results}
@@ -316,7 +331,7 @@ class Run:
         if not t.track or not self.dist.is_main:
             return None
         data, algorithm = recipe.data, recipe.learner.algorithm
-        group = t.wandb_group or f"{algorithm}-{data.ways}w{data.shots}s"
+        group = run_group(algorithm, data.ways, data.shots, t.wandb_group)
         flat = flatten(self.args)
         root = resolve_data_root(data.root) if data.dataset == "omniglot" else Path(data.root)
         flat["data_root"] = str(root.expanduser().resolve())  # where the data was read
