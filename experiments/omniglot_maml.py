@@ -25,10 +25,11 @@ printed as ``test/acc: 0.9xx ± 0.00x``.
 
 The file reads top to bottom: the arguments (`Args`, each a flag) and presets; the loop's
 steps (`meta_step`, `validate`, `test`); and `main`, which builds the data, model and
-learner from the run's recipe and runs the loop. Changing the meta-objective or the
-schedule means editing this file. What no experiment rewrites (argument checks, the run
-folder's lock, resuming at the right step, signals, W&B, the progress bar, atomic
-checkpoints) is `metalearn.runs.run.Run`, which the loop uses. A run is its arguments: the
+learner from the run's recipe and runs the loop. Changing the meta-step (what it does with
+the tasks, its outer step-size schedule) or the loop means editing this file alone. What no
+experiment rewrites (argument checks, the run folder's lock, resuming at the right step,
+signals, W&B, the progress bar, atomic checkpoints) is `metalearn.runs.run.Run`, which the
+loop uses. A run is its arguments: the
 learner's open ones (``--inner-lr``, ``--inner-steps``, ...) take the learner constructor's
 defaults once, and the resolved arguments are the run's recipe (`metalearn.runs.recipe`),
 recorded in W&B and the checkpoint, from which evaluation and deployment rebuild the run.

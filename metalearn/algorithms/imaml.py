@@ -245,7 +245,7 @@ class IMAML(MetaLearner):
             Larger keeps phi near theta (and H/lam small, so CG converges fast).
         inner_lr: inner learning rate; needs ``inner_lr * lam < 2``. The default 0.1 is
             the paper's Omniglot setting (docs/algorithms.md).
-        inner_steps: inner GD steps (default 5: the paper's 16 at a fifth of the cost, as
+        inner_steps: inner GD steps (default 5: about a third of the paper's 16 in cost, as
             the experiments train).
         cg_steps: CG iterations per task (default 5, as in the paper).
         cg_tol: relative residual at which CG stops early.
