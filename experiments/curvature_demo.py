@@ -32,6 +32,7 @@ from tqdm import tqdm
 
 from metalearn import hessian_trace, top_eigenvalues
 from metalearn.runs.cli import parse_dataclass
+from metalearn.runs.metrics import TRAIN_LOSS
 from metalearn.runs.tracking import init_run
 
 
@@ -104,7 +105,7 @@ def train(cfg: Config, run=None) -> list[dict]:
     bar = tqdm(range(cfg.steps + 1), desc="GD", unit="step")
     for step in bar:
         if step % cfg.measure_every == 0:
-            row = {"step": step, "train/loss": float(loss_fn(params))}
+            row = {"step": step, TRAIN_LOSS: float(loss_fn(params))}
             row.update(measure(loss_fn, params, cfg, gen))
             rows.append(row)
             bar.set_postfix(loss=f"{row['train/loss']:.4f}", sharp=row["curvature/sharpness"])
@@ -130,7 +131,7 @@ def plot(rows: list[dict], cfg: Config, path: Path) -> Path | None:
         return None
     steps = [r["step"] for r in rows]
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 3.5))
-    ax1.semilogy(steps, [r["train/loss"] for r in rows])
+    ax1.semilogy(steps, [r[TRAIN_LOSS] for r in rows])
     ax1.set(xlabel="step", ylabel="training loss", title="loss")
     ax2.plot(steps, [r["curvature/sharpness"] for r in rows], label="top eigenvalue")
     ax2.axhline(2 / cfg.lr, color="k", ls="--", label="2 / lr")

@@ -21,23 +21,32 @@ of the paper presets: the MAML paper (Finn et al., 2017, Table 2) reports 48.70 
 order; printed as ``test/acc: 0.4xxx ± 0.0xxx``. The default ``cpu`` preset is a short run
 of the same network, not a reproduction.
 
-The run itself (argument checks, resume, the train loop, validation and test, checkpoints,
-W&B, torchrun) is `metalearn.runs.loop`'s, shared with ``experiments/omniglot_maml.py``;
-this file holds what is particular to these data sets: their own arguments (the data set,
-image shape and backbone), the presets and the refusals. The run's recipe
-(`metalearn.runs.recipe`) records the data set, its decoding and the network, so
-`metalearn.deploy` and ``scripts/evaluate.py`` rebuild it from the checkpoint alone.
+The file reads top to bottom: the arguments (`Args`, each a flag) and presets; the loop's
+steps (`meta_step`, `validate`, `test`); and `main`, which builds the data, model and
+learner from the run's recipe and runs the loop, the same few lines as
+``experiments/omniglot_maml.py``'s. What no experiment rewrites (argument checks, the run
+folder's lock, resuming, signals, W&B, the progress bar, atomic checkpoints, torchrun) is
+`metalearn.runs.run.Run`. The run's recipe (`metalearn.runs.recipe`) records the data set,
+its decoding and the network, so `metalearn.deploy` and ``scripts/evaluate.py`` rebuild it
+from the checkpoint alone.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+import torch
+
+from metalearn import distributed
+from metalearn.algorithms import MetaLearner, StepMetrics
+from metalearn.algorithms.registry import learner_arguments, make_learner
+from metalearn.data import EpisodicSampler
 from metalearn.data.benchmarks import image_options, image_shape
-from metalearn.runs import loop
+from metalearn.runs import experiment
 from metalearn.runs.arguments import (
     DataArgs,
     ExperimentArgs,
@@ -47,8 +56,29 @@ from metalearn.runs.arguments import (
     TrainingArgs,
 )
 from metalearn.runs.cli import replace_flat
+from metalearn.runs.evaluation import TEST_SEED, VAL_SEED, evaluate_tasks
+from metalearn.runs.experiment import Experiment
 from metalearn.runs.lifecycle import UserError, require, run_cli
-from metalearn.runs.loop import Experiment, default_run_name
+from metalearn.runs.metrics import (
+    PERF_STEP_S,
+    PERF_TASKS_PER_S,
+    PERF_VECTORIZED_TASKS,
+    TEST_ACC,
+    TEST_ACC_CI95,
+    TEST_BEST_ITERATION,
+    TRAIN_ACC,
+    TRAIN_LOSS,
+    TRAIN_OUTER_LR,
+    TRAIN_SKIPPED,
+    VAL_ACC,
+    VAL_ACC_CI95,
+    VAL_BEST_ACC,
+    curvature_probe,
+    measure_curvature,
+)
+from metalearn.runs.recipe import Recipe, build_model
+from metalearn.runs.run import Run, check_finite_gradient, load_samplers, meta_gradient, my_tasks
+from metalearn.runs.seeding import seed_everything
 
 Dataset = Literal["mini-imagenet", "tiered-imagenet", "cifar-fs", "fc100", "cub", "folder",
                   "omniglot"]  # fmt: skip
@@ -92,10 +122,9 @@ class Args(ExperimentArgs):
     """Data options."""
     model: FewshotModel = field(default_factory=lambda: FewshotModel(hidden=32))
     """Model options."""
-    learner: LearnerArgs = field(
-        default_factory=lambda: LearnerArgs(algorithm="maml", inner_lr=0.01, inner_steps=5)
-    )
-    """Learner options (inner_lr 0.01 and 5 steps: the MAML paper's mini-ImageNet runs)."""
+    learner: LearnerArgs = field(default_factory=lambda: LearnerArgs(algorithm="maml"))
+    """Learner options (inner_lr and inner_steps left open: 0.01 and 5, the MAML paper's
+    mini-ImageNet runs, for a learner with an inner loop; `with_open_values`)."""
     training: TrainingArgs = field(
         default_factory=lambda: TrainingArgs(
             meta_batch=4, iterations=2000, val_every=200, checkpoint_every=200
@@ -141,27 +170,100 @@ def check_data(args: Args) -> None:
         raise UserError(str(err)) from None
 
 
-def with_image_shape(args: Args) -> Args:
-    """``args`` with open ``channels`` and ``image_size`` set to the data set's."""
+def with_open_values(args: Args) -> Args:
+    """``args`` with open ``channels`` and ``image_size`` set to the data set's, and, for a
+    learner with an inner loop, open ``inner_lr`` and ``inner_steps`` set to the MAML
+    paper's mini-ImageNet values (0.01, 5); the rest is the learner's own (its constructor)."""
     channels, side = image_shape(args.data.dataset, args.data.image_size, args.data.channels)
-    return replace_flat(args, channels=channels, image_size=side)
+    inner = {}
+    if "inner_lr" in learner_arguments(args.learner.algorithm):
+        lr, steps = args.learner.inner_lr, args.learner.inner_steps
+        inner = {"inner_lr": 0.01 if lr is None else lr, "inner_steps": steps or 5}
+    return replace_flat(args, channels=channels, image_size=side, **inner)
 
 
 EXPERIMENT = Experiment(
-    "fewshot_maml", Args, __doc__, PRESETS, check=check_data, resolve=with_image_shape,
-    run_name=lambda args: f"{args.data.dataset}-{args.model.backbone}-{default_run_name(args)}",
+    "fewshot_maml", Args, __doc__, PRESETS, check=check_data, resolve=with_open_values,
     tags=lambda args: [args.model.backbone],
 )  # fmt: skip
 
 
 def resolve_args(args: Args) -> Args:
     """Checked ``args`` with the open values and the run name filled in."""
-    return loop.resolve_args(EXPERIMENT, args)
+    return experiment.resolve_args(EXPERIMENT, args)
 
 
 def parse_args(argv: Sequence[str] | None = None) -> Args:
     """The command line as `Args`; ``--resume --run-name NAME`` alone continues that run."""
-    return loop.parse_args(EXPERIMENT, argv)
+    return experiment.parse_args(EXPERIMENT, argv)
+
+
+# --------------------------------------------------------------------------- the loop's steps
+
+
+def meta_step(
+    recipe: Recipe,
+    learner: MetaLearner,
+    opt: torch.optim.Optimizer,
+    sampler: EpisodicSampler,
+    gen: torch.Generator,
+    backward: Callable[[list], StepMetrics] | None = None,
+    step: int = 0,
+) -> dict[str, float]:
+    """Meta-step ``step`` (0-based) on this rank's share of a meta-batch; its metrics.
+
+    The learner is handed the step first (`MetaLearner.schedule`: MAML++'s loss weights and
+    derivative order, ...) and the outer step size is set from it
+    (`MetaLearner.outer_lr_factor`: Reptile's annealing), so a resumed run is where an
+    uninterrupted one would be. ``backward`` fills ``.grad`` with the meta-gradient (Finn et
+    al., 2017, Eq. 2 summed over the tasks; default ``learner.backward``).
+    """
+    t = recipe.training
+    start = time.perf_counter()
+    scheduled = learner.schedule(step, t.iterations)
+    lr = t.outer_lr * learner.outer_lr_factor(step, t.iterations)
+    for group in opt.param_groups:
+        group["lr"] = lr
+    tasks = my_tasks(sampler, t.meta_batch, gen)
+    opt.zero_grad(set_to_none=True)
+    metrics = (learner.backward if backward is None else backward)(tasks)
+    metrics = distributed.average_meta_step(learner, metrics, len(tasks))
+    check_finite_gradient(learner)  # before the optimizer writes NaN into the weights
+    opt.step()
+    seconds = time.perf_counter() - start
+    return {
+        TRAIN_LOSS: metrics.loss, TRAIN_ACC: metrics.accuracy, TRAIN_OUTER_LR: lr, **scheduled,
+        PERF_STEP_S: seconds, PERF_TASKS_PER_S: t.meta_batch / seconds,
+        PERF_VECTORIZED_TASKS: metrics.vectorized, TRAIN_SKIPPED: metrics.skipped,
+    }  # fmt: skip
+
+
+def validate(recipe: Recipe, learner: MetaLearner, sampler: Any, run: Run) -> dict[str, float]:
+    """Accuracy on the validation tasks (the same ones every time); the run keeps the best
+    weights (the latest, for a split with no validation classes)."""
+    if sampler is None:
+        run.keep_best(learner, None)
+        return {}
+    run.phase("validate")
+    t = recipe.training
+    gen = torch.Generator().manual_seed(VAL_SEED)
+    acc, half = evaluate_tasks(learner, sampler, t.val_tasks, t.eval_inner_steps, gen,
+                               progress=run.bar.update)  # fmt: skip
+    return {VAL_ACC: acc, VAL_ACC_CI95: half, VAL_BEST_ACC: run.keep_best(learner, acc)}
+
+
+def test(recipe: Recipe, learner: MetaLearner, sampler: Any, run: Run) -> dict[str, float]:
+    """Accuracy of the best-validation weights on the test tasks, with its 95% interval."""
+    run.load_best(learner)
+    run.phase("test")
+    t = recipe.training
+    gen = torch.Generator().manual_seed(TEST_SEED)
+    acc, half = evaluate_tasks(learner, sampler, t.test_tasks, t.eval_inner_steps, gen,
+                               progress=run.bar.update)  # fmt: skip
+    return {TEST_ACC: acc, TEST_ACC_CI95: half, TEST_BEST_ITERATION: run.state.best_iteration}
+
+
+# --------------------------------------------------------------------------- main
 
 
 def main(args: Args) -> dict[str, float]:
@@ -169,10 +271,32 @@ def main(args: Args) -> dict[str, float]:
 
     Raises:
         UserError: a bad argument, a resume that changes the run, missing data (nothing
-            has been written then).
+            has been written then); a run that diverged.
         Stopped: SIGINT/SIGTERM; the run was checkpointed and marked failed in W&B.
     """
-    return loop.main(EXPERIMENT, args)
+    with Run(EXPERIMENT, args) as run:  # checked, resolved, locked; resumed if asked
+        recipe, t, device = run.recipe, run.recipe.training, run.args.system.device
+        # Data: the train, validation and test tasks of the recipe's split and protocols.
+        samplers = load_samplers(recipe, device)
+        # Model and learner, seeded by --seed; the outer optimizer is the learner's own.
+        seed_everything(t.seed)
+        model = build_model(recipe)
+        learner = make_learner(recipe.learner.algorithm, model, recipe.learner.arguments)
+        learner = learner.to(device)
+        opt = learner.outer_optimizer(t.outer_lr)
+        gen = torch.Generator().manual_seed(t.seed)  # draws the training tasks
+        backward = meta_gradient(run.args, learner)  # learner.backward; compiled: --compile
+        probe = curvature_probe(recipe, learner, samplers["train"])  # None: not measured
+        run.start(learner, opt, gen, validates="val" in samplers)
+        for step in run.steps():
+            row = meta_step(recipe, learner, opt, samplers["train"], gen, backward, step)
+            if probe is not None and (step + 1) % t.curvature_every == 0:
+                run.phase("curvature")
+                row.update(measure_curvature(learner, probe))
+            if (step + 1) % t.val_every == 0 or step + 1 == t.iterations:
+                row.update(validate(recipe, learner, samplers.get("val"), run))
+            run.log(row)  # history, W&B, progress; a checkpoint every --checkpoint-every
+        return run.finish(test(recipe, learner, samplers["test"], run))
 
 
 if __name__ == "__main__":

@@ -23,34 +23,64 @@ and filled by a download when the network allows. Expected result of the default
 (5-way 1-shot Proto-MAML, 2 CPU cores, see README.md): about 15 minutes, test accuracy
 printed as ``test/acc: 0.9xx ± 0.00x``.
 
-A run is its arguments: they are checked before any data loads, the learner's open ones
-(``--inner-lr``, ``--inner-steps``, ``--cg-damping``, ...) are filled once
-(`metalearn.runs.recipe.resolve_learner_args`), and the resolved arguments become the run's
-recipe (`metalearn.runs.recipe`), which W&B and the checkpoint record and from which
-evaluation and deployment rebuild the run. ``--resume`` continues the saved run with the
-saved arguments; only `metalearn.runs.loop.RESUMABLE` ones may change (see
-`metalearn.runs.lifecycle` for how no logged metric is lost across a kill and resume).
+The file reads top to bottom: the arguments (`Args`, each a flag) and presets; the loop's
+steps (`meta_step`, `validate`, `test`); and `main`, which builds the data, model and
+learner from the run's recipe and runs the loop. Changing the meta-step (what it does with
+the tasks, its outer step-size schedule) or the loop means editing this file alone. What no
+experiment rewrites (argument checks, the run folder's lock, resuming at the right step,
+signals, W&B, the progress bar, atomic checkpoints) is `metalearn.runs.run.Run`, which the
+loop uses. A run is its arguments: the
+learner's open ones (``--inner-lr``, ``--inner-steps``, ...) take the learner constructor's
+defaults once, and the resolved arguments are the run's recipe (`metalearn.runs.recipe`),
+recorded in W&B and the checkpoint, from which evaluation and deployment rebuild the run.
+``--resume`` continues the saved run; only `metalearn.runs.experiment.RESUMABLE` arguments
+may change.
 
 Under ``torchrun`` each rank computes the meta-gradient of its share of every meta-batch
 and the shares are averaged (`metalearn.distributed`); every rank draws the same global
 meta-batch, so N processes train on exactly the tasks one process sees. Rank 0 alone logs,
 writes checkpoints and shows progress; evaluation tasks are split across ranks.
-
-This file holds what is Omniglot's (its own arguments, presets and refusals);
-`metalearn.runs.loop` runs it, as it runs ``experiments/fewshot_maml.py``.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from metalearn.runs import loop
+import torch
+
+from metalearn import distributed
+from metalearn.algorithms import MetaLearner, StepMetrics
+from metalearn.algorithms.registry import make_learner
+from metalearn.data import EpisodicSampler
+from metalearn.runs import experiment
 from metalearn.runs.arguments import DataArgs, ExperimentArgs
+from metalearn.runs.evaluation import TEST_SEED, VAL_SEED, evaluate_tasks
+from metalearn.runs.experiment import Experiment
 from metalearn.runs.lifecycle import require, run_cli
-from metalearn.runs.loop import Experiment
+from metalearn.runs.metrics import (
+    PERF_STEP_S,
+    PERF_TASKS_PER_S,
+    PERF_VECTORIZED_TASKS,
+    TEST_ACC,
+    TEST_ACC_CI95,
+    TEST_BEST_ITERATION,
+    TRAIN_ACC,
+    TRAIN_LOSS,
+    TRAIN_OUTER_LR,
+    TRAIN_SKIPPED,
+    VAL_ACC,
+    VAL_ACC_CI95,
+    VAL_BEST_ACC,
+    curvature_probe,
+    measure_curvature,
+)
+from metalearn.runs.recipe import Recipe, build_model
+from metalearn.runs.run import Run, check_finite_gradient, load_samplers, meta_gradient, my_tasks
+from metalearn.runs.seeding import seed_everything
 
 
 @dataclass
@@ -129,12 +159,80 @@ EXPERIMENT = Experiment(
 
 def resolve_args(args: Args) -> Args:
     """Checked ``args`` with the learner's open values and the run name filled in."""
-    return loop.resolve_args(EXPERIMENT, args)
+    return experiment.resolve_args(EXPERIMENT, args)
 
 
 def parse_args(argv: Sequence[str] | None = None) -> Args:
     """The command line as `Args`; ``--resume --run-name NAME`` alone continues that run."""
-    return loop.parse_args(EXPERIMENT, argv)
+    return experiment.parse_args(EXPERIMENT, argv)
+
+
+# --------------------------------------------------------------------------- the loop's steps
+
+
+def meta_step(
+    recipe: Recipe,
+    learner: MetaLearner,
+    opt: torch.optim.Optimizer,
+    sampler: EpisodicSampler,
+    gen: torch.Generator,
+    backward: Callable[[list], StepMetrics] | None = None,
+    step: int = 0,
+) -> dict[str, float]:
+    """Meta-step ``step`` (0-based) on this rank's share of a meta-batch; its metrics.
+
+    The learner is handed the step first (`MetaLearner.schedule`: MAML++'s loss weights and
+    derivative order, ...) and the outer step size is set from it
+    (`MetaLearner.outer_lr_factor`: Reptile's annealing), so a resumed run is where an
+    uninterrupted one would be. ``backward`` fills ``.grad`` with the meta-gradient (Finn et
+    al., 2017, Eq. 2 summed over the tasks; default ``learner.backward``).
+    """
+    t = recipe.training
+    start = time.perf_counter()
+    scheduled = learner.schedule(step, t.iterations)
+    lr = t.outer_lr * learner.outer_lr_factor(step, t.iterations)
+    for group in opt.param_groups:
+        group["lr"] = lr
+    tasks = my_tasks(sampler, t.meta_batch, gen)
+    opt.zero_grad(set_to_none=True)
+    metrics = (learner.backward if backward is None else backward)(tasks)
+    metrics = distributed.average_meta_step(learner, metrics, len(tasks))
+    check_finite_gradient(learner)  # before the optimizer writes NaN into the weights
+    opt.step()
+    seconds = time.perf_counter() - start
+    return {
+        TRAIN_LOSS: metrics.loss, TRAIN_ACC: metrics.accuracy, TRAIN_OUTER_LR: lr, **scheduled,
+        PERF_STEP_S: seconds, PERF_TASKS_PER_S: t.meta_batch / seconds,
+        PERF_VECTORIZED_TASKS: metrics.vectorized, TRAIN_SKIPPED: metrics.skipped,
+    }  # fmt: skip
+
+
+def validate(recipe: Recipe, learner: MetaLearner, sampler: Any, run: Run) -> dict[str, float]:
+    """Accuracy on the validation tasks (the same ones every time); the run keeps the best
+    weights (the latest, for a split with no validation classes)."""
+    if sampler is None:
+        run.keep_best(learner, None)
+        return {}
+    run.phase("validate")
+    t = recipe.training
+    gen = torch.Generator().manual_seed(VAL_SEED)
+    acc, half = evaluate_tasks(learner, sampler, t.val_tasks, t.eval_inner_steps, gen,
+                               progress=run.bar.update)  # fmt: skip
+    return {VAL_ACC: acc, VAL_ACC_CI95: half, VAL_BEST_ACC: run.keep_best(learner, acc)}
+
+
+def test(recipe: Recipe, learner: MetaLearner, sampler: Any, run: Run) -> dict[str, float]:
+    """Accuracy of the best-validation weights on the test tasks, with its 95% interval."""
+    run.load_best(learner)
+    run.phase("test")
+    t = recipe.training
+    gen = torch.Generator().manual_seed(TEST_SEED)
+    acc, half = evaluate_tasks(learner, sampler, t.test_tasks, t.eval_inner_steps, gen,
+                               progress=run.bar.update)  # fmt: skip
+    return {TEST_ACC: acc, TEST_ACC_CI95: half, TEST_BEST_ITERATION: run.state.best_iteration}
+
+
+# --------------------------------------------------------------------------- main
 
 
 def main(args: Args) -> dict[str, float]:
@@ -142,10 +240,32 @@ def main(args: Args) -> dict[str, float]:
 
     Raises:
         UserError: a bad argument, a resume that changes the run, missing data (nothing
-            has been written then).
+            has been written then); a run that diverged.
         Stopped: SIGINT/SIGTERM; the run was checkpointed and marked failed in W&B.
     """
-    return loop.main(EXPERIMENT, args)
+    with Run(EXPERIMENT, args) as run:  # checked, resolved, locked; resumed if asked
+        recipe, t, device = run.recipe, run.recipe.training, run.args.system.device
+        # Data: the train, validation and test tasks of the recipe's split and protocols.
+        samplers = load_samplers(recipe, device)
+        # Model and learner, seeded by --seed; the outer optimizer is the learner's own.
+        seed_everything(t.seed)
+        model = build_model(recipe)
+        learner = make_learner(recipe.learner.algorithm, model, recipe.learner.arguments)
+        learner = learner.to(device)
+        opt = learner.outer_optimizer(t.outer_lr)
+        gen = torch.Generator().manual_seed(t.seed)  # draws the training tasks
+        backward = meta_gradient(run.args, learner)  # learner.backward; compiled: --compile
+        probe = curvature_probe(recipe, learner, samplers["train"])  # None: not measured
+        run.start(learner, opt, gen, validates="val" in samplers)
+        for step in run.steps():
+            row = meta_step(recipe, learner, opt, samplers["train"], gen, backward, step)
+            if probe is not None and (step + 1) % t.curvature_every == 0:
+                run.phase("curvature")
+                row.update(measure_curvature(learner, probe))
+            if (step + 1) % t.val_every == 0 or step + 1 == t.iterations:
+                row.update(validate(recipe, learner, samplers.get("val"), run))
+            run.log(row)  # history, W&B, progress; a checkpoint every --checkpoint-every
+        return run.finish(test(recipe, learner, samplers["test"], run))
 
 
 if __name__ == "__main__":

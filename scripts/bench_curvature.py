@@ -1,6 +1,6 @@
 """Cost of ``--curvature-every N``: one curvature measurement against N meta-steps.
 
-The experiments' curvature tracking (`metalearn.runs.loop.measure_curvature`: Lanczos on the
+The experiments' curvature tracking (`metalearn.runs.metrics.measure_curvature`: Lanczos on the
 support losses and on the second-order meta-loss, Hutchinson's trace) runs every N meta-steps
 on a fixed probe batch. This times it against the meta-step it rides on, on the default
 Omniglot workload (MAML, conv4, 5-way 1-shot, 5 query per class, meta-batch 16), in one
@@ -18,18 +18,23 @@ Expected output: a markdown table of median seconds, and as the last line
 from __future__ import annotations
 
 import statistics
+import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 from benchtools import markdown_table, parse_args_as, usage_error
 
 from metalearn.algorithms.curvature import PROBE_SEED
 from metalearn.data import load_omniglot, omniglot_samplers
-from metalearn.runs import loop as experiment
 from metalearn.runs.arguments import ExperimentArgs
 from metalearn.runs.cli import flatten, replace_flat
+from metalearn.runs.metrics import measure_curvature
 from metalearn.runs.recipe import build_learner, recipe_from_args, resolve_learner_args
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "experiments"))
+import omniglot_maml as experiment  # noqa: E402  (the experiment's own meta-step)
 
 
 @dataclass
@@ -79,7 +84,7 @@ def main(argv: Sequence[str] | None = None) -> None:
 
     steps(2)  # warm-up
     step_s = steps(a.steps)
-    curv_s = [experiment.measure_curvature(learner, probe)["perf/curvature_s"]
+    curv_s = [measure_curvature(learner, probe)["perf/curvature_s"]
               for _ in range(a.repeats)]  # fmt: skip
     step_s += steps(a.steps)
     step, curv = statistics.median(step_s), statistics.median(curv_s)

@@ -1,7 +1,8 @@
 """Tests' shorthands for the experiments' arguments, recipes, learners and checkpoints.
 
 Arguments are given by their flat names (the flags' names), as a user gives them; the rest
-goes through the same functions a run uses (`metalearn.runs.loop`, `metalearn.runs.recipe`).
+goes through the same functions a run uses (`metalearn.runs.experiment`, `metalearn.runs.run`,
+`metalearn.runs.recipe`).
 """
 
 from __future__ import annotations
@@ -15,16 +16,20 @@ import torch
 
 from metalearn.algorithms import MetaLearner
 from metalearn.checkpoint import save_checkpoint
-from metalearn.runs import loop
 from metalearn.runs.cli import flatten, unflatten
-from metalearn.runs.recipe import Recipe
+from metalearn.runs.experiment import make_recipe
+from metalearn.runs.recipe import Recipe, build_learner
+from metalearn.runs.run import load_samplers
+from metalearn.runs.seeding import seed_everything
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "experiments"))
 import fewshot_maml as fs  # noqa: E402
 import omniglot_maml as om  # noqa: E402
 
-__all__ = ["checkpoint_of", "fs", "learner_of", "make", "om", "recipe_of", "samplers_of"]
+__all__ = [
+    "checkpoint_of", "fs", "learner_of", "make", "om", "recipe_of", "samplers_of", "seeded_learner",
+]  # fmt: skip
 
 
 def make(experiment: ModuleType, **flat: Any) -> Any:
@@ -34,17 +39,23 @@ def make(experiment: ModuleType, **flat: Any) -> Any:
 
 def recipe_of(experiment: ModuleType, args: Any) -> Recipe:
     """The recipe a run of ``args`` records (resolved first, as the run resolves them)."""
-    return loop.make_recipe(experiment.EXPERIMENT, experiment.resolve_args(args))
+    return make_recipe(experiment.EXPERIMENT, experiment.resolve_args(args))
 
 
 def learner_of(experiment: ModuleType, args: Any) -> MetaLearner:
     """The learner a run of ``args`` starts from (seeded by its seed)."""
-    return loop.make_learner(recipe_of(experiment, args), "cpu")
+    return seeded_learner(recipe_of(experiment, args))
+
+
+def seeded_learner(recipe: Recipe) -> MetaLearner:
+    """The learner a run of ``recipe`` starts from: seeded by its seed, as the run seeds it."""
+    seed_everything(recipe.training.seed)
+    return build_learner(recipe, "cpu")
 
 
 def samplers_of(experiment: ModuleType, args: Any) -> dict:
     """The samplers a run of ``args`` draws its tasks from."""
-    return loop.make_samplers(recipe_of(experiment, args), "cpu")
+    return load_samplers(recipe_of(experiment, args), "cpu")
 
 
 def checkpoint_of(

@@ -35,8 +35,8 @@ from metalearn.models import Conv4, ResNet12
 from metalearn.runs.cli import flatten, replace_flat
 from metalearn.runs.evaluation import TEST_SEED, evaluate_tasks
 from metalearn.runs.lifecycle import UserError
-from metalearn.runs.loop import make_samplers
 from metalearn.runs.records import read_offline_run
+from metalearn.runs.run import load_samplers as make_samplers
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -141,6 +141,22 @@ def test_omniglot_keeps_its_tasks(roots):
     for split, queries in (("train", 1), ("val", 3), ("test", 3)):
         reference = omniglot_samplers(data, "maml", ways=5, shots=1, queries=queries)[split]
         assert _same_tasks(samplers[split], reference, seed=7)
+
+
+@pytest.mark.parametrize("algorithm", ["protonet", "r2d2", "metaoptnet", "maml", "imaml"])
+def test_a_learner_without_an_inner_loop_needs_no_flag_dropped(algorithm):
+    """The experiment's open inner-loop values (0.01 and 5) go to learners with an inner
+    loop only: a head learner runs with no learner flag given, and records none."""
+    args = flatten(fs.resolve_args(fs.parse_args(["--algorithm", algorithm,
+                                                  "--data-root", str(ROOT)])))  # fmt: skip
+    heads = ("protonet", "r2d2", "metaoptnet")
+    assert (args["inner_lr"], args["inner_steps"]) == (
+        (None, None) if algorithm in heads else (0.01, 5)
+    )
+    if algorithm in heads:  # a flag given for the inner loop it lacks is still refused
+        with pytest.raises(UserError, match=f"{algorithm} solves its head.*drop --inner-lr"):
+            fs.resolve_args(fs.parse_args(["--algorithm", algorithm, "--data-root", str(ROOT),
+                                           "--inner-lr", "0.1"]))  # fmt: skip
 
 
 def test_paper_presets_build_the_papers_network():

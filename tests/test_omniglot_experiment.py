@@ -12,6 +12,7 @@ import signal
 import subprocess
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -22,10 +23,9 @@ from run_helpers import make, om
 
 from metalearn.algorithms import IMAML, Reptile
 from metalearn.checkpoint import load_checkpoint
-from metalearn.runs import loop as experiment
 from metalearn.runs.cli import flatten, replace_flat
 from metalearn.runs.lifecycle import UserError, latest_segment
-from metalearn.runs.recipe import build_learner, read_recipe
+from metalearn.runs.recipe import build_learner, read_recipe, recipe_from_args
 from metalearn.runs.records import read_offline_run
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -109,8 +109,8 @@ def test_two_meta_steps_log_to_wandb_and_report_test_accuracy(tmp_path, capsys):
      ("reptile", Reptile, {"inner_steps": 5, "inner_lr": 0.4, "cg_damping": None})],
 )  # fmt: skip
 def test_what_runs_is_what_is_recorded(tmp_path, monkeypatch, algorithm, cls, expected):
-    built, build = [], experiment.build_learner  # keep what the experiment builds
-    monkeypatch.setattr(experiment, "build_learner",
+    built, build = [], om.make_learner  # keep what the experiment builds
+    monkeypatch.setattr(om, "make_learner",
                         lambda *a: built.append(build(*a)) or built[-1])  # fmt: skip
     args = tiny_args(tmp_path, algorithm=algorithm, iterations=1, track=True, run_name="r",
                      wandb_mode="offline", eval_inner_steps=1)  # fmt: skip
@@ -129,9 +129,16 @@ def test_what_runs_is_what_is_recorded(tmp_path, monkeypatch, algorithm, cls, ex
     config = read_offline_run(next((tmp_path / "wandb").glob("offline-run-*"))).config
     for key, value in expected.items():
         assert saved[key] == value and config[key] == value, key
-    # The recipe in the checkpoint and in W&B is the learner that ran, every argument of it.
-    assert config["recipe"] == checkpoint["recipe"]
+    # The recipe in the checkpoint and in W&B is the learner that ran, every argument of it;
+    # W&B holds it once: the resolved flags, and the learner's arguments no flag sets.
     recipe = read_recipe(checkpoint)
+    assert "recipe" not in config and config["wandb_group"] == f"{algorithm}-5w1s"
+    from_config = recipe_from_args("omniglot_maml", config)
+    assert replace(from_config, data=replace(from_config.data, root=recipe.data.root)) == recipe
+    assert config["data_root"] == str(Path(recipe.data.root).resolve())
+    assert config["learner"] and all(
+        recipe.learner.arguments[k] == v for k, v in config["learner"].items()
+    )
     assert recipe.learner.algorithm == algorithm
     rebuilt = build_learner(recipe)
     assert type(rebuilt) is cls and rebuilt.inner_steps == learner.inner_steps
@@ -166,7 +173,7 @@ def test_resume_reaches_the_uninterrupted_result(tmp_path):
 
 def test_an_interrupted_run_keeps_its_last_step_and_resumes(tmp_path, monkeypatch):
     om.main(tiny_args(tmp_path, iterations=4, run_name="straight"))
-    original = experiment.meta_step
+    original = om.meta_step
     calls = {"n": 0}
 
     def interrupted_step(*args):  # Ctrl-C inside the third meta-step
@@ -175,11 +182,11 @@ def test_an_interrupted_run_keeps_its_last_step_and_resumes(tmp_path, monkeypatc
             raise KeyboardInterrupt("simulated Ctrl-C")
         return original(*args)
 
-    monkeypatch.setattr(experiment, "meta_step", interrupted_step)
+    monkeypatch.setattr(om, "meta_step", interrupted_step)
     with pytest.raises(KeyboardInterrupt):
         om.main(tiny_args(tmp_path, iterations=4, run_name="killed"))
     assert _checkpoint(tmp_path, "killed")["iteration"] == 2
-    monkeypatch.setattr(experiment, "meta_step", original)
+    monkeypatch.setattr(om, "meta_step", original)
     om.main(tiny_args(tmp_path, iterations=4, run_name="killed", resume=True))
     straight, resumed = _checkpoint(tmp_path, "straight"), _checkpoint(tmp_path, "killed")
     assert all(
@@ -222,6 +229,49 @@ def test_clear_errors_for_resume_mistakes(tmp_path):
     om.main(tiny_args(tmp_path, iterations=1, run_name="done"))
     with pytest.raises(UserError, match="pass --resume"):
         om.main(tiny_args(tmp_path, iterations=1, run_name="done"))
+    # Runs have no --overwrite: the message names a free folder and how to start over.
+    (tmp_path / "done-2").mkdir()
+    before = (tmp_path / "done" / "checkpoint.pt").read_bytes()
+    with pytest.raises(UserError) as refused:
+        om.main(tiny_args(tmp_path, iterations=1, run_name="done"))
+    message = str(refused.value)
+    assert "never overwritten" in message and "--run-name done-3" in message
+    assert str(tmp_path / "done-3") in message and f"delete {tmp_path / 'done'}" in message
+    assert (tmp_path / "done" / "checkpoint.pt").read_bytes() == before
+
+
+def test_a_resumed_run_says_where_it_resumes(tmp_path, capsys):
+    om.main(tiny_args(tmp_path, iterations=1, run_name="r"))
+    capsys.readouterr()
+    om.main(tiny_args(tmp_path, iterations=2, run_name="r", resume=True))
+    lines = capsys.readouterr().out.splitlines()
+    assert lines.count("resuming r at meta-step 1 of 2") == 1
+
+
+def test_a_nan_validation_is_never_the_best_and_a_diverged_run_exits_non_zero(tmp_path):
+    """The diverging command of the report (inner lr 200, NaN tasks skipped), sized down.
+    A run whose validations are all NaN ends in one line saying so, exit 2; one whose first
+    validation is NaN keeps the later finite one as its best, and its NaN test accuracy
+    ends the run the same way, unfinished (no NaN result is recorded as the run's)."""
+    diverging = dict(inner_lr=200.0, on_nonfinite="skip", iterations=10, val_every=5,
+                     val_tasks=10, test_tasks=10, eval_inner_steps=10)  # fmt: skip
+    cmd = [sys.executable, str(ROOT / "experiments" / "omniglot_maml.py"),
+           *_flags(tmp_path, **diverging, run_name="all")]  # fmt: skip
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 2 and "test/acc" not in done.stdout
+    assert done.stderr.strip().splitlines()[-1] == (
+        "error: all 2 validations of all were NaN, so no weights are the best and none were "
+        "tested; the run diverged: lower --inner-lr or --outer-lr"
+    )
+    saved = _checkpoint(tmp_path, "all")
+    assert saved["best_val"] is None and saved["results"] is None and saved["iteration"] == 10
+    with pytest.raises(UserError, match="test/acc of some is NaN.*lower --inner-lr"):
+        om.main(tiny_args(tmp_path, **diverging, hidden=32, eval_query=5, run_name="some"))
+    saved = _checkpoint(tmp_path, "some")
+    validations = [row["val/acc"] for row in saved["history"] if "val/acc" in row]
+    assert validations[0] != validations[0] and validations[1] == validations[1]  # NaN, finite
+    assert saved["best_val"] == validations[1] and saved["best_iteration"] == 10
+    assert saved["results"] is None
 
 
 # --------------------------------------------------------------------------- arguments
@@ -387,14 +437,14 @@ def test_mamlpp_switches_to_second_order_at_the_recorded_step(tmp_path, monkeypa
     train/second_order 0, 0, 0, 1, 1, 1, and the meta-gradients of the first three steps
     are first order (inner gradients detached) while the last three are not."""
     orders = []
-    original = experiment.meta_step
+    original = om.meta_step
 
     def recording_step(recipe, learner, *args, **kwargs):
         row = original(recipe, learner, *args, **kwargs)
         orders.append(learner.inner_loop().first_order)
         return row
 
-    monkeypatch.setattr(experiment, "meta_step", recording_step)
+    monkeypatch.setattr(om, "meta_step", recording_step)
     args = tiny_args(tmp_path, algorithm="mamlpp", first_order_steps=3, msl_steps=4,
                      inner_steps=2, iterations=6, val_every=6, run_name="pp")  # fmt: skip
     om.main(args)

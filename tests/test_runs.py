@@ -75,10 +75,14 @@ def test_seed_everything_repeats_python_numpy_and_torch():
     [("fomaml", FOMAML, 0.4, 1, None), ("imaml", IMAML, 0.1, 5, 10.0),
      ("reptile", Reptile, 0.4, 5, None)],
 )  # fmt: skip
-def test_open_values_come_from_one_table_and_are_built_as_resolved(
+def test_open_values_come_from_the_constructor_and_are_built_as_resolved(
     algorithm, cls, lr, steps, damping
 ):
     resolved = resolve_learner_args({**ARGS, "algorithm": algorithm})
+    # One source: the learner built with no arguments is the one the flag builds.
+    default = cls(Conv4(hidden=8))
+    assert (default.inner_lr, default.inner_steps) == (lr, steps)
+    assert getattr(default, "cg_damping", None) == damping
     assert (resolved["inner_lr"], resolved["inner_steps"], resolved["cg_damping"]) == (
         lr,
         steps,
@@ -120,3 +124,38 @@ def test_flags_of_another_algorithm_and_unknown_algorithms_are_refused():
         resolve_learner_args({**ARGS, "algorithm": "mamlpp", "first_order": True})
     with pytest.raises(ValueError, match="maml takes no argument rank"):
         complete_arguments("maml", {"rank": 4})
+
+
+def test_a_nan_validation_is_never_the_best_and_all_nan_has_no_best():
+    """`Run.keep_best` on a run's sequence of validations: NaN never replaces (or becomes)
+    the best; the test loads the weights of the best finite one; every validation NaN is
+    refused in one line."""
+    from run_helpers import om
+    from torch import nn
+
+    from metalearn.algorithms import MAML
+    from metalearn.runs.run import Run
+
+    run = Run(om.EXPERIMENT, om.Args())
+    run.state = RunState("r")
+    learner = MAML(nn.Linear(2, 2))
+
+    def validated(accuracy: float) -> float:
+        best = run.keep_best(learner, accuracy)
+        run.state.iteration += 1
+        run.state.history.append({"step": run.state.iteration, "val/acc": accuracy})
+        return best
+
+    assert np.isnan(validated(float("nan"))) and run.state.best_learner is None
+    with pytest.raises(UserError, match="all 1 validations of r were NaN"):
+        run.load_best(learner)
+    with torch.no_grad():
+        learner.model.weight.add_(1.0)
+    best_weight = learner.model.weight.detach().clone()
+    assert validated(0.3) == 0.3 and run.state.best_iteration == 2
+    with torch.no_grad():
+        learner.model.weight.add_(1.0)
+    assert validated(float("nan")) == 0.3 and validated(0.2) == 0.3
+    assert run.state.best_iteration == 2
+    run.load_best(learner)
+    assert torch.equal(learner.model.weight, best_weight)

@@ -14,7 +14,7 @@ import yaml
 from wandb.sdk.launch.sweeps.utils import create_sweep_command_args
 
 from metalearn.runs.cli import flatten
-from metalearn.runs.loop import new_run_identity
+from metalearn.runs.experiment import new_run_identity
 
 ROOT = Path(__file__).resolve().parents[1]
 SWEEPS = sorted((ROOT / "experiments" / "sweeps").glob("*.yaml"))

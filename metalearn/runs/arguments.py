@@ -63,15 +63,18 @@ class ModelArgs:
 
 @dataclass
 class LearnerArgs:
-    """The algorithm and its settings; none: the algorithm's value (recorded resolved)."""
+    """The algorithm and its settings, each flag named after the learner argument it sets
+    (but --gradient-checkpointing: checkpoint, and --lora-rank: rank);
+    none: the learner constructor's default, the one place it is written (docs/algorithms.md
+    lists them), recorded resolved."""
 
     algorithm: Algorithm = "protomaml"
     """Meta-learning algorithm."""
     inner_lr: float | None = None
-    """Inner-loop learning rate (MAML's alpha); none: the algorithm's (0.4; iMAML 0.1;
-    protonet, r2d2 and metaoptnet have no inner loop)."""
+    """Inner-loop learning rate (MAML's alpha); none: the learner's (protonet, r2d2 and
+    metaoptnet have no inner loop)."""
     inner_steps: int | None = None
-    """Inner steps during meta-training; none: the algorithm's (1; iMAML and Reptile 5)."""
+    """Inner steps during meta-training; none: the learner's."""
     first_order: bool = False
     """First-order meta-gradient (no second derivatives: less memory and time); not for
     fomaml (first order by definition), reptile, or mamlpp (see --first-order-steps)."""
@@ -84,30 +87,30 @@ class LearnerArgs:
     """Outer step size; none: the learner's (Adam 1e-3; Reptile: SGD with epsilon 1.0,
     annealed linearly to 0 as in Nichol et al.)."""
     cg_damping: float | None = None
-    """iMAML only: damping added to the conjugate-gradient system; none: 10 (conv4's
-    adapted support Hessian has eigenvalues below -lambda)."""
+    """iMAML only: damping added to the conjugate-gradient system; none: the learner's
+    (conv4's adapted support Hessian has eigenvalues below -lambda)."""
     lora_rank: int | None = None
-    """LoRA only: rank of the low-rank adapters the inner loop adapts; none: 4."""
+    """LoRA only: rank of the low-rank adapters the inner loop adapts; none: the learner's."""
     msl_steps: int | None = None
     """MAML++ only: meta-steps over which the multi-step loss anneals to the last step;
-    none: 5000 (the reference's 10 epochs of 500 steps)."""
+    none: the learner's (the reference's 10 epochs of 500 steps)."""
     first_order_steps: int | None = None
     """MAML++ only: meta-steps of first-order meta-gradients before exact second order;
-    none: 25000 (the reference's 50 epochs of 500 steps)."""
+    none: the learner's (the reference's 50 epochs of 500 steps)."""
     inner_optimizer: Literal["sgd", "momentum", "nesterov", "adam", "rmsprop"] | None = None
     """maml, fomaml, anil: the inner loop's differentiable optimizer (metalearn.optim), its
     step size --inner-lr (Adam and RMSprop move each entry by about that much: try 0.01);
-    none: sgd (MAML's update)."""
+    none: the learner's (sgd: MAML's update)."""
     inner_momentum: float | None = None
-    """--inner-optimizer momentum or nesterov: the momentum; none: 0.9."""
+    """--inner-optimizer momentum or nesterov: the momentum; none: the learner's."""
     inner_beta1: float | None = None
-    """--inner-optimizer adam: beta1; none: 0.9."""
+    """--inner-optimizer adam: beta1; none: the learner's."""
     inner_beta2: float | None = None
-    """--inner-optimizer adam: beta2; none: 0.999."""
+    """--inner-optimizer adam: beta2; none: the learner's."""
     inner_eps: float | None = None
-    """--inner-optimizer adam or rmsprop: eps; none: 1e-8."""
+    """--inner-optimizer adam or rmsprop: eps; none: the learner's."""
     inner_alpha: float | None = None
-    """--inner-optimizer rmsprop: the mean square's decay; none: 0.99."""
+    """--inner-optimizer rmsprop: the mean square's decay; none: the learner's."""
     learn_inner_hyperparameters: Literal["none", "tensor", "step"] | None = None
     """maml, fomaml, anil: meta-learn the inner step size and the optimizer's decay rates,
     one per parameter tensor (tensor) or per tensor and inner step (step); none: fixed."""

@@ -13,7 +13,7 @@ checkpoint and their W&B config; whoever uses a run afterwards rebuilds from it 
 * ``recipe.data.image``: how a file becomes an input (`metalearn.deploy` decodes a support
   folder with it).
 
-The experiments (`metalearn.runs.loop`), ``--resume``, ``scripts/evaluate.py``,
+The experiments (`metalearn.runs.run`), ``--resume``, ``scripts/evaluate.py``,
 ``scripts/transfer_check.py``, ``scripts/grid.py`` and `metalearn.deploy` all go through
 `read_recipe`, which also reads checkpoints written before recipes existed (their flat
 ``args``: `recipe_from_args`).
@@ -58,7 +58,6 @@ from metalearn.models import build_backbone
 __all__ = [
     "EXPERIMENTS",
     "RECIPE_VERSION",
-    "RUN_DEFAULTS",
     "DataRecipe",
     "LearnerRecipe",
     "ModelRecipe",
@@ -67,6 +66,7 @@ __all__ = [
     "build_learner",
     "build_model",
     "build_samplers",
+    "flag_arguments",
     "read_recipe",
     "recipe_from_args",
     "resolve_learner_args",
@@ -78,28 +78,6 @@ RECIPE_VERSION = 1
 EXPERIMENTS = ("omniglot_maml", "fewshot_maml")
 """The experiments that write recipes (``experiments/<name>.py``)."""
 
-# The learner values an experiment run leaves open (None), per algorithm, for Conv4 on
-# Omniglot-sized tasks. iMAML: conv4's adapted support Hessian has eigenvalues below -lambda,
-# so the CG system (Rajeswaran et al., 2019, Eq. 7) needs damping 10 and a smaller, longer
-# inner loop; Reptile (Nichol et al., 2018) needs several inner steps to differ from joint
-# training. Everything else a learner takes is its constructor's default, recorded whole.
-RUN_DEFAULTS: dict[str, dict[str, Any]] = {
-    "maml": {"inner_lr": 0.4, "inner_steps": 1},
-    "fomaml": {"inner_lr": 0.4, "inner_steps": 1},
-    "anil": {"inner_lr": 0.4, "inner_steps": 1},
-    "metasgd": {"inner_lr": 0.4, "inner_steps": 1},
-    "mamlpp": {"inner_lr": 0.4, "inner_steps": 1},
-    "imaml": {"inner_lr": 0.1, "inner_steps": 5, "cg_damping": 10.0},
-    "reptile": {"inner_lr": 0.4, "inner_steps": 5},
-    "protomaml": {"inner_lr": 0.4, "inner_steps": 1},
-    "lora": {"inner_lr": 0.4, "inner_steps": 1},
-    "boil": {"inner_lr": 0.4, "inner_steps": 1},
-    # Heads solved per task: no inner loop, nothing left open.
-    "protonet": {},
-    "r2d2": {},
-    "metaoptnet": {},
-    "metaoptnet-lr": {},
-}
 # The flags that set a learner argument, by flag name -> argument name. A switch (bool) that
 # is off and a value left at None set nothing: the learner's default stands (and is recorded).
 LEARNER_FLAGS = {
@@ -255,12 +233,14 @@ class Recipe:
 
 
 def resolve_learner_args(args: Mapping[str, Any]) -> dict[str, Any]:
-    """Flat experiment arguments with the learner values left open filled in, once.
+    """Flat experiment arguments with the values a run left open filled in, once.
 
-    Open values (None) take `RUN_DEFAULTS` for the algorithm, then the learner's own
-    defaults (MAML++'s ``msl_steps``, LoRA's rank ``lora_rank``, ...); ``outer_lr`` takes
-    the learner's (`MetaLearner.default_outer_lr`: Adam's 1e-3, Reptile's 1.0). A setting
-    of another algorithm stays None.
+    Open values (None) of the learner's arguments that a run always records (``inner_lr``,
+    ``inner_steps`` and the algorithm's own flags: iMAML's ``cg_damping``, MAML++'s
+    ``msl_steps``, LoRA's rank ``lora_rank``, ...) take the learner constructor's defaults,
+    the one place a learner's defaults live; ``outer_lr`` takes the learner's
+    (`MetaLearner.default_outer_lr`: Adam's 1e-3, Reptile's 1.0); ``train_ways`` takes
+    ``ways``. A setting of another algorithm stays None.
 
     Raises:
         ValueError: an unknown algorithm, another algorithm's setting, or ``first_order``
@@ -270,12 +250,12 @@ def resolve_learner_args(args: Mapping[str, Any]) -> dict[str, Any]:
     if algorithm not in LEARNERS:
         raise ValueError(f"unknown algorithm {algorithm!r}; choose one of {', '.join(LEARNERS)}")
     resolved = {**args}
-    for key, value in RUN_DEFAULTS[algorithm].items():
-        if resolved.get(key) is None:
-            resolved[key] = value
     own = complete_arguments(algorithm, {})
     _check_head_flags(algorithm, resolved, own)
     _check_optimizer_flags(algorithm, resolved, own)
+    for flag_name in ("inner_lr", "inner_steps"):
+        if flag_name in own and resolved.get(flag_name) is None:
+            resolved[flag_name] = own[flag_name]
     for flag_name, owner in _OWN_FLAGS.items():
         if flag_name not in resolved:
             continue
@@ -289,7 +269,16 @@ def resolve_learner_args(args: Mapping[str, Any]) -> dict[str, Any]:
         raise ValueError(f"{algorithm} sets its own derivative order{hint}; drop --first-order")
     if resolved.get("outer_lr") is None and "outer_lr" in resolved:
         resolved["outer_lr"] = LEARNERS[algorithm].default_outer_lr
+    if resolved.get("train_ways") is None and "ways" in resolved:
+        resolved["train_ways"] = resolved["ways"]  # the one place train_ways defaults to ways
     return resolved
+
+
+def flag_arguments(algorithm: str) -> set[str]:
+    """The arguments of ``algorithm``'s learner that a flag sets (the rest are recorded at
+    their defaults)."""
+    takes = complete_arguments(algorithm, {})
+    return {argument for argument in LEARNER_FLAGS.values() if argument in takes}
 
 
 def _check_head_flags(algorithm: str, args: Mapping[str, Any], own: Mapping[str, Any]) -> None:
@@ -368,7 +357,7 @@ def recipe_from_args(experiment: str, args: Mapping[str, Any]) -> Recipe:
         train_tasks=args.get("train_tasks", "episodic"),
         eval_protocol=args.get("eval_protocol", "episodic"), ways=ways, shots=args["shots"],
         query=args["query"], eval_query=args["eval_query"], augment=bool(args.get("augment")),
-        image=image, train_ways=args.get("train_ways") or ways,
+        image=image, train_ways=args["train_ways"],
     )  # fmt: skip
     model = ModelRecipe(
         backbone=args.get("backbone", "conv4"), in_channels=image.channels, ways=ways,
@@ -426,8 +415,12 @@ _RENAMED = {"checkpoint": "gradient_checkpointing"}
 
 
 def upgrade_args(args: Mapping[str, Any]) -> dict[str, Any]:
-    """A checkpoint's flat arguments under today's flag names (`_RENAMED`)."""
-    return {_RENAMED.get(k, k): v for k, v in args.items()}
+    """A checkpoint's flat arguments under today's flag names (`_RENAMED`), with the
+    ``train_ways`` a record written before it was resolved trained with (``ways``)."""
+    upgraded = {_RENAMED.get(k, k): v for k, v in args.items()}
+    if upgraded.get("train_ways") is None and "ways" in upgraded:
+        upgraded["train_ways"] = upgraded["ways"]
+    return upgraded
 
 
 def _upgrade_learner(learner: LearnerRecipe) -> LearnerRecipe:
@@ -513,7 +506,7 @@ def build_samplers(
     samplers: dict[str, EpisodicSampler] = {}
     if "train" in splits:
         augment = standard_augmentation("character") if data.augment else None
-        wide = {**common, "ways": data.train_ways or data.ways}
+        wide = {**common, "ways": data.train_ways}
         train = draw[data.train_tasks](images, data.split, queries=data.query, augment=augment,
                                        **wide)  # fmt: skip
         samplers["train"] = train["train"]

@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from metalearn.runs.lifecycle import Stopped
+from metalearn.runs.metrics import TRAIN_ACC, TRAIN_LOSS, VAL_ACC
 
 __all__ = [
     "SUMMARIES",
@@ -41,7 +42,7 @@ __all__ = [
 
 WANDB_HOST = "api.wandb.ai"
 
-SUMMARIES = {"train/acc": "max", "val/acc": "max", "train/loss": "min"}
+SUMMARIES = {TRAIN_ACC: "max", VAL_ACC: "max", TRAIN_LOSS: "min"}
 """How a training run's W&B summary holds a logged metric: its best value (``{"max": v}``
 or ``{"min": v}``) instead of its last. ``val/best_acc`` needs none: it is the running best,
 so its last value is already the best validation accuracy, a plain number a sweep can

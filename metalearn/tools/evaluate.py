@@ -253,7 +253,7 @@ def _start_run(
 ) -> Any:
     """An ``eval`` W&B run named ``<run>-eval-<id>`` in the trained run's group and its W&B
     folder (`runs_folder`); its config names the trained run (name and W&B id)."""
-    from metalearn.runs.loop import new_run_identity
+    from metalearn.runs.experiment import new_run_identity
     from metalearn.runs.tracking import init_run, run_group
 
     run_args = saved["args"]

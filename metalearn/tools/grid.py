@@ -182,10 +182,10 @@ def cell_recipe(exp: ModuleType, argv: list[str]) -> Recipe:
         UserError: a value the experiment refuses. A command line it cannot parse exits
             with its one-line error and status 2.
     """
-    from metalearn.runs import loop
+    from metalearn.runs import experiment as runs_experiment
 
     args = exp.parse_args(argv)
-    return loop.make_recipe(exp.EXPERIMENT, loop.resolve_args(exp.EXPERIMENT, args))
+    return runs_experiment.make_recipe(exp.EXPERIMENT, exp.resolve_args(args))
 
 
 def cell_key(recipe: Recipe) -> str:

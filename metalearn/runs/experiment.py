@@ -1,0 +1,324 @@
+"""An experiment's arguments: checked, resolved once, named, and resumed as the saved run.
+
+What differs between experiments (their own argument groups, presets and refusals) is an
+`Experiment`; what every experiment does with its arguments is here, once:
+
+- `parse_args`: the command line (`metalearn.runs.cli`), under a preset; with ``--resume``,
+  the flags not given take the saved run's values;
+- `check_args`: values that would fail later, refused before any data loads (`UserError`);
+- `resolve_args`: the open values filled once (the learner's from its constructor,
+  `metalearn.runs.recipe.resolve_learner_args`) and a run not named by the user given a
+  unique name (`run_name`, `new_run_identity`): the resolved arguments are the recipe;
+- `start_from`: the run's arguments, its `metalearn.runs.recipe.Recipe` and its checkpoint,
+  a resume refused where it would change what the saved run computes (`RESUMABLE`).
+
+`metalearn.runs.run.Run` calls these at the start of a run.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import secrets
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from metalearn.checkpoint import load_checkpoint
+from metalearn.runs.cli import flag, flatten, parse_dataclass, unflatten
+from metalearn.runs.lifecycle import UserError, merge_resumed_args, require
+from metalearn.runs.recipe import (
+    Recipe,
+    read_recipe,
+    recipe_from_args,
+    resolve_learner_args,
+    upgrade_args,
+    with_resumed,
+)
+
+__all__ = [
+    "RESUMABLE",
+    "Experiment",
+    "check_args",
+    "checkpoint_path",
+    "make_recipe",
+    "new_run_identity",
+    "parse_args",
+    "resolve_args",
+    "run_name",
+    "start_from",
+]
+
+# What --resume may change: how long, where, how fast and with how much memory the run goes
+# on (compiling, checkpointing and chunking compute the same meta-gradient), not what it
+# computes.
+RESUMABLE = (
+    "iterations", "checkpoint_every", "gradient_checkpointing", "chunk_size", "compile",
+    "device", "threads", "tune_malloc", "track", "wandb_mode", "wandb_group", "log_model",
+    "dist_timeout", "data_root", "out_dir", "resume",
+)  # fmt: skip
+_AT_LEAST_ONE = (
+    "ways", "train_ways", "shots", "query", "eval_query", "meta_batch", "iterations", "hidden",
+    "val_every", "val_tasks", "test_tasks", "checkpoint_every", "inner_steps",
+    "curvature_tasks", "chunk_size", "msl_steps", "lora_rank",
+)  # fmt: skip
+
+
+def _no_check(args: Any) -> None:
+    """No refusals of the experiment's own."""
+
+
+def _unchanged(args: Any) -> Any:
+    return args
+
+
+def _no_tags(args: Any) -> list[str]:
+    return []
+
+
+@dataclass(frozen=True)
+class Experiment:
+    """What one experiment adds to the shared arguments.
+
+    Attributes:
+        name: the experiment's name (``experiments/<name>.py``), recorded in its recipes.
+        args_type: its arguments (a subclass of `metalearn.runs.arguments.ExperimentArgs`).
+        description: ``--help``'s opening text.
+        presets: named groups of flat argument values (``--preset NAME``).
+        check: the experiment's own refusals, run after the shared ones (`UserError`).
+        resolve: fills the experiment's own open values (before the learner's are filled).
+        tags: ``args -> extra W&B tags`` (after algorithm, dataset and NwKs).
+    """
+
+    name: str
+    args_type: type
+    description: str
+    presets: Mapping[str, Mapping[str, Any]]
+    check: Callable[[Any], None] = _no_check
+    resolve: Callable[[Any], Any] = _unchanged
+    tags: Callable[[Any], list[str]] = _no_tags
+
+
+# --------------------------------------------------------------------------- names
+
+
+def run_name(args: Any) -> str:
+    """The descriptive part of the name of a run the user did not name (the one place run
+    names are made; `new_run_identity` makes it unique).
+
+    ``algorithm-NwKs-lrLR-stepsS-seedS``: the values a grid usually varies (no lr and steps
+    for a learner without an inner loop; ``-trainMw`` when training tasks are wider), after
+    ``dataset-backbone-`` for an experiment with a choice of data set.
+    """
+    a = flatten(args)
+    inner = "" if a["inner_lr"] is None else f"-lr{a['inner_lr']:g}-steps{a['inner_steps']}"
+    wide = a.get("train_ways")
+    train = f"-train{wide}w" if wide not in (None, a["ways"]) else ""
+    name = f"{a['algorithm']}-{a['ways']}w{a['shots']}s{train}{inner}-seed{a['seed']}"
+    return f"{a['dataset']}-{a['backbone']}-{name}" if "dataset" in a else name
+
+
+_ID_ALPHABET = "abcdefghijklmnopqrstuvwxyz0123456789"
+
+
+def new_run_identity(description: str, environ: Mapping[str, str] = os.environ) -> tuple[str, str]:
+    """The name and W&B run id of a run the user did not name.
+
+    The W&B id is 8 random characters (36**8 ids: two runs meet with probability about
+    n**2 / 5.6e12) and the name is ``description-ID``, so two runs with the same settings
+    (a grid cell and a sweep cell, two sweeps of one file, the same command twice) never
+    share a folder or a W&B run. Under a W&B agent (``WANDB_SWEEP_ID`` and
+    ``WANDB_RUN_ID`` set) the run must take the agent's run id, and the name
+    ``description-SWEEP-ID`` also says which sweep it belongs to.
+    """
+    sweep, agent_run = environ.get("WANDB_SWEEP_ID"), environ.get("WANDB_RUN_ID")
+    if sweep and agent_run:
+        return f"{description}-{sweep}-{agent_run}", agent_run
+    run_id = "".join(secrets.choice(_ID_ALPHABET) for _ in range(8))
+    return f"{description}-{run_id}", run_id
+
+
+def checkpoint_path(args: Any) -> Path:
+    """Where a run of (resolved) ``args`` keeps its checkpoint."""
+    return Path(args.tracking.out_dir) / str(args.tracking.run_name) / "checkpoint.pt"
+
+
+# --------------------------------------------------------------------------- checks
+
+
+def check_args(exp: Experiment, args: Any) -> None:
+    """Refuse values that would fail later (or silently do nothing), before any data loads."""
+    a = flatten(args)
+    for name in _AT_LEAST_ONE:
+        value = a.get(name)
+        require(value is None or value >= 1, f"{flag(name)} {value}: must be at least 1")
+    for name in ("ways", "train_ways"):
+        require(a.get(name) is None or a[name] >= 2,
+                f"{flag(name)} {a.get(name)}: a task needs at least 2 classes")  # fmt: skip
+    for name in ("inner_lr", "outer_lr", "dist_timeout"):
+        value = a[name]
+        require(value is None or (math.isfinite(value) and value > 0),
+                f"{flag(name)} {value}: must be a positive finite number")  # fmt: skip
+    require(a["cg_damping"] is None or (math.isfinite(a["cg_damping"]) and a["cg_damping"] >= 0),
+            f"--cg-damping {a['cg_damping']}: must be >= 0 and finite")  # fmt: skip
+    for name in ("eval_inner_steps", "curvature_every", "first_order_steps"):
+        require(a[name] is None or a[name] >= 0, f"{flag(name)} {a[name]}: must be >= 0")
+    require(a["threads"] >= 0,
+            f"--threads {a['threads']}: must be at least 1, or 0 for torch's default")  # fmt: skip
+    require(0 <= a["seed"] < 2**32, f"--seed {a['seed']}: must be in [0, 2**32)")
+    _check_device(a["device"])
+    _check_run_folder(a["out_dir"], a["run_name"], a["resume"])
+    exp.check(args)
+
+
+def _check_device(device: str) -> None:
+    """Refuse a device this torch cannot use, before anything loads (torch would raise an
+    AssertionError at the first tensor moved there)."""
+    try:
+        kind = torch.device(device).type
+    except (RuntimeError, ValueError):
+        raise UserError(f"--device {device}: not a torch device; e.g. cpu, cuda, cuda:1") from None
+    if kind == "cuda" and not torch.cuda.is_available():
+        build = "built without CUDA" if torch.version.cuda is None else "seeing no CUDA device"
+        raise UserError(f"--device {device}: this torch ({torch.__version__}) is {build}; "
+                        "pass --device cpu")  # fmt: skip
+
+
+def _check_run_folder(out_dir: str, run_name: str | None, resume: bool) -> None:
+    """Refuse a resume without a run name, a run name that is not one folder name, and an
+    --out-dir that cannot be written, before anything runs (a run that cannot checkpoint
+    would lose its work)."""
+    require(not resume or run_name is not None,
+            "--resume continues the run named by --run-name: pass --run-name NAME (its "
+            "folder under --out-dir)")  # fmt: skip
+    if run_name is not None:
+        require(run_name not in ("", ".", "..") and "/" not in run_name
+                and "\\" not in run_name and "\0" not in run_name,
+                f"--run-name {run_name!r}: a run's name is one folder name under --out-dir "
+                "(no '/', not empty, '.' or '..')")  # fmt: skip
+    out = Path(out_dir).expanduser()
+    existing = next(p for p in (out, *out.parents) if p.exists())
+    require(existing.is_dir(),
+            f"--out-dir {out_dir}: {existing} is a file, not a folder; give a folder")  # fmt: skip
+    require(
+        os.access(existing, os.W_OK | os.X_OK),
+        f"--out-dir {out_dir}: {existing} is not writable; give a folder you can write to",
+    )
+
+
+def resolve_args(exp: Experiment, args: Any) -> Any:
+    """Checked ``args`` with the open values filled in, and a run not named by the user
+    given a new unique name and W&B id (`new_run_identity`): resolve once, then pass the
+    result on (resolving resolved arguments changes nothing)."""
+    check_args(exp, args)
+    try:
+        flat = resolve_learner_args(flatten(exp.resolve(args)))
+    except ValueError as err:
+        raise UserError(str(err)) from None
+    resolved = unflatten(exp.args_type, flat)
+    tracking = resolved.tracking
+    if tracking.run_name is None:
+        tracking.run_name, chosen_id = new_run_identity(run_name(resolved))
+        tracking.wandb_id = tracking.wandb_id or chosen_id
+    elif tracking.wandb_id is None and not tracking.resume and os.environ.get("WANDB_SWEEP_ID"):
+        tracking.wandb_id = os.environ.get("WANDB_RUN_ID")  # the agent's run, named by the user
+    return resolved
+
+
+def make_recipe(exp: Experiment, args: Any) -> Recipe:
+    """The recipe of resolved ``args``.
+
+    Raises:
+        UserError: a data set, algorithm or shape the recipe refuses.
+    """
+    try:
+        return recipe_from_args(exp.name, flatten(args))
+    except ValueError as err:
+        raise UserError(str(err)) from None
+
+
+def _read(path: Path) -> dict:
+    """A run's checkpoint, or a one-line `UserError` naming why it cannot be resumed."""
+    try:
+        saved = load_checkpoint(path)
+    except FileNotFoundError as err:
+        raise UserError(str(err)) from None
+    except Exception as err:  # truncated, empty, or not a checkpoint at all
+        raise UserError(f"{path} cannot be read as a checkpoint ({type(err).__name__}); it is "
+                        "damaged or not a metalearn run: start a new run with another "
+                        "--run-name") from None  # fmt: skip
+    if not isinstance(saved, dict) or "args" not in saved:
+        raise UserError(f"{path} is not a metalearn run's checkpoint (no 'args' entry)")
+    return saved
+
+
+def _saved_recipe(exp: Experiment, path: Path, saved: Mapping[str, Any]) -> Recipe:
+    """The recipe a checkpoint holds, refused unless this experiment wrote it."""
+    try:
+        recipe = read_recipe(saved)
+    except ValueError as err:
+        raise UserError(f"{path}: {err}") from None
+    require(recipe.experiment == exp.name,
+            f"{path} is a run of experiments/{recipe.experiment}.py, not of "
+            f"experiments/{exp.name}.py; resume it with that script")  # fmt: skip
+    return recipe
+
+
+def start_from(exp: Experiment, args: Any) -> tuple[Any, Recipe, dict | None]:
+    """The run's arguments, its recipe and its checkpoint (None for a fresh run). Writes
+    nothing.
+
+    Raises:
+        UserError: resuming a run that does not exist or that another experiment wrote, a
+            resume that changes a fixed argument, or a fresh run whose name is taken.
+    """
+    args = resolve_args(exp, args)
+    path = checkpoint_path(args)
+    if not args.tracking.resume:
+        require(not path.exists(), _taken(path))
+        return args, make_recipe(exp, args), None
+    saved = _read(path)
+    recipe = _saved_recipe(exp, path, saved)
+    # A flag the record predates ran at its default: a resume that sets it otherwise is
+    # refused like any other change, not dropped.
+    recorded = {**flatten(exp.args_type()), **upgrade_args(saved["args"])}
+    merged = merge_resumed_args(recorded, flatten(args), RESUMABLE)
+    require(merged["iterations"] >= saved["iteration"],
+            f"--iterations {merged['iterations']} is below the {saved['iteration']} steps "
+            f"{path} already holds; pass at least {saved['iteration']}")  # fmt: skip
+    known = {k: v for k, v in merged.items() if k in flatten(exp.args_type())}
+    return unflatten(exp.args_type, known), with_resumed(recipe, merged), saved
+
+
+def _taken(path: Path) -> str:
+    """The refusal of a new run whose folder holds a run: nothing is overwritten, so it
+    names the two ways on and a folder that is free (runs have no ``--overwrite``)."""
+    name, out = path.parent.name, path.parent.parent
+    free = next(f"{name}-{i}" for i in range(2, 10**6) if not (out / f"{name}-{i}").exists())
+    return (f"{path} exists and is never overwritten: pass --resume to continue that run, or "
+            f"--run-name {free} (a new run in {out / free}); to start it again, delete "
+            f"{path.parent} first")  # fmt: skip
+
+
+def parse_args(exp: Experiment, argv: Sequence[str] | None = None) -> Any:
+    """The command line as ``exp.args_type``; with ``--resume``, unspecified flags take the
+    saved run's values (so ``--resume --run-name NAME`` alone continues that run)."""
+    description = exp.description.split("\n\n")[0]
+    args = parse_dataclass(exp.args_type, argv, description=description, presets=exp.presets)
+    if not args.tracking.resume:
+        return args
+    # Only the run's folder is checked here: the other checks need the saved values
+    # (a MAML run resumed with --inner-momentum is not the default preset's Proto-MAML).
+    _check_run_folder(args.tracking.out_dir, args.tracking.run_name, resume=True)
+    path = checkpoint_path(args)
+    if not path.is_file():  # start_from names it (or rank 0 holds it, under torchrun)
+        return args
+    saved = _read(path)
+    _saved_recipe(exp, path, saved)
+    fields = flatten(exp.args_type())
+    flat = {k: v for k, v in upgrade_args(saved["args"]).items() if k in fields}
+    base = unflatten(exp.args_type, {**flat, "resume": True})
+    return parse_dataclass(exp.args_type, argv, description=description, base=base)
