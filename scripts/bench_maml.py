@@ -28,11 +28,10 @@ order). Methods:
 * ``--inner-optimizer adam``: the same methods with Adam as the inner optimizer
   (`metalearn.optim.Adam` through ``MAML(inner_optimizer="adam")``; higher's
   ``DifferentiableAdam`` from ``torch.optim.Adam``), inner step 0.01, betas (0.9, 0.999),
-  eps 1e-8; learn2learn has no differentiable Adam and is skipped. TorchOpt adds eps after
-  the bias correction, as metalearn. higher adds eps before
-  Adam's bias correction, metalearn (as torch.optim.Adam) after it: with one inner step,
-  higher's eps is ``1e-8 * sqrt(1 - beta2)`` so both compute the same update. The ratio
-  column and the last line are then against higher.
+  eps 1e-8; learn2learn has no differentiable Adam and is skipped. higher adds eps before
+  Adam's bias correction, metalearn (as torch.optim.Adam and TorchOpt) after it: with one
+  inner step, higher's eps is ``1e-8 * sqrt(1 - beta2)`` so both compute the same update.
+  The ratio column and the last line are then against higher.
 * ``compile`` (only when named in ``--methods``): ``auto`` under
   `metalearn.algorithms.compiled.CompiledMetaGradient` (the experiments' ``--compile``): each
   vmapped chunk compiled as one graph; minutes of compiling per setting on a CPU.
@@ -51,7 +50,7 @@ RSS high-water mark (``/proc/self/clear_refs``), runs one more and reports the p
 above the RSS at the start of that step (glibc's mmap threshold is pinned so freed tensors
 return to the OS and RSS follows live memory). Linux only.
 
-Command (learn2learn and higher live in their own venv, see scripts/install_baselines.sh)::
+Command (the baselines live in their own venv, see scripts/install_baselines.sh)::
 
     .venv-baselines/bin/python scripts/bench_maml.py            # full run, ~15 min on 2 cores
     .venv/bin/python scripts/bench_maml.py --quick              # metalearn only
