@@ -1,4 +1,5 @@
-"""Benchmark a MAML meta-step: metalearn (loop, vmap, auto) against learn2learn and higher.
+"""Benchmark a MAML meta-step: metalearn (loop, vmap, auto) against learn2learn, higher and
+TorchOpt.
 
 What: the time of one full meta-step (meta-gradient of a meta-batch + Adam update) for
 MAML's Omniglot network (`metalearn.models.Conv4`, stride 2, 5-way, 112k parameters) on
@@ -16,13 +17,21 @@ order). Methods:
 * ``higher``: ``higher.innerloop_ctx`` with SGD, one ``backward`` per task; first order
   detaches the inner gradient through ``grad_callback`` (higher has no first-order switch
   that keeps the gradient to theta; ``track_higher_grads=False`` cuts it).
+* ``torchopt`` (only when named in ``--methods``): TorchOpt's functional optimizer
+  (``torchopt.sgd``, or ``torchopt.adam`` with ``--inner-optimizer adam``) on the parameter
+  dict through ``torch.func.functional_call``, one ``backward`` per task; first order takes
+  the inner gradient without a graph. Its Adam runs with ``eps_root`` the dtype's smallest
+  normal number (at ``eps_root = 0`` sqrt's derivative at a zero gradient entry makes the
+  meta-gradient NaN; this one changes no update), and each step runs with the network's
+  dtype as torch's default (TorchOpt computes Adam's bias correction in the default dtype).
+  Its float64 meta-gradient is checked against metalearn's loop before timing.
 * ``--inner-optimizer adam``: the same methods with Adam as the inner optimizer
   (`metalearn.optim.Adam` through ``MAML(inner_optimizer="adam")``; higher's
   ``DifferentiableAdam`` from ``torch.optim.Adam``), inner step 0.01, betas (0.9, 0.999),
   eps 1e-8; learn2learn has no differentiable Adam and is skipped. higher adds eps before
-  Adam's bias correction, metalearn (as torch.optim.Adam) after it: with one inner step,
-  higher's eps is ``1e-8 * sqrt(1 - beta2)`` so both compute the same update. The ratio
-  column and the last line are then against higher.
+  Adam's bias correction, metalearn (as torch.optim.Adam and TorchOpt) after it: with one
+  inner step, higher's eps is ``1e-8 * sqrt(1 - beta2)`` so both compute the same update.
+  The ratio column and the last line are then against higher.
 * ``compile`` (only when named in ``--methods``): ``auto`` under
   `metalearn.algorithms.compiled.CompiledMetaGradient` (the experiments' ``--compile``): each
   vmapped chunk compiled as one graph; minutes of compiling per setting on a CPU.
@@ -41,7 +50,7 @@ RSS high-water mark (``/proc/self/clear_refs``), runs one more and reports the p
 above the RSS at the start of that step (glibc's mmap threshold is pinned so freed tensors
 return to the OS and RSS follows live memory). Linux only.
 
-Command (learn2learn and higher live in their own venv, see scripts/install_baselines.sh)::
+Command (the baselines live in their own venv, see scripts/install_baselines.sh)::
 
     .venv-baselines/bin/python scripts/bench_maml.py            # full run, ~15 min on 2 cores
     .venv/bin/python scripts/bench_maml.py --quick              # metalearn only
@@ -49,15 +58,20 @@ Command (learn2learn and higher live in their own venv, see scripts/install_base
     .venv-baselines/bin/python scripts/bench_maml.py --profile vmap:q15-second
     .venv-baselines/bin/python scripts/bench_maml.py --inner-optimizer adam --settings q1-second \
         --methods auto,higher --threads 1    # inner Adam against higher's DifferentiableAdam
+    .venv-baselines/bin/python scripts/bench_maml.py --inner-optimizer adam --settings q1-second \
+        --methods auto,higher,torchopt       # ... and against TorchOpt's adam
 
 Expected (2 CPU cores): markdown tables of median ms, peak MB and float64 agreement
 (relative differences ~1e-14); the last line is ``speedup_vs_learn2learn: X``, metalearn
-``auto`` against learn2learn at 1 query per class, second order. The measured tables, with
+``auto`` against learn2learn at 1 query per class, second order (``speedup_vs_higher`` with
+``--inner-optimizer adam``); when ``torchopt`` runs, ``speedup_vs_torchopt: X`` (the same
+ratio against TorchOpt) comes just before it. The measured tables, with
 their machine and commit, are in ``docs/benchmarks.md``.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import gc
 import importlib.util
@@ -67,7 +81,7 @@ import resource
 import statistics
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -101,11 +115,16 @@ from metalearn.engine import ChunkSize, InnerLoop, Task, plan
 
 OUTER_LR = 1e-3
 METHODS = ("loop", "vmap", "auto", "learn2learn", "higher")
-OPTIONAL_METHODS = ("whole", "compile")
-"""Run only when named in ``--methods``: ``compile`` spends minutes compiling per setting."""
-BASELINES = {"learn2learn": "learn2learn", "higher": "higher"}  # method -> module to import
+OPTIONAL_METHODS = ("whole", "compile", "torchopt")
+"""Run only when named in ``--methods``: ``compile`` spends minutes compiling per setting;
+``torchopt`` keeps the default run's tables as they were."""
+BASELINES = {"learn2learn": "learn2learn", "higher": "higher", "torchopt": "torchopt"}
+"""Method -> the module it imports."""
 FLOAT64_TOLERANCE = 1e-9
 """Max relative difference of a float64 meta-gradient from metalearn's loop to call it equal."""
+SPREAD_FACTOR = 10
+"""`verify_before_timing` also accepts a difference within this many times metalearn's own
+vmap-vs-loop difference."""
 
 
 ADAM = {"lr": 0.01, "beta1": 0.9, "beta2": 0.999, "eps": 1e-8}
@@ -226,6 +245,54 @@ def higher_gradient(
     return run
 
 
+@contextlib.contextmanager
+def default_dtype(dtype: torch.dtype) -> Iterator[None]:
+    """torch's default dtype set to ``dtype`` inside the block, restored after it."""
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(previous)
+
+
+def torchopt_gradient(
+    model: nn.Module, setting: Setting, inner_optimizer: str = "sgd"
+) -> MetaGradient:
+    """TorchOpt's functional optimizer on the parameter dict, one ``backward`` per task."""
+    import torchopt
+    from torch.func import functional_call
+
+    dtype = next(model.parameters()).dtype
+    if inner_optimizer == "adam":
+        # eps after the bias correction, as metalearn's; eps_root the smallest normal number,
+        # so that sqrt is differentiable at a zero gradient entry and no v_hat changes.
+        optimizer = torchopt.adam(
+            lr=ADAM["lr"], betas=(ADAM["beta1"], ADAM["beta2"]), eps=ADAM["eps"],
+            eps_root=torch.finfo(dtype).tiny,
+        )  # fmt: skip
+    else:
+        optimizer = torchopt.sgd(lr=INNER_LR)
+    theta = dict(model.named_parameters())
+
+    def task_loss(params: dict[str, Tensor], split: tuple[Tensor, Tensor]) -> Tensor:
+        return F.cross_entropy(functional_call(model, params, split[0]), split[1])
+
+    def run(tasks: Sequence[Task]) -> None:
+        # TorchOpt builds Adam's bias correction in the default dtype: the network's here.
+        with default_dtype(dtype):
+            for task in tasks:
+                grads = torch.autograd.grad(task_loss(theta, task.support), list(theta.values()),
+                                            create_graph=not setting.first_order)  # fmt: skip
+                updates, _ = optimizer.update(
+                    dict(zip(theta, grads)), optimizer.init(theta), inplace=False
+                )
+                params = torchopt.apply_updates(theta, updates, inplace=False)
+                (task_loss(params, task.query) / len(tasks)).backward()
+
+    return run
+
+
 def compiled_gradient(
     model: nn.Module, setting: Setting, inner_optimizer: str = "sgd"
 ) -> MetaGradient:
@@ -253,6 +320,8 @@ def make_gradient(
         return learn2learn_gradient(model, setting)
     if method == "higher":
         return higher_gradient(model, setting, inner_optimizer)
+    if method == "torchopt":
+        return torchopt_gradient(model, setting, inner_optimizer)
     names = ", ".join(METHODS + OPTIONAL_METHODS)
     raise ValueError(f"unknown method {method!r}; choose from {names}")
 
@@ -431,6 +500,38 @@ def headline(
     return f"speedup_vs_learn2learn: {row['learn2learn'] / row['auto']:.2f}"
 
 
+def torchopt_headline(medians: dict[str, dict[str, float]], methods: Sequence[str]) -> str:
+    """``speedup_vs_torchopt: X``, ``auto`` against TorchOpt in setting `HEADLINE`."""
+    if HEADLINE not in medians or "auto" not in methods:
+        return f"speedup_vs_torchopt: n/a (needs setting {HEADLINE} and method auto)"
+    return f"speedup_vs_torchopt: {medians[HEADLINE]['torchopt'] / medians[HEADLINE]['auto']:.2f}"
+
+
+def verify_before_timing(method: str, settings: dict[str, Setting], args: BenchArgs) -> None:
+    """Stop unless ``method``'s float64 meta-gradient equals metalearn's loop's in each setting.
+
+    Equal: a relative difference (`max_relative_difference`) within `FLOAT64_TOLERANCE`, or
+    within `SPREAD_FACTOR` times metalearn's own vmap-vs-loop difference where that is
+    larger: inner Adam divides each gradient entry by its magnitude, so its meta-gradient
+    amplifies the rounding of entries near zero (the conv biases a batch norm cancels), and
+    two correct computations differ by about 1e-9 there. A method that computes something
+    else is not timed.
+    """
+    for name, setting in settings.items():
+        reference = float64_gradients("loop", setting, args)
+        diff = max_relative_difference(float64_gradients(method, setting, args), reference)
+        own = max_relative_difference(float64_gradients("vmap", setting, args), reference)
+        allowed = max(FLOAT64_TOLERANCE, SPREAD_FACTOR * own)
+        print(
+            f"{method} verified before timing, {name}: float64 meta-gradient vs metalearn loop "
+            f"{diff:.1e} (metalearn vmap vs loop {own:.1e}; allowed {allowed:.1e})"
+        )
+        if not diff <= allowed:
+            raise SystemExit(
+                f"{method} disagrees with metalearn in {name}: {diff:.1e} > {allowed:.1e}"
+            )
+
+
 def main(args: BenchArgs) -> str:
     """Run the benchmark, print the tables; returns the last line (the headline)."""
     if args.threads:
@@ -458,11 +559,15 @@ def main(args: BenchArgs) -> str:
         f"{args.repeats} repeats after {args.warmup} warm-up, interleaved; {args.clock} clock; "
         f"malloc: {malloc}\n"
     )
+    if "torchopt" in methods and args.float64_check:
+        verify_before_timing("torchopt", settings, args)
     medians = report_times(methods, settings, args)
     if args.memory:
         report_memory(methods, settings, args)
     if args.float64_check:
         report_float64(methods, settings, args)
+    if "torchopt" in methods:
+        print(torchopt_headline(medians, methods))
     last = headline(medians, methods, baseline_of(args))
     print(last)
     return last

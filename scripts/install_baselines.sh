@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Install the benchmark baselines, learn2learn and higher, into a SEPARATE virtualenv.
+# Install the benchmark baselines, learn2learn, higher and TorchOpt, into a SEPARATE virtualenv.
 #
 # They are optional extras for scripts/bench_maml.py, never dependencies of metalearn, and
 # they pull torch/torchvision versions of their own, so they live in their own venv and the
@@ -20,15 +20,23 @@
 #   build of torch 2.13 ("operator torchvision::nms does not exist"), so this venv takes
 #   torch 2.14.1 with torchvision 0.29.1 (a CUDA build, about 5.5 GB, which runs on CPU).
 # * higher 0.2.1 is pure Python and installs as it is.
+# * TorchOpt 0.7.3 (the latest release) installs with --no-deps, naming the two requirements
+#   not already here, optree and graphviz (the Python package; `import torchopt` imports it,
+#   no Graphviz binary is needed): its other requirements (torch>=1.13, numpy,
+#   typing-extensions) are met above, and --no-deps keeps pip from touching torch or numpy.
+#   Its compiled _C extension was built against torch 2.1 and does not load on 2.14
+#   (undefined symbol); TorchOpt then runs its pure-Python ops, its default
+#   (use_accelerated_op=False), which is what the benchmark and the tests use.
 set -euo pipefail
 
 usage() {
     cat << 'USAGE'
 usage: bash scripts/install_baselines.sh [VENV_DIR]
 
-Install the benchmark baselines, learn2learn 0.2.0 and higher 0.2.1, with torch and a
-matching torchvision and metalearn (editable, dev extra), into their own virtualenv
-VENV_DIR (default: .venv-baselines at the repository root); the core .venv is untouched.
+Install the benchmark baselines, learn2learn 0.2.0, higher 0.2.1 and TorchOpt 0.7.3, with
+torch and a matching torchvision and metalearn (editable, dev extra), into their own
+virtualenv VENV_DIR (default: .venv-baselines at the repository root); the core .venv is
+untouched.
 
 environment:
   PYTHON             the Python that creates the venv (default: python3)
@@ -80,17 +88,20 @@ SRC="$WORK/learn2learn-0.2.0"
 "${PIP[@]}" install --no-build-isolation "$SRC"
 
 "${PIP[@]}" install higher==0.2.1
+"${PIP[@]}" install --no-deps torchopt==0.7.3 optree graphviz
 "${PIP[@]}" install -e ".[dev]"  # dev: pytest, for the baselines tests
 
 "$VENV/bin/python" - <<'EOF'
 import higher
 import learn2learn
 import torch
+import torchopt
 
 import metalearn
 
 print(
     f"ok: torch {torch.__version__}, learn2learn {learn2learn.__version__}, "
-    f"higher {getattr(higher, '__version__', '0.2.1')}, metalearn {metalearn.__version__}"
+    f"higher {getattr(higher, '__version__', '0.2.1')}, torchopt {torchopt.__version__}, "
+    f"metalearn {metalearn.__version__}"
 )
 EOF
