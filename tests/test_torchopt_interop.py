@@ -46,7 +46,7 @@ from torch import Tensor
 from torch.func import functional_call
 
 from metalearn.algorithms import MAML
-from metalearn.algorithms.metaoptnet import logistic_objective, newton_logistic
+from metalearn.algorithms.metaoptnet_lr import logistic_objective, newton_logistic
 from metalearn.engine import Task
 from metalearn.implicit import root
 
