@@ -23,7 +23,8 @@ from typing import Literal
 
 from torch import Tensor, nn
 
-from metalearn.engine import InnerLoop, LearningRate, run_inner_loop
+from metalearn.engine import InnerLoop, run_inner_loop
+from metalearn.optim import Hyperparameter as LearningRate
 from metalearn.rl.episodes import PolicyBatch
 
 __all__ = ["Average", "adapt_policy", "policy_gradient_loss"]
@@ -68,7 +69,7 @@ def adapt_policy(
         policy: the policy module.
         params: phi, name -> tensor.
         batch: one task's episodes with their advantages (leaves ``[B, T, ...]``).
-        lr: the inner rate (a float, or per-parameter as `metalearn.engine.LearningRate`).
+        lr: the inner rate (a float, or per-parameter as `metalearn.optim.Hyperparameter`).
         first_order: treat g_hat as a constant (FOMAML).
         average: `policy_gradient_loss`'s normaliser.
 

@@ -48,8 +48,8 @@ import torch
 from torch import Tensor, nn
 from torch.func import functional_call, vmap
 
-from metalearn.engine import LearningRate
 from metalearn.functional import tree_map
+from metalearn.optim import Hyperparameter as LearningRate
 from metalearn.rl.adaptation import Average, _normalizer, adapt_policy
 from metalearn.rl.episodes import PolicyBatch
 from metalearn.rl.policy import Stats
