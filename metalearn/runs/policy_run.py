@@ -52,7 +52,7 @@ from metalearn.runs.lifecycle import (
     require,
     signals_held,
 )
-from metalearn.runs.tracking import graceful_shutdown, init_run
+from metalearn.runs.tracking import graceful_shutdown, init_run, log_model
 
 __all__ = ["RESUMABLE", "PolicyRun", "parse_args"]
 
@@ -222,6 +222,8 @@ class PolicyRun:
             save_checkpoint(self.path, {**self._snapshot, "results": results})
         if self._wandb is not None:
             self._wandb.summary.update(results)
+            if self.args.tracking.log_model:
+                log_model(self._wandb, self.path, name=f"{self.state.run_name}-model")
         self._finished = True
         key, ci = headline
         others = {k: v for k, v in results.items() if k not in headline}
