@@ -195,15 +195,8 @@ def resolve(args: Args) -> Args:
 def check_args(args: Args) -> None:
     """Refuse what cannot run, before anything is written (`UserError`, one line)."""
     t, horizon = args.training, args.env.horizon
-    for name in (
-        "iterations",
-        "meta_batch",
-        "fast_batch",
-        "inner_steps",
-        "cg_iters",
-        "ppo_epochs",
-        "checkpoint_every",
-    ):
+    for name in ("iterations", "meta_batch", "fast_batch", "inner_steps", "cg_iters",
+                 "ppo_epochs", "checkpoint_every"):  # fmt: skip
         value = getattr(t, name)
         require(value >= 1, f"--{name.replace('_', '-')} {value}: must be at least 1")
     require(t.eval_tasks >= 2, f"--eval-tasks {t.eval_tasks}: an interval needs 2 tasks")
@@ -284,14 +277,8 @@ class Sampler:
     def goals(self, stream: int, iteration: int, count: int) -> torch.Tensor:
         return self.dist.sample_goals(derive_seeds(self.seed, stream, iteration, count=count))
 
-    def __call__(
-        self,
-        params: dict,
-        goals: torch.Tensor,
-        path: tuple[int, ...],
-        episodes: int,
-        per_task: bool,
-    ) -> Any:
+    def __call__(self, params: dict, goals: torch.Tensor, path: tuple[int, ...],
+                 episodes: int, per_task: bool) -> Any:  # fmt: skip
         """Episodes ``[K, B, T]``: task k's episode b from seed path ``(*path[:2], k,
         path[2], b)`` (stream, iteration, task, phase, episode)."""
         start = time.perf_counter()
@@ -332,17 +319,9 @@ def processed(t: TrainingArgs, episodes: Any, iteration: int, phase: str) -> Any
     return batch
 
 
-def adapted_episodes(
-    t: TrainingArgs,
-    sample: Sampler,
-    objective: MetaObjective,
-    params: dict,
-    goals: torch.Tensor,
-    stream: int,
-    iteration: int,
-    steps: int,
-    where: str = "",
-) -> tuple:
+def adapted_episodes(t: TrainingArgs, sample: Sampler, objective: MetaObjective,
+                     params: dict, goals: torch.Tensor, stream: int, iteration: int,
+                     steps: int, where: str = "") -> tuple:  # fmt: skip
     """Episodes with theta and after each of ``steps`` inner steps: ``(batches, returns)``,
     the `PolicyBatch` of each phase before the last and each phase's ``[K]`` returns."""
     batches, returns, phis, per_task = [], [], params, False
@@ -355,17 +334,11 @@ def adapted_episodes(
         batches.append(batch)
         phis = objective.adapt_tasks(sample.policy, phis, batch, per_task=per_task)
         per_task = True
-    raise AssertionError("unreachable")
+    raise AssertionError("unreachable")  # the loop returns at phase == steps
 
 
-def meta_iteration(
-    t: TrainingArgs,
-    sample: Sampler,
-    objective: MetaObjective,
-    policy: torch.nn.Module,
-    opt: Any,
-    iteration: int,
-) -> dict[str, float]:
+def meta_iteration(t: TrainingArgs, sample: Sampler, objective: MetaObjective,
+                   policy: torch.nn.Module, opt: Any, iteration: int) -> dict:  # fmt: skip
     """One MAML-TRPO iteration (Finn et al., 2017, Algorithm 3) on a fresh meta-batch; its
     metrics. The policy's parameters are updated in place."""
     start, steps_before, seconds_before = time.perf_counter(), sample.steps, sample.seconds
@@ -393,12 +366,9 @@ def meta_iteration(
     return {
         "train/return_pre": float(returns[0].mean()),
         "train/return_post": float(returns[-1].mean()),
-        "train/kl": kl,
-        "train/step_size": step_size,
-        "train/accepted": accepted,
-        "perf/env_steps_per_s": sampled / sampling_s,
-        "perf/step_s": time.perf_counter() - start,
-    }
+        "train/kl": kl, "train/step_size": step_size, "train/accepted": accepted,
+        "perf/env_steps_per_s": sampled / sampling_s, "perf/step_s": time.perf_counter() - start,
+    }  # fmt: skip
 
 
 def evaluate(
