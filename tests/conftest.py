@@ -9,9 +9,14 @@ import os
 from pathlib import Path
 
 import pytest
-import torch
 
-from metalearn.data.omniglot import resolve_data_root
+# Bit-identical runs (a resume equals the uninterrupted run): MKL's kernels independent of
+# memory alignment, set before torch's first MKL call (as experiments/rl_maml.py sets it).
+os.environ.setdefault("MKL_CBWR", "AUTO,STRICT")
+
+import torch  # noqa: E402
+
+from metalearn.data.omniglot import resolve_data_root  # noqa: E402
 
 pytest_plugins = ["pytester"]  # tests/test_baselines_marker.py runs pytest on a made-up test
 

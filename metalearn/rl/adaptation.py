@@ -24,7 +24,7 @@ from typing import Literal
 from torch import Tensor, nn
 
 from metalearn.engine import InnerLoop, run_inner_loop
-from metalearn.optim import Hyperparameter
+from metalearn.optim import Hyperparameter as LearningRate
 from metalearn.rl.episodes import PolicyBatch
 
 __all__ = ["Average", "adapt_policy", "policy_gradient_loss"]
@@ -59,7 +59,7 @@ def adapt_policy(
     params: Mapping[str, Tensor],
     batch: PolicyBatch,
     *,
-    lr: Hyperparameter,
+    lr: LearningRate,
     first_order: bool = False,
     average: Average = "episodes",
 ) -> dict[str, Tensor]:

@@ -43,8 +43,13 @@ def fit_linear_baseline(
     gram = x.transpose(-1, -2) @ x
     rhs = (x.transpose(-1, -2) @ y[..., None])[..., 0]
     eye = torch.eye(gram.shape[-1], dtype=gram.dtype, device=gram.device)
+    # CPU: gelsd (SVD), as numpy's lstsq in rllab's baseline; the default gelsy returned
+    # different bits for the same input from call to call, so runs were not repeatable.
+    # CUDA has gels only.
+    driver = "gelsd" if gram.device.type == "cpu" else "gels"
     for _ in range(5):
-        coeffs = torch.linalg.lstsq(gram + reg_coeff * eye, rhs[..., None]).solution[..., 0]
+        solved = torch.linalg.lstsq(gram + reg_coeff * eye, rhs[..., None], driver=driver)
+        coeffs = solved.solution[..., 0]
         if torch.isfinite(coeffs).all():
             break
         reg_coeff *= 10

@@ -49,7 +49,7 @@ from torch import Tensor, nn
 from torch.func import functional_call, vmap
 
 from metalearn.functional import tree_map
-from metalearn.optim import Hyperparameter
+from metalearn.optim import Hyperparameter as LearningRate
 from metalearn.rl.adaptation import Average, _normalizer, adapt_policy
 from metalearn.rl.episodes import PolicyBatch
 from metalearn.rl.policy import Stats
@@ -97,7 +97,7 @@ class MetaObjective:
             None: the plain ratio (TRPO's).
     """
 
-    lr: Hyperparameter = 0.1
+    lr: LearningRate = 0.1
     first_order: bool = False
     average: Average = "episodes"
     inner_score: bool = False

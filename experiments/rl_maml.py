@@ -1,0 +1,437 @@
+"""MAML-TRPO on policies (Finn et al., 2017, Sec. 5.3), tracked in Weights & Biases.
+
+What: meta-trains the paper's Gaussian MLP policy (100-100 ReLU) so that one policy-gradient
+step on a new task's episodes raises its return: 2D navigation to a goal, or HalfCheetah /
+Ant running in a direction or at a velocity. Each iteration samples a meta-batch of tasks,
+``--fast-batch`` episodes per task with theta, adapts each task's policy by
+``--inner-steps`` policy-gradient steps, samples again with the adapted policies, and takes
+one TRPO step on the meta-surrogate (`metalearn.rl.meta_objective`; ``--outer ppo``: a few
+clipped first-order epochs instead). At the end the policy is evaluated on held-out tasks
+(goals from their own seed stream): the return before adaptation and after each of
+``--eval-inner-steps`` steps, with 95% intervals over the tasks.
+
+Command:
+    python experiments/rl_maml.py                          # 2D navigation, a few minutes on CPU
+    python experiments/rl_maml.py --preset paper-2dnav      # maml_rl's point-robot settings
+    python experiments/rl_maml.py --preset paper-halfcheetah-vel   # needs metalearn[rl]
+    python experiments/rl_maml.py --env ant-dir --outer ppo --iterations 50
+    python experiments/rl_maml.py --resume --run-name NAME   # continue a stopped run
+
+MuJoCo tasks need the optional extra: ``pip install "metalearn[rl]"``. The last line printed
+is the post-adaptation return on the held-out tasks, e.g. ``test/return_post: -12.3 ± 1.2``.
+Defaults and where each comes from: docs/algorithms.md ("Meta-RL").
+
+The file reads top to bottom: the arguments and presets; the loop's steps (`sample`,
+`meta_iteration`, `evaluate`); `main`. What no experiment rewrites (argument checks, the run
+folder's lock, resuming, signals, W&B, checkpoints) is `metalearn.runs.policy_run.PolicyRun`.
+Every task's goal and every episode's noise and reset come from seeds derived from ``--seed``
+and where they are used (`metalearn.rl.seeds`), so a resumed run repeats an uninterrupted one.
+"""
+
+from __future__ import annotations
+
+import os
+
+# MKL picks its kernels by the buffers' memory alignment unless told not to, so the same
+# float32 sums round differently from run to run and a resumed run drifts from an
+# uninterrupted one (measured here: rollouts of the same seeds differed in about one call in
+# three). STRICT keeps MKL's fast kernels, alignment-independent; it must be set before MKL's
+# first call, so before torch is imported.
+os.environ.setdefault("MKL_CBWR", "AUTO,STRICT")
+
+import math  # noqa: E402
+import time  # noqa: E402
+from collections.abc import Sequence  # noqa: E402
+from dataclasses import dataclass, field, replace  # noqa: E402
+from typing import Any, Literal  # noqa: E402
+
+import torch  # noqa: E402
+
+from metalearn.rl import (  # noqa: E402
+    TRPO,
+    GaussianMLPPolicy,
+    MetaObjective,
+    Navigation2D,
+    NonFiniteEpisodesError,
+    check_finite,
+    clipped_outer_step,
+    derive_seeds,
+    episode_noise,
+    policy_batch,
+    rollout,
+)
+from metalearn.runs import arguments  # noqa: E402
+from metalearn.runs.experiment import Experiment  # noqa: E402
+from metalearn.runs.lifecycle import UserError, require, run_cli  # noqa: E402
+from metalearn.runs.policy_run import PolicyRun  # noqa: E402
+from metalearn.runs.policy_run import parse_args as parse_run_args  # noqa: E402
+
+ENVS = ("2dnav", "halfcheetah-dir", "halfcheetah-vel", "ant-dir", "ant-vel")
+TRAIN_STREAM, TEST_STREAM = 0, 1  # seed paths: training tasks and the held-out tasks
+
+
+@dataclass
+class EnvArgs:
+    """The task distribution."""
+
+    env: Literal["2dnav", "halfcheetah-dir", "halfcheetah-vel", "ant-dir", "ant-vel"] = "2dnav"
+    """2dnav (a point to a goal), or HalfCheetah / Ant by direction or velocity (MuJoCo)."""
+    horizon: int | None = None
+    """Steps per episode (default: maml_rl's max_path_length, 100 for 2dnav, 200 MuJoCo)."""
+
+
+@dataclass
+class TrainingArgs:
+    """MAML-TRPO's settings (defaults: maml_rl's, see docs/algorithms.md), sized by preset."""
+
+    iterations: int = 20
+    """Meta-iterations (one outer step each)."""
+    meta_batch: int = 10
+    """Tasks per iteration (maml_rl: 40)."""
+    fast_batch: int = 20
+    """Episodes per task and adaptation step (maml_rl's fast_batch_size: 20)."""
+    inner_lr: float | None = None
+    """Inner policy-gradient step size on the mean-over-steps surrogate (default: maml_rl's
+    fast_lr, 0.5 for 2dnav, 0.1 MuJoCo)."""
+    inner_steps: int = 1
+    """Inner steps while training (maml_rl's num_grad_updates: 1)."""
+    first_order: bool = False
+    """FOMAML: no gradient through the inner step's gradient."""
+    outer: Literal["trpo", "ppo"] = "trpo"
+    """Outer step: trpo (the paper's) or ppo (clipped first-order epochs, Adam)."""
+    max_kl: float = 0.01
+    """TRPO's trust region (maml_rl's meta_step_size: 0.01)."""
+    cg_iters: int = 10
+    """Conjugate-gradient iterations of the TRPO direction (rllab's 10)."""
+    cg_damping: float = 1e-5
+    """Damping added to the KL Hessian (rllab's 1e-5)."""
+    ppo_clip: float = 0.2
+    """--outer ppo: the ratio's clip epsilon."""
+    ppo_epochs: int = 5
+    """--outer ppo: Adam steps per iteration on the same episodes."""
+    ppo_lr: float = 1e-3
+    """--outer ppo: Adam's step size."""
+    discount: float = 0.99
+    """Gamma (maml_rl's 0.99)."""
+    gae_lambda: float = 1.0
+    """GAE's lambda (maml_rl's 1: reward-to-go minus the linear baseline)."""
+    hidden: tuple[int, ...] = (100, 100)
+    """Policy hidden layers (the paper's 100-100 ReLU)."""
+    eval_tasks: int = 40
+    """Held-out tasks at the end."""
+    eval_inner_steps: int = 3
+    """Adaptation steps evaluated (the paper's Figure 4 shows 1 to 3)."""
+    checkpoint_every: int = 1
+    """Iterations between checkpoints."""
+    seed: int = 0
+    """Seeds the initial policy, every task and every episode."""
+
+
+@dataclass
+class TrackingArgs(arguments.TrackingArgs):
+    """Where the run is kept and how it is logged."""
+
+    wandb_project: str = "metalearn-rl"
+    """W&B project."""
+
+
+@dataclass
+class SystemArgs:
+    """Where and how fast it runs; neither changes the numbers a run computes on CPU."""
+
+    device: str = "cpu"
+    """Torch device of the policy (MuJoCo itself steps on the CPU)."""
+    threads: int = 1
+    """Torch CPU threads."""
+
+
+@dataclass
+class Args:
+    """Arguments of the meta-RL experiment (each is a --flag)."""
+
+    preset: Literal[
+        "cpu",
+        "paper-2dnav",
+        "paper-halfcheetah-dir",
+        "paper-halfcheetah-vel",
+        "paper-ant-dir",
+        "paper-ant-vel",
+        "gpu-2dnav",
+        "gpu-halfcheetah-vel",
+    ] = "cpu"
+    """Named configuration: cpu (the defaults: 2D navigation, a few minutes on 2 cores),
+    the paper's settings (maml_rl's scripts), or gpu-* (longer runs for a GPU)."""
+    env: EnvArgs = field(default_factory=EnvArgs)
+    """Environment options."""
+    training: TrainingArgs = field(default_factory=TrainingArgs)
+    """Training options."""
+    tracking: TrackingArgs = field(default_factory=TrackingArgs)
+    """Tracking options."""
+    system: SystemArgs = field(default_factory=SystemArgs)
+    """System options."""
+
+
+# maml_rl at commit 9c8e2eb: maml_examples/maml_trpo_point.py (2D navigation) and
+# cluster_maml_trpo_{cheetah,ant}.py (MuJoCo): 40 tasks x 20 episodes, max KL 0.01.
+PAPER = dict(meta_batch=40, fast_batch=20, eval_tasks=40)
+MUJOCO_PAPER = dict(PAPER, iterations=800)
+PRESETS: dict[str, dict[str, Any]] = {
+    "cpu": {},  # the defaults of Args
+    "paper-2dnav": {**PAPER, "env": "2dnav", "iterations": 100},
+    **{f"paper-{env}": {**MUJOCO_PAPER, "env": env} for env in ENVS[1:]},
+    "gpu-2dnav": {**PAPER, "env": "2dnav", "iterations": 500, "device": "cuda"},
+    "gpu-halfcheetah-vel": {**MUJOCO_PAPER, "env": "halfcheetah-vel", "device": "cuda"},
+}
+
+
+def resolve(args: Args) -> Args:
+    """The environment's reference values for the open ``--horizon`` and ``--inner-lr``."""
+    nav = args.env.env == "2dnav"
+    env = replace(args.env, horizon=args.env.horizon or (100 if nav else 200))
+    lr = args.training.inner_lr if args.training.inner_lr is not None else (0.5 if nav else 0.1)
+    return replace(args, env=env, training=replace(args.training, inner_lr=lr))
+
+
+def check_args(args: Args) -> None:
+    """Refuse what cannot run, before anything is written (`UserError`, one line)."""
+    t, horizon = args.training, args.env.horizon
+    for name in ("iterations", "meta_batch", "fast_batch", "inner_steps", "cg_iters",
+                 "ppo_epochs", "checkpoint_every"):  # fmt: skip
+        value = getattr(t, name)
+        require(value >= 1, f"--{name.replace('_', '-')} {value}: must be at least 1")
+    require(t.eval_tasks >= 2, f"--eval-tasks {t.eval_tasks}: an interval needs 2 tasks")
+    require(0 <= t.eval_inner_steps <= 10, f"--eval-inner-steps {t.eval_inner_steps}: 0 to 10")
+    require(horizon is None or horizon >= 1, f"--horizon {horizon}: must be at least 1")
+    require(
+        args.env.env == "2dnav" or horizon is None or horizon <= 1000,
+        f"--horizon {horizon}: gymnasium's MuJoCo episodes end at 1000 steps; pass at most 1000",
+    )
+    for name in ("inner_lr", "max_kl", "ppo_lr", "discount", "ppo_clip"):
+        value = getattr(t, name)
+        require(
+            value is None or (math.isfinite(value) and value > 0),
+            f"--{name.replace('_', '-')} {value}: must be a positive finite number",
+        )
+    require(
+        t.discount <= 1 and 0 <= t.gae_lambda <= 1,
+        "--discount and --gae-lambda must be in (0, 1] and [0, 1]",
+    )
+    require(0 <= t.seed < 2**32, f"--seed {t.seed}: must be in [0, 2**32)")
+    # One iteration's episodes and the meta-objective's graph over all of them at once.
+    steps = max(t.meta_batch, t.eval_tasks) * t.fast_batch * (horizon or 200)
+    need = steps * (t.inner_steps + 1) * (4 * sum(t.hidden) + 64) * 4
+    have = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    require(
+        need < have / 2,
+        f"--meta-batch {t.meta_batch} x --fast-batch {t.fast_batch} x --horizon {horizon} "
+        f"needs about {need / 2**30:.0f} GiB, more than half of this machine's "
+        f"{have / 2**30:.0f} GiB; lower one of them",
+    )
+
+
+EXPERIMENT = Experiment("rl_maml", Args, __doc__, PRESETS, check=check_args, resolve=resolve)
+
+
+def parse_args(argv: Sequence[str] | None = None) -> Args:
+    """The command line as `Args`; ``--resume --run-name NAME`` alone continues that run."""
+    return parse_run_args(EXPERIMENT, argv)
+
+
+# --------------------------------------------------------------------------- environments
+
+
+def task_distribution(args: Args) -> Any:
+    """`Navigation2D` or `metalearn.rl.mujoco.MujocoTasks` (the optional extra)."""
+    if args.env.env == "2dnav":
+        return Navigation2D(horizon=args.env.horizon)
+    try:
+        from metalearn.rl.mujoco import MujocoTasks
+    except ImportError:
+        raise UserError(
+            f'--env {args.env.env} needs gymnasium with MuJoCo: pip install "metalearn[rl]"'
+        ) from None
+    return MujocoTasks(args.env.env, horizon=args.env.horizon)
+
+
+class OnDevice:
+    """A `metalearn.rl.VectorEnv` whose observations and rewards move to ``device``."""
+
+    def __init__(self, env: Any, device: str):
+        self.env, self.device, self.horizon = env, device, env.horizon
+
+    def reset(self) -> torch.Tensor:
+        return self.env.reset().to(self.device)
+
+    def step(self, actions: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return tuple(x.to(self.device) for x in self.env.step(actions))
+
+
+class Sampler:
+    """Rollouts of ``[K, B]`` episodes, every goal and episode from its seed path."""
+
+    def __init__(self, dist: Any, policy: torch.nn.Module, seed: int, device: str):
+        self.dist, self.policy, self.seed, self.device = dist, policy, seed, device
+        self.env: Any = None  # MuJoCo: kept for reuse (building costs 0.1 s an env)
+        self.steps, self.seconds = 0, 0.0
+
+    def goals(self, stream: int, iteration: int, count: int) -> torch.Tensor:
+        return self.dist.sample_goals(derive_seeds(self.seed, stream, iteration, count=count))
+
+    def __call__(self, params: dict, goals: torch.Tensor, path: tuple[int, ...],
+                 episodes: int, per_task: bool) -> Any:  # fmt: skip
+        """Episodes ``[K, B, T]``: task k's episode b from seed path ``(*path[:2], k,
+        path[2], b)`` (stream, iteration, task, phase, episode)."""
+        start = time.perf_counter()
+        stream, iteration, phase = path
+        seeds = [
+            derive_seeds(self.seed, stream, iteration, k, phase, count=episodes)
+            for k in range(goals.shape[0])
+        ]
+        noise = episode_noise(self.policy, seeds, self.dist.horizon, torch.float32)
+        if isinstance(self.dist, Navigation2D):
+            env = self.dist.make_env(goals.float().to(self.device), episodes)
+        else:
+            self.env = self.dist.make_env(goals, seeds, reuse=self.env)
+            env = OnDevice(self.env, self.device)
+        episodes_ = rollout(env, self.policy, params, noise.to(self.device), per_task=per_task)
+        self.steps += int(episodes_.mask.sum())
+        self.seconds += time.perf_counter() - start
+        return episodes_
+
+
+def undiscounted(episodes: Any) -> torch.Tensor:
+    """``[K]``: each task's mean undiscounted return (what maml_rl reports)."""
+    return episodes.rewards.sum(-1).mean(-1)
+
+
+# --------------------------------------------------------------------------- the loop's steps
+
+
+def processed(t: TrainingArgs, episodes: Any, iteration: int, phase: str) -> Any:
+    """The `PolicyBatch` of ``episodes``, advantages centred and scaled per task (maml_rl's
+    center_adv); a non-finite reward, return or advantage raises `NonFiniteEpisodesError`
+    naming the task, the iteration (1-based) and the phase."""
+    bad = ~torch.isfinite(episodes.rewards.flatten(1)).all(dim=1)
+    if bad.any():  # before the baseline's least squares, which fails on NaN
+        raise NonFiniteEpisodesError("rewards", int(bad.nonzero()[0, 0]), iteration + 1, phase)
+    batch = policy_batch(episodes, discount=t.discount, gae_lambda=t.gae_lambda, normalize=True)
+    check_finite(batch, iteration + 1, phase)
+    return batch
+
+
+def adapted_episodes(t: TrainingArgs, sample: Sampler, objective: MetaObjective,
+                     params: dict, goals: torch.Tensor, stream: int, iteration: int,
+                     steps: int, where: str = "") -> tuple:  # fmt: skip
+    """Episodes with theta and after each of ``steps`` inner steps: ``(batches, returns)``,
+    the `PolicyBatch` of each phase before the last and each phase's ``[K]`` returns."""
+    batches, returns, phis, per_task = [], [], params, False
+    for phase in range(steps + 1):
+        episodes = sample(phis, goals, (stream, iteration, phase), t.fast_batch, per_task)
+        returns.append(undiscounted(episodes))
+        if phase == steps:
+            return batches, returns, episodes
+        batch = processed(t, episodes, iteration, f"{where}inner step {phase}")
+        batches.append(batch)
+        phis = objective.adapt_tasks(sample.policy, phis, batch, per_task=per_task)
+        per_task = True
+    raise AssertionError("unreachable")  # the loop returns at phase == steps
+
+
+def meta_iteration(t: TrainingArgs, sample: Sampler, objective: MetaObjective,
+                   policy: torch.nn.Module, opt: Any, iteration: int) -> dict:  # fmt: skip
+    """One MAML-TRPO iteration (Finn et al., 2017, Algorithm 3) on a fresh meta-batch; its
+    metrics. The policy's parameters are updated in place."""
+    start, steps_before, seconds_before = time.perf_counter(), sample.steps, sample.seconds
+    goals = sample.goals(TRAIN_STREAM, iteration, t.meta_batch)
+    theta = {k: v.detach() for k, v in policy.named_parameters()}
+    inner, returns, outer_episodes = adapted_episodes(
+        t, sample, objective, theta, goals, TRAIN_STREAM, iteration, t.inner_steps
+    )
+    outer = processed(t, outer_episodes, iteration, "outer")
+    tasks = objective.prepare(policy, theta, tuple(inner), outer)
+    if t.outer == "trpo":
+        trpo = TRPO(max_kl=t.max_kl, damping=t.cg_damping, cg_iters=t.cg_iters)
+        result = trpo.step(lambda p: objective(policy, p, tasks), theta)
+        kl, accepted, new = result.kl, float(result.accepted), result.params
+    else:
+        clipped = replace(objective, clip=t.ppo_clip)
+        live = dict(policy.named_parameters())
+        history = clipped_outer_step(lambda p: clipped(policy, p, tasks), live, opt, t.ppo_epochs)
+        kl, accepted, new = history[-1][1], 1.0, {k: v.detach() for k, v in live.items()}
+    step_size = math.sqrt(sum(float((new[k] - theta[k]).pow(2).sum()) for k in theta))
+    with torch.no_grad():
+        for name, p in policy.named_parameters():
+            p.copy_(new[name])
+    sampled, sampling_s = sample.steps - steps_before, sample.seconds - seconds_before
+    return {
+        "train/return_pre": float(returns[0].mean()),
+        "train/return_post": float(returns[-1].mean()),
+        "train/kl": kl, "train/step_size": step_size, "train/accepted": accepted,
+        "perf/env_steps_per_s": sampled / sampling_s, "perf/step_s": time.perf_counter() - start,
+    }  # fmt: skip
+
+
+def evaluate(
+    t: TrainingArgs, sample: Sampler, objective: MetaObjective, policy: torch.nn.Module
+) -> dict[str, float]:
+    """Return on ``--eval-tasks`` held-out tasks before and after each adaptation step, with
+    95% intervals over the tasks; ``test/return_post`` after ``--inner-steps`` steps."""
+    goals = sample.goals(TEST_STREAM, 0, t.eval_tasks)
+    theta = {k: v.detach() for k, v in policy.named_parameters()}
+    steps = max(t.eval_inner_steps, t.inner_steps)
+    _, returns, _ = adapted_episodes(
+        t, sample, objective, theta, goals, TEST_STREAM, 0, steps, "held-out tasks, "
+    )
+    results = {}
+    for k, r in enumerate(returns):
+        results[f"test/return_step{k}"] = float(r.mean())
+        results[f"test/return_step{k}_ci95"] = 1.96 * float(r.std()) / math.sqrt(len(r))
+    post = f"test/return_step{t.inner_steps}"
+    results["test/return_pre"] = results["test/return_step0"]
+    results["test/return_pre_ci95"] = results["test/return_step0_ci95"]
+    results["test/return_post"] = results[post]
+    results["test/return_post_ci95"] = results[f"{post}_ci95"]
+    results["perf/env_steps_per_s"] = sample.steps / sample.seconds
+    return results
+
+
+def show(row: dict[str, float]) -> str:
+    return (
+        f"return {row['train/return_pre']:.2f} -> {row['train/return_post']:.2f}  "
+        f"kl {row['train/kl']:.4f}  steps/s {row['perf/env_steps_per_s']:.0f}"
+    )
+
+
+# --------------------------------------------------------------------------- main
+
+
+def main(args: Args) -> dict[str, float]:
+    """Meta-train, evaluate on held-out tasks, log everything; returns the results.
+
+    Raises:
+        UserError: a bad argument, MuJoCo missing, a resume that changes the run, a
+            non-finite return or advantage (the last completed iteration is kept).
+        Stopped: SIGINT/SIGTERM; the run was checkpointed.
+    """
+    with PolicyRun(EXPERIMENT, args) as run:  # checked, resolved, locked; resumed if asked
+        a = run.args
+        t, device = a.training, a.system.device
+        dist = task_distribution(a)
+        obs_dim, action_dim = (2, 2) if isinstance(dist, Navigation2D) else dist.dims()
+        torch.manual_seed(t.seed)
+        policy = GaussianMLPPolicy(obs_dim, action_dim, hidden=t.hidden).to(device)
+        opt = torch.optim.Adam(policy.parameters(), lr=t.ppo_lr)  # --outer ppo only
+        objective = MetaObjective(lr=t.inner_lr, first_order=t.first_order, average="steps")
+        sample = Sampler(dist, policy, t.seed, device)
+        run.start({"policy": policy, "optimizer": opt})
+        try:
+            for iteration in run.steps():
+                run.log(meta_iteration(t, sample, objective, policy, opt, iteration), show)
+            results = evaluate(t, sample, objective, policy)
+        except NonFiniteEpisodesError as err:
+            raise UserError(str(err)) from None
+        return run.finish(results, headline=("test/return_post", "test/return_post_ci95"))
+
+
+if __name__ == "__main__":
+    run_cli(main, parse_args)
