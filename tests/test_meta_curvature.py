@@ -9,7 +9,6 @@ one-step MAML meta-loss written out here with ``torch.autograd.grad``.
 from __future__ import annotations
 
 import math
-import sys
 from pathlib import Path
 
 import pytest
@@ -17,6 +16,7 @@ import torch
 import torch.nn.functional as F
 import wandb
 from conftest import NO_OMNIGLOT, OMNIGLOT
+from run_helpers import make, om
 from torch import nn
 from torch.func import functional_call
 
@@ -29,8 +29,6 @@ from metalearn.runs.lifecycle import UserError
 from metalearn.runs.records import read_offline_run
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "experiments"))
-from run_helpers import make, om  # noqa: E402
 
 F64 = torch.float64
 ALPHA = 0.3
