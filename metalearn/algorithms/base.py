@@ -109,9 +109,9 @@ class MetaLearner(nn.Module, abc.ABC):
         loss_fn: ``loss_fn(outputs, targets) -> Tensor[]``.
         vectorize: ``"vmap"``, ``"loop"`` or ``"auto"``: how a meta-batch runs
             (`metalearn.engine.plan.plan`).
-        checkpoint: recompute inner steps in the backward pass: memory grows by one copy
-            of the fast weights per inner step instead of each step's activations (0.48x
-            the plain loop's peak at 20 steps, for about 2x the time; docs/claims.md).
+        gradient_checkpointing: recompute inner steps in the backward pass: memory grows by
+            one copy of the fast weights per inner step instead of each step's activations
+            (0.48x the plain loop's peak at 20 steps, for about 2x the time; docs/claims.md).
         on_nonfinite: ``"raise"`` or ``"skip"`` tasks whose loss is not finite, in `backward`
             and `evaluate` alike (`evaluate` gives skipped tasks NaN loss and accuracy).
         chunk_size: tasks per chunk of the meta-batch: each chunk's graph is built,
@@ -148,7 +148,7 @@ class MetaLearner(nn.Module, abc.ABC):
         adapt_keys: Collection[str] | None = None,
         loss_fn: LossFn = F.cross_entropy,
         vectorize: Vectorize = "auto",
-        checkpoint: bool = False,
+        gradient_checkpointing: bool = False,
         on_nonfinite: OnNonfinite = "raise",
         chunk_size: ChunkSize = "auto",
     ) -> None:
@@ -172,7 +172,7 @@ class MetaLearner(nn.Module, abc.ABC):
                 )
         self.loss_fn = loss_fn
         self.vectorize = vectorize
-        self.checkpoint = checkpoint
+        self.gradient_checkpointing = gradient_checkpointing
         self.on_nonfinite = on_nonfinite
         self.chunk_size = chunk_size
 
@@ -208,7 +208,7 @@ class MetaLearner(nn.Module, abc.ABC):
             first_order=self.first_order if first_order is None else first_order,
             adapt_keys=self.adapt_keys,
             loss_fn=self.loss_fn,
-            checkpoint=self.checkpoint,
+            checkpoint=self.gradient_checkpointing,
             optimizer=self.inner_update(),
         )
 
@@ -454,8 +454,9 @@ def check_loop_only(learner: MetaLearner, name: str) -> None:
             f"{name} runs its tasks in a Python loop; vectorize={learner.vectorize!r} is not "
             "supported, pass vectorize='loop' or 'auto'"
         )
-    if learner.checkpoint:
+    if learner.gradient_checkpointing:
         raise ValueError(
-            f"{name} keeps no graph through the inner loop, so checkpoint=True does nothing; "
+            f"{name} keeps no graph through the inner loop, so gradient_checkpointing=True "
+            "does nothing; "
             "drop it"
         )

@@ -134,7 +134,7 @@ class HeadLearner(MetaLossLearner):
     """A `MetaLossLearner` whose classifier is solved per task (see the module docstring).
 
     Subclasses define `solve`. Inner-loop arguments (``inner_lr``, ``inner_steps``,
-    ``first_order``, ``adapt_keys``, ``checkpoint``) do not apply and are not taken; the
+    ``first_order``, ``adapt_keys``, ``gradient_checkpointing``) do not apply and are not taken; the
     ``steps`` of `evaluate` and `adapt` are ignored.
 
     Args:
@@ -147,7 +147,13 @@ class HeadLearner(MetaLossLearner):
         ValueError: the model has no 2-d ``{head}.weight`` and ``{head}.bias``.
     """
 
-    fixed_arguments = ("inner_lr", "inner_steps", "first_order", "adapt_keys", "checkpoint")
+    fixed_arguments = (
+        "inner_lr",
+        "inner_steps",
+        "first_order",
+        "adapt_keys",
+        "gradient_checkpointing",
+    )
     head_sized_per_task = True
 
     def __init__(self, model: nn.Module, head: str = "head", **kwargs: Any) -> None:

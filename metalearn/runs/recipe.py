@@ -78,18 +78,15 @@ RECIPE_VERSION = 1
 EXPERIMENTS = ("omniglot_maml", "fewshot_maml")
 """The experiments that write recipes (``experiments/<name>.py``)."""
 
-# The flags that set a learner argument, by flag name -> argument name. A switch (bool) that
-# is off and a value left at None set nothing: the learner's default stands (and is recorded).
-LEARNER_FLAGS = {
-    "inner_lr": "inner_lr", "inner_steps": "inner_steps", "first_order": "first_order",
-    "vectorize": "vectorize", "chunk_size": "chunk_size", "gradient_checkpointing": "checkpoint",
-    "checkpoint": "checkpoint", "cg_damping": "cg_damping", "lora_rank": "rank",
-    "msl_steps": "msl_steps", "first_order_steps": "first_order_steps",
-    "inner_optimizer": "inner_optimizer", "inner_momentum": "inner_momentum",
-    "inner_beta1": "inner_beta1", "inner_beta2": "inner_beta2", "inner_eps": "inner_eps",
-    "inner_alpha": "inner_alpha", "learn_inner_hyperparameters": "learn_inner_hyperparameters",
-    "on_nonfinite": "on_nonfinite",
-}  # fmt: skip
+# The flags that set a learner argument, each named after the argument it sets. A switch
+# (bool) that is off and a value left at None set nothing: the learner's default stands (and
+# is recorded).
+LEARNER_FLAGS = (
+    "inner_lr", "inner_steps", "first_order", "vectorize", "chunk_size",
+    "gradient_checkpointing", "cg_damping", "lora_rank", "msl_steps", "first_order_steps",
+    "inner_optimizer", "inner_momentum", "inner_beta1", "inner_beta2", "inner_eps",
+    "inner_alpha", "learn_inner_hyperparameters", "on_nonfinite",
+)  # fmt: skip
 # The inner optimizer's flags (`metalearn.algorithms.inner_optimizer`), for the refusals.
 _OPTIMIZER_FLAGS = ("inner_optimizer", "inner_momentum", "inner_beta1", "inner_beta2",
                     "inner_eps", "inner_alpha", "learn_inner_hyperparameters")  # fmt: skip
@@ -263,7 +260,7 @@ def resolve_learner_args(args: Mapping[str, Any]) -> dict[str, Any]:
             raise ValueError(f"--{flag_name.replace('_', '-')} is a setting of {owner}; drop "
                              f"it for {algorithm}")  # fmt: skip
         if owner == algorithm and resolved[flag_name] is None:
-            resolved[flag_name] = own[LEARNER_FLAGS[flag_name]]
+            resolved[flag_name] = own[flag_name]
     if resolved.get("first_order") and "first_order" not in own:
         hint = " (first order until --first-order-steps)" if algorithm == "mamlpp" else ""
         raise ValueError(f"{algorithm} sets its own derivative order{hint}; drop --first-order")
@@ -278,7 +275,7 @@ def flag_arguments(algorithm: str) -> set[str]:
     """The arguments of ``algorithm``'s learner that a flag sets (the rest are recorded at
     their defaults)."""
     takes = complete_arguments(algorithm, {})
-    return {argument for argument in LEARNER_FLAGS.values() if argument in takes}
+    return {argument for argument in LEARNER_FLAGS if argument in takes}
 
 
 def _check_head_flags(algorithm: str, args: Mapping[str, Any], own: Mapping[str, Any]) -> None:
@@ -330,8 +327,8 @@ def learner_recipe(args: Mapping[str, Any]) -> LearnerRecipe:
     algorithm = args["algorithm"]
     takes = complete_arguments(algorithm, {})
     given = {}
-    for flag_name, argument in LEARNER_FLAGS.items():
-        value = args.get(flag_name)
+    for argument in LEARNER_FLAGS:
+        value = args.get(argument)
         if value is None or value is False or argument not in takes:
             continue
         given[argument] = value
@@ -413,6 +410,9 @@ def read_recipe(saved: Mapping[str, Any]) -> Recipe:
 _RENAMED = {"checkpoint": "gradient_checkpointing"}
 """Flags renamed since a record was written: old name -> new name."""
 
+_RENAMED_ARGUMENTS = {"checkpoint": "gradient_checkpointing", "rank": "lora_rank"}
+"""Learner arguments renamed since a recipe was written (to the flags' names): old -> new."""
+
 
 def upgrade_args(args: Mapping[str, Any]) -> dict[str, Any]:
     """A checkpoint's flat arguments under today's flag names (`_RENAMED`), with the
@@ -424,11 +424,13 @@ def upgrade_args(args: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def _upgrade_learner(learner: LearnerRecipe) -> LearnerRecipe:
-    """``metaoptnet`` was the logistic-regression head before it became the SVM: a record
-    naming it with the logistic head's arguments (``newton_steps``) is ``metaoptnet-lr``."""
-    if learner.algorithm == "metaoptnet" and "newton_steps" in learner.arguments:
-        return LearnerRecipe("metaoptnet-lr", learner.arguments)
-    return learner
+    """A recorded learner under today's names: its arguments renamed (`_RENAMED_ARGUMENTS`),
+    and ``metaoptnet`` with the logistic head's arguments (``newton_steps``) read as
+    ``metaoptnet-lr`` (it was the logistic-regression head before it became the SVM)."""
+    arguments = {_RENAMED_ARGUMENTS.get(k, k): v for k, v in learner.arguments.items()}
+    if learner.algorithm == "metaoptnet" and "newton_steps" in arguments:
+        return LearnerRecipe("metaoptnet-lr", arguments)
+    return LearnerRecipe(learner.algorithm, arguments)
 
 
 def with_resumed(recipe: Recipe, args: Mapping[str, Any]) -> Recipe:
@@ -440,12 +442,9 @@ def with_resumed(recipe: Recipe, args: Mapping[str, Any]) -> Recipe:
     data = dataclasses.replace(recipe.data, root=args.get("data_root", recipe.data.root))
     defaults = complete_arguments(recipe.learner.algorithm, {})
     arguments = dict(recipe.learner.arguments)
-    for flag_name, argument in (
-        ("gradient_checkpointing", "checkpoint"),
-        ("chunk_size", "chunk_size"),
-    ):
-        if argument in arguments and flag_name in args:
-            value = args[flag_name]
+    for argument in ("gradient_checkpointing", "chunk_size"):
+        if argument in arguments and argument in args:
+            value = args[argument]
             arguments[argument] = defaults[argument] if value in (None, False) else value
     learner = LearnerRecipe(recipe.learner.algorithm, arguments)
     return dataclasses.replace(recipe, training=training, data=data, learner=learner)

@@ -180,7 +180,7 @@ def cell_key(recipe: Recipe) -> str:
     record = recipe.to_dict()
     record["data"].pop("root")
     record["training"].pop("checkpoint_every")
-    for memory_only in ("checkpoint", "chunk_size"):
+    for memory_only in ("gradient_checkpointing", "chunk_size"):
         record["learner"]["arguments"].pop(memory_only, None)
     text = json.dumps(record, sort_keys=True, default=str)
     return hashlib.sha256(text.encode()).hexdigest()[:8]
