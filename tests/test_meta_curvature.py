@@ -92,7 +92,9 @@ def test_meta_curvature_matches_the_dense_meta_hessian(vectorize, checkpoint):
     net, tasks = tiny_net(), tiny_tasks()
     H = dense_meta_hessian(net, tasks)
     n = H.shape[0]
-    learner = MAML(net, inner_lr=ALPHA, inner_steps=1, vectorize=vectorize, checkpoint=checkpoint)
+    learner = MAML(
+        net, inner_lr=ALPHA, inner_steps=1, vectorize=vectorize, gradient_checkpointing=checkpoint
+    )
     result = meta_curvature(learner, tasks, iterations=n, samples=5, tol=1e-12, generator=gen(7))
     # Lanczos with a Krylov space as large as the problem: exact up to rounding.
     assert result.top_eigenvalue == pytest.approx(float(torch.linalg.eigvalsh(H)[-1]), rel=1e-8)

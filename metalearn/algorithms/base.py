@@ -131,12 +131,24 @@ class MetaLearner(nn.Module, abc.ABC):
         not_compiled: why the learner's meta-step cannot run under ``torch.compile``
             (`metalearn.algorithms.compiled.compile_blocker` refuses it, naming this); None
             when it can.
+        has_inner_loop: the learner adapts by inner gradient steps (takes ``inner_lr`` and
+            ``inner_steps``); False for the solved heads.
+        takes_inner_optimizer: the inner loop's optimizer is chosen (``inner_optimizer`` and
+            its hyperparameters, `metalearn.algorithms.inner_optimizer`).
+        measures_curvature: `metalearn.algorithms.curvature` measures it: an inner loop and
+            a meta-loss to differentiate (`MetaLossLearner`).
+
+        The experiments and tools read these through `metalearn.algorithms.registry.can`
+        and `~metalearn.algorithms.registry.algorithms_that`, never from a list of names.
     """
 
     fixed_arguments: ClassVar[tuple[str, ...]] = ()
     default_outer_lr: ClassVar[float] = 1e-3
     head_sized_per_task: ClassVar[bool] = False
     not_compiled: ClassVar[str | None] = None
+    has_inner_loop: ClassVar[bool] = True
+    takes_inner_optimizer: ClassVar[bool] = False
+    measures_curvature: ClassVar[bool] = False
 
     def __init__(
         self,
@@ -360,6 +372,8 @@ class MetaLearner(nn.Module, abc.ABC):
 class MetaLossLearner(MetaLearner):
     """MAML (Finn et al., 2017) and its relatives: the meta-gradient is the gradient of
     `meta_loss`, the mean query loss after adaptation. Arguments as for `MetaLearner`."""
+
+    measures_curvature = True
 
     def meta_loss(self, tasks: Sequence[Task]) -> MetaBatch:
         """Mean query loss after adaptation, one graph over all of ``tasks``; differentiable

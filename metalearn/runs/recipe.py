@@ -37,8 +37,10 @@ from metalearn.algorithms import MetaLearner
 from metalearn.algorithms.inner_optimizer import optimizer_hyperparameters
 from metalearn.algorithms.registry import (
     LEARNERS,
+    algorithms_taking,
+    algorithms_that,
+    can,
     complete_arguments,
-    learner_arguments,
     make_learner,
 )
 from metalearn.data import (
@@ -90,9 +92,9 @@ LEARNER_FLAGS = (
 # The inner optimizer's flags (`metalearn.algorithms.inner_optimizer`), for the refusals.
 _OPTIMIZER_FLAGS = ("inner_optimizer", "inner_momentum", "inner_beta1", "inner_beta2",
                     "inner_eps", "inner_alpha", "learn_inner_hyperparameters")  # fmt: skip
-# Flags that belong to one algorithm, with the algorithm they belong to (for the refusal).
-_OWN_FLAGS = {"cg_damping": "imaml", "lora_rank": "lora", "msl_steps": "mamlpp",
-              "first_order_steps": "mamlpp"}  # fmt: skip
+# Flags that belong to the algorithms whose learner takes them (`algorithms_taking`): recorded
+# resolved for those, refused for the others.
+_OWN_FLAGS = ("cg_damping", "lora_rank", "msl_steps", "first_order_steps")
 
 
 @dataclass(frozen=True)
@@ -253,16 +255,18 @@ def resolve_learner_args(args: Mapping[str, Any]) -> dict[str, Any]:
     for flag_name in ("inner_lr", "inner_steps"):
         if flag_name in own and resolved.get(flag_name) is None:
             resolved[flag_name] = own[flag_name]
-    for flag_name, owner in _OWN_FLAGS.items():
+    for flag_name in _OWN_FLAGS:
         if flag_name not in resolved:
             continue
-        if owner != algorithm and resolved[flag_name] is not None:
-            raise ValueError(f"--{flag_name.replace('_', '-')} is a setting of {owner}; drop "
+        if flag_name not in own and resolved[flag_name] is not None:
+            owners = " or ".join(algorithms_taking(flag_name))
+            raise ValueError(f"--{flag_name.replace('_', '-')} is a setting of {owners}; drop "
                              f"it for {algorithm}")  # fmt: skip
-        if owner == algorithm and resolved[flag_name] is None:
+        if flag_name in own and resolved[flag_name] is None:
             resolved[flag_name] = own[flag_name]
     if resolved.get("first_order") and "first_order" not in own:
-        hint = " (first order until --first-order-steps)" if algorithm == "mamlpp" else ""
+        scheduled = "first_order_steps" in own
+        hint = " (first order until --first-order-steps)" if scheduled else ""
         raise ValueError(f"{algorithm} sets its own derivative order{hint}; drop --first-order")
     if resolved.get("outer_lr") is None and "outer_lr" in resolved:
         resolved["outer_lr"] = LEARNERS[algorithm].default_outer_lr
@@ -281,7 +285,7 @@ def flag_arguments(algorithm: str) -> set[str]:
 def _check_head_flags(algorithm: str, args: Mapping[str, Any], own: Mapping[str, Any]) -> None:
     """Refuse inner-loop flags for a learner with no inner loop, and ``--train-ways`` other
     than ``--ways`` for one that adapts the model's own head (sized ``--ways``)."""
-    if "inner_lr" not in own:
+    if not can(algorithm, "inner_loop"):
         inner = ("inner_lr", "inner_steps", "first_order", "gradient_checkpointing")
         given = [flag for flag in inner if args.get(flag) not in (None, False)]
         if given:
@@ -289,12 +293,8 @@ def _check_head_flags(algorithm: str, args: Mapping[str, Any], own: Mapping[str,
             raise ValueError(f"{algorithm} solves its head per task, with no inner loop; drop "
                              f"{flags}")  # fmt: skip
     train_ways, ways = args.get("train_ways"), args.get("ways")
-    if (
-        train_ways is not None
-        and train_ways != ways
-        and not LEARNERS[algorithm].head_sized_per_task
-    ):
-        sized = ", ".join(n for n, c in LEARNERS.items() if c.head_sized_per_task)
+    if train_ways is not None and train_ways != ways and not can(algorithm, "head_sized_per_task"):
+        sized = ", ".join(algorithms_that("head_sized_per_task"))
         raise ValueError(f"--train-ways {train_ways} with --algorithm {algorithm}: it adapts the "
                          f"model's {ways}-way head, so it trains {ways}-way; drop --train-ways or "
                          f"use an algorithm that sizes its head per task ({sized})")  # fmt: skip
@@ -304,9 +304,9 @@ def _check_optimizer_flags(algorithm: str, args: Mapping[str, Any], own: Mapping
     """Refuse the inner optimizer's flags for a learner without one, and a hyperparameter
     flag the chosen optimizer does not read."""
     given = [flag for flag in _OPTIMIZER_FLAGS if args.get(flag) is not None]
-    if "inner_optimizer" not in own:
+    if not can(algorithm, "inner_optimizer"):
         if given:
-            takers = ", ".join(n for n in LEARNERS if "inner_optimizer" in learner_arguments(n))
+            takers = ", ".join(algorithms_that("inner_optimizer"))
             raise ValueError(f"--{given[0].replace('_', '-')} is a setting of the inner "
                              f"optimizer of {takers}; drop it for {algorithm}")  # fmt: skip
         return
