@@ -43,7 +43,7 @@ import torch
 
 from metalearn import distributed
 from metalearn.algorithms import MetaLearner, StepMetrics
-from metalearn.algorithms.registry import learner_arguments, make_learner
+from metalearn.algorithms.registry import can, make_learner
 from metalearn.data import EpisodicSampler
 from metalearn.data.benchmarks import image_options, image_shape
 from metalearn.runs import experiment
@@ -176,7 +176,7 @@ def with_open_values(args: Args) -> Args:
     paper's mini-ImageNet values (0.01, 5); the rest is the learner's own (its constructor)."""
     channels, side = image_shape(args.data.dataset, args.data.image_size, args.data.channels)
     inner = {}
-    if "inner_lr" in learner_arguments(args.learner.algorithm):
+    if can(args.learner.algorithm, "inner_loop"):
         lr, steps = args.learner.inner_lr, args.learner.inner_steps
         inner = {"inner_lr": 0.01 if lr is None else lr, "inner_steps": steps or 5}
     return replace_flat(args, channels=channels, image_size=side, **inner)

@@ -18,7 +18,6 @@ Expected output: a markdown table of median seconds, and as the last line
 from __future__ import annotations
 
 import statistics
-import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,9 +31,10 @@ from metalearn.runs.arguments import ExperimentArgs
 from metalearn.runs.cli import flatten, replace_flat
 from metalearn.runs.metrics import measure_curvature
 from metalearn.runs.recipe import build_learner, recipe_from_args, resolve_learner_args
+from metalearn.tools.experiments import load_experiment
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "experiments"))
-import omniglot_maml as experiment  # noqa: E402  (the experiment's own meta-step)
+# The experiment's own meta-step, from the experiment file beside scripts/.
+experiment = load_experiment("omniglot_maml", Path(__file__).resolve().parents[1])
 
 
 @dataclass

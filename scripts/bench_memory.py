@@ -151,7 +151,7 @@ def make_learner(config: Config, work: Workload) -> MetaLearner:
         inner_lr=INNER_LR,
         inner_steps=work.inner_steps,
         chunk_size=config.chunk_size,
-        checkpoint=config.checkpoint,
+        gradient_checkpointing=config.checkpoint,
     )
 
 

@@ -1,12 +1,14 @@
 """Shared test set-up: where the real Omniglot is (`OMNIGLOT`, the tools' own rule); W&B stays
 offline, inside each test's tmp dir, and is torn down; the ``slow`` modules; the
-``baselines`` marker (tests against learn2learn or higher)."""
+``baselines`` marker (tests against learn2learn or higher); `experiment` and `script`, the
+one way a test loads a file of experiments/ or scripts/ (by its path, ``sys.path`` as it is)."""
 
 from __future__ import annotations
 
 import importlib.util
 import os
 from pathlib import Path
+from types import ModuleType
 
 import pytest
 
@@ -17,6 +19,7 @@ os.environ.setdefault("MKL_CBWR", "AUTO,STRICT")
 import torch  # noqa: E402
 
 from metalearn.data.omniglot import resolve_data_root  # noqa: E402
+from metalearn.tools.experiments import PREFIX, experiment_file, load_file  # noqa: E402
 
 pytest_plugins = ["pytester"]  # tests/test_baselines_marker.py runs pytest on a made-up test
 
@@ -42,6 +45,20 @@ NO_OMNIGLOT = (
 )
 
 needs_omniglot = pytest.mark.skipif(not HAS_OMNIGLOT, reason=NO_OMNIGLOT)
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def experiment(name: str) -> ModuleType:
+    """``experiments/<name>.py``, loaded as the grid loads it (the same module object)."""
+    return load_file(experiment_file(name, ROOT), PREFIX + name)
+
+
+def script(name: str) -> ModuleType:
+    """``scripts/<name>.py``, loaded by its path; ``benchtools`` first, under the name the
+    bench scripts import it by."""
+    load_file(ROOT / "scripts" / "benchtools.py", "benchtools")
+    return load_file(ROOT / "scripts" / f"{name}.py", name)
 
 
 @pytest.fixture(scope="session", autouse=True)

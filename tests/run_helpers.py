@@ -7,12 +7,12 @@ goes through the same functions a run uses (`metalearn.runs.experiment`, `metale
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 from types import ModuleType
 from typing import Any
 
 import torch
+from conftest import experiment
 
 from metalearn.algorithms import MetaLearner
 from metalearn.checkpoint import save_checkpoint
@@ -23,9 +23,8 @@ from metalearn.runs.run import load_samplers
 from metalearn.runs.seeding import seed_everything
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "experiments"))
-import fewshot_maml as fs  # noqa: E402
-import omniglot_maml as om  # noqa: E402
+fs = experiment("fewshot_maml")
+om = experiment("omniglot_maml")
 
 __all__ = [
     "checkpoint_of", "fs", "learner_of", "make", "om", "recipe_of", "samplers_of", "seeded_learner",

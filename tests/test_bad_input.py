@@ -57,15 +57,50 @@ def test_refused_before_anything_runs(tmp_path, flags, message):
     assert not (tmp_path / "runs").exists()
 
 
-@needs_data
 @pytest.mark.parametrize(
     ("flags", "message"),
-    [(["--shots", "19"], "shots + queries = 19 + 2 = 21 but each class has only 20"),
-     (["--ways", "2000"], "ways=2000 but only")],
+    [(["--inner-beta1", "1.0"], "--inner-beta1 1.0 is out of range: it must be in [0, 1)"),
+     (["--inner-beta1", "1.5"], "--inner-beta1 1.5 is out of range: it must be in [0, 1)"),
+     (["--inner-beta2", "1.5"], "--inner-beta2 1.5 is out of range: it must be in [0, 1)"),
+     (["--inner-eps", "-1e-8"], "--inner-eps -1e-08 is out of range: it must be finite and >= 0"),
+     (["--inner-eps", "inf"], "--inner-eps inf is out of range: it must be finite and >= 0"),
+     (["--inner-optimizer", "momentum", "--inner-momentum", "1.5"],
+      "--inner-momentum 1.5 is out of range: it must be in [0, 1)"),
+     (["--inner-optimizer", "rmsprop", "--inner-alpha", "1.0"],
+      "--inner-alpha 1.0 is out of range: it must be in [0, 1)")],
 )  # fmt: skip
-def test_shapes_the_split_cannot_give(tmp_path, flags, message):
-    assert message in _run(tmp_path, *flags, "--run-name", "r")
-    assert not (tmp_path / "runs" / "r" / "checkpoint.pt").exists()
+def test_inner_optimizer_settings_the_learner_refuses(tmp_path, flags, message):
+    """The learner's own refusal (`InnerOptimizerLearner`), met while the arguments are
+    resolved: an empty --data-root shows that nothing was loaded."""
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    adam = [] if flags[0] == "--inner-optimizer" else ["--inner-optimizer", "adam"]
+    line = _run(tmp_path, "--algorithm", "maml", *adam, *flags, "--data-root", str(empty))
+    assert line == f"error: {message}"
+    assert not (tmp_path / "runs").exists()
+
+
+@pytest.mark.parametrize(
+    ("script", "flags", "message"),
+    [("omniglot_maml", ["--shots", "19"],
+      "--shots 19 with --eval-query 2 needs 21 examples per class; Omniglot has 20"),
+     ("omniglot_maml", ["--ways", "2000"], "--ways 2000: Omniglot's val split has 400 classes"),
+     ("omniglot_maml", ["--algorithm", "protonet", "--train-ways", "5000"],
+      "--train-ways 5000: Omniglot's train split has 4400 classes"),
+     ("omniglot_maml", ["--split", "alphabet", "--eval-protocol", "within-alphabet", "--ways",
+                        "50"], "--ways 50: Omniglot's val split has 46 classes in its largest"),
+     ("fewshot_maml", ["--dataset", "mini-imagenet", "--ways", "17"],
+      "--ways 17: mini-ImageNet's val split has 16 classes")],
+)  # fmt: skip
+def test_shapes_the_data_cannot_give_are_refused_before_it_loads(tmp_path, script, flags,
+                                                                 message):  # fmt: skip
+    """From the published sizes (`metalearn.data.check_task_sizes`): the --data-root given
+    is empty, so a refusal that came from loading would name the missing files."""
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    line = _run(tmp_path, *flags, "--data-root", str(empty), script=script)
+    assert line.startswith(f"error: {message}"), line
+    assert not (tmp_path / "runs").exists()
 
 
 @needs_data

@@ -3,17 +3,13 @@ ones really guard (a NaN stops them), and bad arguments are one line; no timings
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
 import torch
+from conftest import script
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+from metalearn.debug import NonFiniteError
 
-import bench_anomaly_guard  # noqa: E402
-
-from metalearn.debug import NonFiniteError  # noqa: E402
+bench_anomaly_guard = script("bench_anomaly_guard")
 
 
 @pytest.mark.filterwarnings("ignore:Anomaly Detection has been enabled")  # torch's own variant

@@ -6,23 +6,20 @@ from __future__ import annotations
 
 import copy
 import random
-import sys
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import NO_OMNIGLOT, OMNIGLOT
+from conftest import NO_OMNIGLOT, OMNIGLOT, script
 from torch import nn
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+from metalearn.algorithms import MAML
+from metalearn.data import load_omniglot, omniglot_samplers
+from metalearn.engine import Task
+from metalearn.runs.evaluation import TEST_SEED, evaluate_tasks
 
-import bench_claims  # noqa: E402
-import benchtools  # noqa: E402
-
-from metalearn.algorithms import MAML  # noqa: E402
-from metalearn.data import load_omniglot, omniglot_samplers  # noqa: E402
-from metalearn.engine import Task  # noqa: E402
-from metalearn.runs.evaluation import TEST_SEED, evaluate_tasks  # noqa: E402
+bench_claims = script("bench_claims")
+benchtools = script("benchtools")
 
 ROOT = Path(__file__).resolve().parents[1]
 DATA = OMNIGLOT

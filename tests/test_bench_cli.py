@@ -6,16 +6,14 @@ prints its usage."""
 from __future__ import annotations
 
 import dataclasses
-import importlib
 import re
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from conftest import script as load_script
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "scripts"))
 
 SCRIPTS = sorted(p.stem for p in (ROOT / "scripts").glob("bench_*.py"))
 TOKEN = re.compile(r"[\w.,:=+-]+|\.\./[\w./-]+")
@@ -83,12 +81,12 @@ def test_the_commands_are_found_for_every_script() -> None:
 
 @pytest.mark.parametrize(("script", "flags"), COMMANDS + GPU_CHECK)
 def test_every_shown_command_parses(script: str, flags: tuple[str, ...]) -> None:
-    importlib.import_module(script).parse_args(list(flags))
+    load_script(script).parse_args(list(flags))
 
 
 @pytest.mark.parametrize("script", SCRIPTS)
 def test_help_lists_every_field_as_a_flag_and_exits_0(script: str, capsys) -> None:
-    module = importlib.import_module(script)
+    module = load_script(script)
     with pytest.raises(SystemExit) as stop:
         module.parse_args(["--help"])
     assert stop.value.code == 0
@@ -99,10 +97,9 @@ def test_help_lists_every_field_as_a_flag_and_exits_0(script: str, capsys) -> No
 
 
 def test_flag_values_reach_their_fields() -> None:
-    import bench_claims
-    import bench_hvp
-    import bench_maml
-
+    bench_claims, bench_hvp, bench_maml = map(
+        load_script, ("bench_claims", "bench_hvp", "bench_maml")
+    )
     hvp = bench_hvp.parse_args("--hessian-sizes 100 300 1000 --clock cpu".split())
     assert hvp.hessian_sizes == (100, 300, 1000) and hvp.clock == "cpu"
     assert (hvp.repeats, hvp.warmup) == (21, 2)
@@ -141,7 +138,7 @@ BAD = [
 def test_a_refused_value_is_one_line_and_exit_2(script: str, argv: str, message: str,
                                                capsys) -> None:  # fmt: skip
     with pytest.raises(SystemExit) as stop:
-        importlib.import_module(script).parse_args(argv.split())
+        load_script(script).parse_args(argv.split())
     assert stop.value.code == 2
     err = capsys.readouterr().err
     assert len(err.strip().splitlines()) == 1 and message in err, err

@@ -2,15 +2,11 @@
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import numpy as np
 import pytest
+from conftest import script
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
-
-import bench_maml  # noqa: E402
+bench_maml = script("bench_maml")
 
 
 def test_paired_ratios_pair_each_round_and_middle_half_is_the_quartiles() -> None:

@@ -3,14 +3,11 @@
 from __future__ import annotations
 
 import dataclasses
-import sys
-from pathlib import Path
 
 import pytest
+from conftest import script
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
-
-import bench_memory  # noqa: E402
+bench_memory = script("bench_memory")
 
 TINY = bench_memory.Workload(inner_steps=1, query=1, tasks=2, threads=1, repeats=1)
 

@@ -4,15 +4,13 @@ that it is the one module of scripts/ the scripts import."""
 from __future__ import annotations
 
 import ast
-import sys
 from pathlib import Path
 
 import torch
+from conftest import script
 
 SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
-sys.path.insert(0, str(SCRIPTS))
-
-import benchtools  # noqa: E402
+benchtools = script("benchtools")
 
 
 def test_round_robin_rotates_the_starting_function_and_times_each_call() -> None:

@@ -187,7 +187,10 @@ def test_non_finite_losses_raise_or_skip_as_eager(vectorize):
     [
         (_learner(Reptile), "Reptile computes its meta-gradient its own way"),
         (_learner(IMAML), "IMAML computes its meta-gradient its own way"),
-        (_learner(vectorize="loop", checkpoint=True), "checkpoint=True: .*drop checkpointing"),
+        (
+            _learner(vectorize="loop", gradient_checkpointing=True),
+            "gradient_checkpointing=True: .*drop checkpointing",
+        ),
     ],
 )
 def test_what_cannot_be_compiled_is_refused_in_one_line(learner, message):

@@ -2,17 +2,14 @@
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
 import torch
+from conftest import experiment
 from torch.func import functional_call
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "experiments"))
-import curvature_demo  # noqa: E402
+from metalearn import hessian
 
-from metalearn import hessian  # noqa: E402
+curvature_demo = experiment("curvature_demo")
 
 
 def test_measure_matches_dense_hessian():

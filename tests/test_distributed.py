@@ -16,18 +16,17 @@ import sys
 import time
 from pathlib import Path
 
+import dist_worker as worker
 import pytest
 import torch
 from conftest import NO_OMNIGLOT, OMNIGLOT
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import dist_worker as worker  # noqa: E402
+from metalearn import distributed as dist
+from metalearn.checkpoint import load_checkpoint
+from metalearn.data import load_omniglot, omniglot_samplers
+from metalearn.runs.evaluation import TEST_SEED, evaluate_tasks
 
-from metalearn import distributed as dist  # noqa: E402
-from metalearn.checkpoint import load_checkpoint  # noqa: E402
-from metalearn.data import load_omniglot, omniglot_samplers  # noqa: E402
-from metalearn.runs.evaluation import TEST_SEED, evaluate_tasks  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
 
 DATA = OMNIGLOT
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]

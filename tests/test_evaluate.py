@@ -234,7 +234,18 @@ def test_user_errors_are_one_line(checkpoint, tmp_path, capsys) -> None:
     early = save_checkpoint(tmp_path / "early" / "checkpoint.pt", {**saved, "best_learner": None})
     _refused(capsys, ["--checkpoint", str(early), "--no-track"], "(--which last)")
     _refused(capsys, [*run, "--ways", "3"], "head has 5 outputs (trained 5-way)")
-    _refused(capsys, [*run, "--shots", "10", "--query", "15"], "each class has only 20 examples")
+    _refused(
+        capsys,
+        [*run, "--shots", "10", "--query", "15"],
+        "--shots 10 with --query 15 needs 25 examples per class; Omniglot has 20",
+    )
+    # From the published sizes, before the data loads: the folder given is empty.
+    (tmp_path / "empty").mkdir()
+    _refused(
+        capsys,
+        [*run, "--shots", "19", "--query", "2", "--data-root", str(tmp_path / "empty")],
+        "--shots 19 with --query 2 needs 21 examples per class; Omniglot has 20",
+    )
     _refused(capsys, [*run, "--steps", "-1"], "--steps >= 0")
 
 

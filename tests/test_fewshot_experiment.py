@@ -100,7 +100,7 @@ def test_two_meta_steps_and_a_test_on_every_data_set(dataset, roots, tmp_path):
     backbone = {"conv4": Conv4, "resnet12": ResNet12}[overrides.get("backbone", "conv4")]
     assert type(learner.model) is backbone
     assert learner.first_order == overrides.get("first_order", False)
-    assert learner.checkpoint == overrides.get("gradient_checkpointing", False)
+    assert learner.gradient_checkpointing == overrides.get("gradient_checkpointing", False)
     assert learner.chunk_size == overrides.get("chunk_size", "auto")
     samplers = make_samplers(recipe, "cpu")
     assert (samplers["train"].augment is not None) == overrides.get("augment", False)

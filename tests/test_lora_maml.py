@@ -135,7 +135,7 @@ def _learner(rank: int = 2, **kwargs) -> LoRAMAML:
     """A float64 LoRA-MAML on a tiny Conv4 with the adapters moved off B = 0 (as training
     would), so both A and B carry the meta-gradient from the first inner step."""
     torch.manual_seed(0)
-    learner = LoRAMAML(Conv4(hidden=3, ways=3).to(F64), rank=rank, inner_lr=0.3, **kwargs)
+    learner = LoRAMAML(Conv4(hidden=3, ways=3).to(F64), lora_rank=rank, inner_lr=0.3, **kwargs)
     with torch.no_grad():
         for name, p in learner.model.named_parameters():
             p.add_(0.3 * torch.randn_like(p)) if name.endswith("lora_B") else None
@@ -212,7 +212,7 @@ def test_lora_maml_meta_gradient_matches_finite_differences() -> None:
 def test_lora_maml_adapts_the_adapters_and_the_head_only() -> None:
     torch.manual_seed(0)
     model = Conv4(hidden=3, ways=3).to(F64)
-    learner = LoRAMAML(model, rank=2, inner_lr=0.3, inner_steps=1)
+    learner = LoRAMAML(model, lora_rank=2, inner_lr=0.3, inner_steps=1)
     assert not any(isinstance(m, (LoRAConv2d, LoRALinear)) for m in model.modules())
     convs = [f"features.{i}.conv" for i in range(4)]
     assert learner.adapt_keys == [
@@ -230,7 +230,7 @@ def test_lora_maml_adapts_the_adapters_and_the_head_only() -> None:
     moved = [k for k in theta if not torch.equal(fast[k], theta[k])]
     assert moved == [*(f"{n}.lora_B" for n in convs), "head.weight", "head.bias"]
 
-    only_adapters = LoRAMAML(model, rank=1, head=None)
+    only_adapters = LoRAMAML(model, lora_rank=1, head=None)
     assert only_adapters.adapt_keys == lora_keys(only_adapters.model)
     assert isinstance(only_adapters.model.head, LoRALinear)
 
@@ -238,8 +238,8 @@ def test_lora_maml_adapts_the_adapters_and_the_head_only() -> None:
 def test_lora_maml_refuses_bad_arguments_in_one_line() -> None:
     model = Conv4(hidden=3)
     for rank in (0, -2, 2.0, True):
-        with pytest.raises(ValueError, match=r"rank=.*: the adapters' rank must be an int >= 1"):
-            LoRAMAML(model, rank=rank)  # type: ignore[arg-type]
+        with pytest.raises(ValueError, match=r"lora_rank=.*: the adapters. rank must be an int"):
+            LoRAMAML(model, lora_rank=rank)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="drop adapt_keys"):
         LoRAMAML(model, adapt_keys=["head.weight"])
     with pytest.raises(ValueError, match="pass head= the prefix"):
@@ -257,7 +257,7 @@ def test_the_record_rebuilds_the_learner_and_old_records_still_load(tmp_path) ->
     args = _args(algorithm="lora", lora_rank=2)
     flat = flatten(args)
     assert flat["lora_rank"] == 2 and (flat["inner_lr"], flat["inner_steps"]) == (0.4, 1)
-    assert recipe_of(om, args).learner.arguments["rank"] == 2
+    assert recipe_of(om, args).learner.arguments["lora_rank"] == 2
     assert flatten(_args(algorithm="lora"))["lora_rank"] == 4  # the learner's default
     assert flatten(_args(algorithm="maml"))["lora_rank"] is None  # recorded as doing nothing
 
@@ -268,17 +268,27 @@ def test_the_record_rebuilds_the_learner_and_old_records_still_load(tmp_path) ->
     for which, weights in (("best", best), ("last", saved["learner"])):
         learner, recipe = load_learner(path, which=which)
         assert type(learner) is LoRAMAML and learner.rank == 2
-        assert recipe.learner.arguments["rank"] == 2
+        assert recipe.learner.arguments["lora_rank"] == 2
         assert learner.state_dict().keys() == weights.keys()
         assert all(torch.equal(learner.state_dict()[k], weights[k]) for k in weights)
 
     # A record written before lora_rank existed (flat args, no such key, no recipe) builds.
     old = {k: v for k, v in flatten(_args(algorithm="anil")).items() if k != "lora_rank"}
     recipe = read_recipe({"args": old})
-    assert recipe.learner.algorithm == "anil" and "rank" not in recipe.learner.arguments
+    assert recipe.learner.algorithm == "anil" and "lora_rank" not in recipe.learner.arguments
     build_learner(recipe).load_state_dict(learner_of(om, _args(algorithm="anil")).state_dict())
     lora_without_rank = {k: v for k, v in flat.items() if k != "lora_rank"}
-    assert read_recipe({"args": lora_without_rank}).learner.arguments["rank"] == 4
+    assert read_recipe({"args": lora_without_rank}).learner.arguments["lora_rank"] == 4
+
+    # A recipe written when the arguments were LoRAMAML's ``rank`` and the learners'
+    # ``checkpoint`` reads under today's names (the flags' names) and builds.
+    record = recipe_of(om, args).to_dict()
+    arguments = record["learner"]["arguments"]
+    arguments["rank"] = arguments.pop("lora_rank")
+    arguments["checkpoint"] = arguments.pop("gradient_checkpointing")
+    upgraded = read_recipe({"recipe": record})
+    assert upgraded == recipe_of(om, args)
+    assert build_learner(upgraded).rank == 2
 
 
 @pytest.mark.parametrize(
@@ -305,5 +315,5 @@ def test_a_tiny_lora_run_trains_tests_and_records_its_rank(tmp_path) -> None:
     results = om.main(args)
     assert 0.0 <= results["test/acc"] <= 1.0
     learner, recipe = load_learner(tmp_path / "lora" / "checkpoint.pt", which="last")
-    assert recipe.learner.arguments["rank"] == 3 and learner.rank == 3
+    assert recipe.learner.arguments["lora_rank"] == 3 and learner.rank == 3
     assert learner.model.features[0].conv.lora_A.shape == (3, 9)

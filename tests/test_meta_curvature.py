@@ -9,7 +9,6 @@ one-step MAML meta-loss written out here with ``torch.autograd.grad``.
 from __future__ import annotations
 
 import math
-import sys
 from pathlib import Path
 
 import pytest
@@ -17,6 +16,7 @@ import torch
 import torch.nn.functional as F
 import wandb
 from conftest import NO_OMNIGLOT, OMNIGLOT
+from run_helpers import make, om
 from torch import nn
 from torch.func import functional_call
 
@@ -29,8 +29,6 @@ from metalearn.runs.lifecycle import UserError
 from metalearn.runs.records import read_offline_run
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "experiments"))
-from run_helpers import make, om  # noqa: E402
 
 F64 = torch.float64
 ALPHA = 0.3
@@ -94,7 +92,9 @@ def test_meta_curvature_matches_the_dense_meta_hessian(vectorize, checkpoint):
     net, tasks = tiny_net(), tiny_tasks()
     H = dense_meta_hessian(net, tasks)
     n = H.shape[0]
-    learner = MAML(net, inner_lr=ALPHA, inner_steps=1, vectorize=vectorize, checkpoint=checkpoint)
+    learner = MAML(
+        net, inner_lr=ALPHA, inner_steps=1, vectorize=vectorize, gradient_checkpointing=checkpoint
+    )
     result = meta_curvature(learner, tasks, iterations=n, samples=5, tol=1e-12, generator=gen(7))
     # Lanczos with a Krylov space as large as the problem: exact up to rounding.
     assert result.top_eigenvalue == pytest.approx(float(torch.linalg.eigvalsh(H)[-1]), rel=1e-8)

@@ -347,7 +347,7 @@ def test_mamlpp_checkpointed_inner_steps_give_the_same_gradients():
     learner = perturbed(mamlpp(conv(), msl_steps=10))
     learner.schedule(2, 100)
     checkpointed = copy.deepcopy(learner)
-    checkpointed.checkpoint = True
+    checkpointed.gradient_checkpointing = True
     ts = tasks(IMAGES)
     loss, g = grads(learner, ts)
     loss_ck, g_ck = grads(checkpointed, ts)

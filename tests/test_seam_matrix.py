@@ -29,14 +29,13 @@ without a row here fails `test_every_registered_algorithm_has_a_row`.
 from __future__ import annotations
 
 import math
-import sys
 from dataclasses import replace
 from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import NO_OMNIGLOT, OMNIGLOT
+from conftest import NO_OMNIGLOT, OMNIGLOT, script
 from image_set_fixtures import write_folder
 from run_helpers import fs, make, om, recipe_of, seeded_learner
 from test_heads import svm_query_loss
@@ -49,8 +48,7 @@ from metalearn.deploy import load_learner
 from metalearn.runs.run import load_samplers, my_tasks
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "scripts"))
-import transfer_check  # noqa: E402
+transfer_check = script("transfer_check")
 
 F64 = torch.float64
 

@@ -2,18 +2,15 @@
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 import wandb
+from conftest import experiment
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "experiments"))
-import sine_maml  # noqa: E402
+from metalearn.runs.lifecycle import UserError
+from metalearn.runs.records import read_offline_run
 
-from metalearn.runs.lifecycle import UserError  # noqa: E402
-from metalearn.runs.records import read_offline_run  # noqa: E402
+sine_maml = experiment("sine_maml")
 
 
 def test_short_run_beats_scratch_and_logs_the_plot(tmp_path):

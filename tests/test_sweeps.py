@@ -4,13 +4,12 @@ to exactly the cell's values; sweep runs and runs started by hand never share a 
 
 from __future__ import annotations
 
-import importlib
 import itertools
-import sys
 from pathlib import Path
 
 import pytest
 import yaml
+from conftest import experiment as load_experiment
 from wandb.sdk.launch.sweeps.utils import create_sweep_command_args
 
 from metalearn.runs.cli import flatten
@@ -18,7 +17,6 @@ from metalearn.runs.experiment import new_run_identity
 
 ROOT = Path(__file__).resolve().parents[1]
 SWEEPS = sorted((ROOT / "experiments" / "sweeps").glob("*.yaml"))
-sys.path.insert(0, str(ROOT / "experiments"))
 
 
 def cells(parameters: dict) -> list[dict]:
@@ -44,7 +42,7 @@ def test_every_cell_is_a_command_line_the_experiment_takes(path, tmp_path):
     program = ROOT / sweep["program"]
     assert program.is_file() and program.parent.name == "experiments"
     assert "${args}" in sweep["command"]  # the agent passes --name=value flags
-    experiment = importlib.import_module(program.stem)
+    experiment = load_experiment(program.stem)
     # The best validation accuracy: val/best_acc's last value (tests/test_tracking.py).
     assert sweep["metric"] == {"name": "val/best_acc", "goal": "maximize"}
     for cell in cells(sweep["parameters"]):
@@ -56,8 +54,7 @@ def test_every_cell_is_a_command_line_the_experiment_takes(path, tmp_path):
 
 
 def test_sweep_runs_and_runs_started_by_hand_never_share_a_name(monkeypatch, tmp_path):
-    import omniglot_maml as om
-
+    om = load_experiment("omniglot_maml")
     monkeypatch.delenv("WANDB_SWEEP_ID", raising=False)
     monkeypatch.delenv("WANDB_RUN_ID", raising=False)
     first = om.resolve_args(om.parse_args([f"--out-dir={tmp_path}"]))  # the README's run

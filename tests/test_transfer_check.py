@@ -7,17 +7,16 @@ line."""
 from __future__ import annotations
 
 import re
-import sys
 from pathlib import Path
 
 import pytest
 from conftest import NO_OMNIGLOT, OMNIGLOT
+from conftest import script as load_script
 from image_set_fixtures import write_cifar, write_folder
 from run_helpers import fs, make, om
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "scripts"))
-import transfer_check as script  # noqa: E402
+script = load_script("transfer_check")
 
 DATA = OMNIGLOT
 LINE = re.compile(r"^(\w+): (\d\.\d{4}) ± (\d\.\d{4}|nan)", re.M)

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import HAS_OMNIGLOT, NO_OMNIGLOT, OMNIGLOT
+from conftest import HAS_OMNIGLOT, NO_OMNIGLOT, OMNIGLOT, experiment
 
 from metalearn.data import load_omniglot, omniglot_samplers
 from metalearn.data.augment import SmallAffine
@@ -143,8 +143,7 @@ def test_the_experiments_training_tasks_are_augmented_as_batch_augments(kind):
 
 
 def test_the_presets_parse_to_their_recipes():
-    sys.path.insert(0, str(ROOT / "experiments"))
-    import omniglot_maml as om
+    om = experiment("omniglot_maml")
 
     from metalearn.runs.cli import flatten
 

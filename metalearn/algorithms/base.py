@@ -109,9 +109,9 @@ class MetaLearner(nn.Module, abc.ABC):
         loss_fn: ``loss_fn(outputs, targets) -> Tensor[]``.
         vectorize: ``"vmap"``, ``"loop"`` or ``"auto"``: how a meta-batch runs
             (`metalearn.engine.plan.plan`).
-        checkpoint: recompute inner steps in the backward pass: memory grows by one copy
-            of the fast weights per inner step instead of each step's activations (0.48x
-            the plain loop's peak at 20 steps, for about 2x the time; docs/claims.md).
+        gradient_checkpointing: recompute inner steps in the backward pass: memory grows by
+            one copy of the fast weights per inner step instead of each step's activations
+            (0.48x the plain loop's peak at 20 steps, for about 2x the time; docs/claims.md).
         on_nonfinite: ``"raise"`` or ``"skip"`` tasks whose loss is not finite, in `backward`
             and `evaluate` alike (`evaluate` gives skipped tasks NaN loss and accuracy).
         chunk_size: tasks per chunk of the meta-batch: each chunk's graph is built,
@@ -131,12 +131,24 @@ class MetaLearner(nn.Module, abc.ABC):
         not_compiled: why the learner's meta-step cannot run under ``torch.compile``
             (`metalearn.algorithms.compiled.compile_blocker` refuses it, naming this); None
             when it can.
+        has_inner_loop: the learner adapts by inner gradient steps (takes ``inner_lr`` and
+            ``inner_steps``); False for the solved heads.
+        takes_inner_optimizer: the inner loop's optimizer is chosen (``inner_optimizer`` and
+            its hyperparameters, `metalearn.algorithms.inner_optimizer`).
+        measures_curvature: `metalearn.algorithms.curvature` measures it: an inner loop and
+            a meta-loss to differentiate (`MetaLossLearner`).
+
+        The experiments and tools read these through `metalearn.algorithms.registry.can`
+        and `~metalearn.algorithms.registry.algorithms_that`, never from a list of names.
     """
 
     fixed_arguments: ClassVar[tuple[str, ...]] = ()
     default_outer_lr: ClassVar[float] = 1e-3
     head_sized_per_task: ClassVar[bool] = False
     not_compiled: ClassVar[str | None] = None
+    has_inner_loop: ClassVar[bool] = True
+    takes_inner_optimizer: ClassVar[bool] = False
+    measures_curvature: ClassVar[bool] = False
 
     def __init__(
         self,
@@ -148,7 +160,7 @@ class MetaLearner(nn.Module, abc.ABC):
         adapt_keys: Collection[str] | None = None,
         loss_fn: LossFn = F.cross_entropy,
         vectorize: Vectorize = "auto",
-        checkpoint: bool = False,
+        gradient_checkpointing: bool = False,
         on_nonfinite: OnNonfinite = "raise",
         chunk_size: ChunkSize = "auto",
     ) -> None:
@@ -172,7 +184,7 @@ class MetaLearner(nn.Module, abc.ABC):
                 )
         self.loss_fn = loss_fn
         self.vectorize = vectorize
-        self.checkpoint = checkpoint
+        self.gradient_checkpointing = gradient_checkpointing
         self.on_nonfinite = on_nonfinite
         self.chunk_size = chunk_size
 
@@ -208,7 +220,7 @@ class MetaLearner(nn.Module, abc.ABC):
             first_order=self.first_order if first_order is None else first_order,
             adapt_keys=self.adapt_keys,
             loss_fn=self.loss_fn,
-            checkpoint=self.checkpoint,
+            checkpoint=self.gradient_checkpointing,
             optimizer=self.inner_update(),
         )
 
@@ -361,6 +373,8 @@ class MetaLossLearner(MetaLearner):
     """MAML (Finn et al., 2017) and its relatives: the meta-gradient is the gradient of
     `meta_loss`, the mean query loss after adaptation. Arguments as for `MetaLearner`."""
 
+    measures_curvature = True
+
     def meta_loss(self, tasks: Sequence[Task]) -> MetaBatch:
         """Mean query loss after adaptation, one graph over all of ``tasks``; differentiable
         w.r.t. ``self.parameters()``."""
@@ -454,8 +468,9 @@ def check_loop_only(learner: MetaLearner, name: str) -> None:
             f"{name} runs its tasks in a Python loop; vectorize={learner.vectorize!r} is not "
             "supported, pass vectorize='loop' or 'auto'"
         )
-    if learner.checkpoint:
+    if learner.gradient_checkpointing:
         raise ValueError(
-            f"{name} keeps no graph through the inner loop, so checkpoint=True does nothing; "
+            f"{name} keeps no graph through the inner loop, so gradient_checkpointing=True "
+            "does nothing; "
             "drop it"
         )

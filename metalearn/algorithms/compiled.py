@@ -31,10 +31,10 @@ def compile_blocker(learner: MetaLearner) -> str | None:
                 f"chunk runner; run {name} uncompiled")  # fmt: skip
     if learner.not_compiled is not None:
         return f"{name}: {learner.not_compiled}; run {name} uncompiled"
-    if learner.checkpoint:
-        return ("checkpoint=True: Dynamo cannot trace the checkpointed inner step (it breaks "
-                "at its torch.autograd.grad) and compiling it did not pay (docs/claims.md "
-                "section 6); drop checkpointing or run uncompiled")  # fmt: skip
+    if learner.gradient_checkpointing:
+        return ("gradient_checkpointing=True: Dynamo cannot trace the checkpointed inner step "
+                "(it breaks at its torch.autograd.grad) and compiling it did not pay "
+                "(docs/claims.md section 6); drop checkpointing or run uncompiled")  # fmt: skip
     return None
 
 

@@ -134,8 +134,8 @@ class HeadLearner(MetaLossLearner):
     """A `MetaLossLearner` whose classifier is solved per task (see the module docstring).
 
     Subclasses define `solve`. Inner-loop arguments (``inner_lr``, ``inner_steps``,
-    ``first_order``, ``adapt_keys``, ``checkpoint``) do not apply and are not taken; the
-    ``steps`` of `evaluate` and `adapt` are ignored.
+    ``first_order``, ``adapt_keys``, ``gradient_checkpointing``) do not apply and are not
+    taken; the ``steps`` of `evaluate` and `adapt` are ignored.
 
     Args:
         model: the network, with a linear classifier named ``head`` that has a bias.
@@ -147,8 +147,16 @@ class HeadLearner(MetaLossLearner):
         ValueError: the model has no 2-d ``{head}.weight`` and ``{head}.bias``.
     """
 
-    fixed_arguments = ("inner_lr", "inner_steps", "first_order", "adapt_keys", "checkpoint")
+    fixed_arguments = (
+        "inner_lr",
+        "inner_steps",
+        "first_order",
+        "adapt_keys",
+        "gradient_checkpointing",
+    )
     head_sized_per_task = True
+    has_inner_loop = False
+    measures_curvature = False  # no inner loop: no support Hessian where it starts
 
     def __init__(self, model: nn.Module, head: str = "head", **kwargs: Any) -> None:
         params = dict(model.named_parameters())

@@ -59,6 +59,8 @@ class InnerOptimizerLearner(MetaLossLearner):
         **kwargs: as for `metalearn.algorithms.base.MetaLearner`.
     """
 
+    takes_inner_optimizer = True
+
     def __init__(
         self,
         model: nn.Module,

@@ -27,13 +27,13 @@ __all__ = ["LoRAMAML"]
 
 
 class LoRAMAML(MetaLossLearner):
-    """MAML with low-rank adapters (rank ``rank``) as the fast weights, plus the head.
+    """MAML with low-rank adapters (rank ``lora_rank``) as the fast weights, plus the head.
 
     The learner holds a LoRA copy of ``model`` (`metalearn.models.lora.add_lora` on every
     ``nn.Conv2d`` and ``nn.Linear`` outside ``head``); ``model`` itself is not changed. At
     initialisation (``B = 0``) the copy computes what ``model`` does.
 
-    The scale ``alpha`` defaults to ``rank`` (a scaling ``alpha / rank`` of 1) because the
+    The scale ``alpha`` defaults to ``lora_rank`` (a scaling ``alpha / rank`` of 1) because the
     inner loop takes plain gradient steps: from ``B = 0`` one step of rate ``lr`` on ``B``
     moves a layer's merged weight by ``-lr * s**2 * G A^T A`` (``G`` its gradient, ``s``
     the scaling), and Kaiming-uniform rows of ``A`` give ``A A^T ~ I / 3``; at ``s = 1`` the
@@ -42,8 +42,8 @@ class LoRAMAML(MetaLossLearner):
 
     Args:
         model: the network (e.g. `metalearn.models.Conv4`).
-        rank: the adapters' rank ``r`` (>= 1).
-        alpha: the adapters' scale numerator; None: ``rank``.
+        lora_rank: the adapters' rank ``r`` (>= 1).
+        alpha: the adapters' scale numerator; None: ``lora_rank``.
         head: the prefix of the head's parameter names (``"head"`` for `Conv4`): adapted in
             full and given no adapter. None: every linear layer gets an adapter and only
             adapters are adapted.
@@ -51,7 +51,7 @@ class LoRAMAML(MetaLossLearner):
             adapted set is this algorithm's definition).
 
     Raises:
-        ValueError: ``adapt_keys`` is given, ``rank`` is not an int >= 1, or no parameter
+        ValueError: ``adapt_keys`` is given, ``lora_rank`` is not an int >= 1, or no parameter
             is named ``head`` or starts with ``head + "."``.
     """
 
@@ -60,7 +60,7 @@ class LoRAMAML(MetaLossLearner):
     def __init__(
         self,
         model: nn.Module,
-        rank: int = 4,
+        lora_rank: int = 4,
         alpha: float | None = None,
         head: str | None = "head",
         **kwargs: Any,
@@ -70,8 +70,9 @@ class LoRAMAML(MetaLossLearner):
                 "LoRAMAML adapts the adapters and the head by definition; drop adapt_keys "
                 "(or use MAML with adapt_keys=lora_keys(model) for another set)"
             )
+        rank = lora_rank
         if isinstance(rank, bool) or not isinstance(rank, int) or rank < 1:
-            raise ValueError(f"rank={rank!r}: the adapters' rank must be an int >= 1, e.g. 4")
+            raise ValueError(f"lora_rank={rank!r}: the adapters' rank must be an int >= 1, e.g. 4")
 
         def in_head(name: str) -> bool:
             return head is not None and (name == head or name.startswith(head + "."))

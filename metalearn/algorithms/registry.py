@@ -5,6 +5,12 @@ it. `learner_arguments` reads a learner's keyword arguments (its own, and the
 `MetaLearner` ones it passes on) with their defaults from its signature, so a record made
 by `complete_arguments` names every argument the learner was built with, not only those
 a command line set; `make_learner` builds exactly that record.
+
+What a learner can do is a class attribute of it (`MetaLearner`'s ``has_inner_loop``,
+``takes_inner_optimizer``, ``measures_curvature``, ``head_sized_per_task``), read here and
+nowhere else: `can` asks it of one algorithm, `algorithms_that` lists those that can, so no
+list of algorithm names is written anywhere but `LEARNERS`. `algorithms_taking` lists the
+algorithms whose learner takes an argument (``cg_damping``: iMAML's).
 """
 
 from __future__ import annotations
@@ -35,6 +41,10 @@ __all__ = [
     "LEARNERS",
     "LOSSES",
     "Algorithm",
+    "Capability",
+    "algorithms_taking",
+    "algorithms_that",
+    "can",
     "complete_arguments",
     "learner_arguments",
     "make_learner",
@@ -55,11 +65,41 @@ Algorithm = Literal[ALGORITHMS]  # type: ignore[valid-type]
 LOSSES = {"cross_entropy": F.cross_entropy, "mse": F.mse_loss}
 """Loss functions a record names (``loss_fn`` is recorded by name)."""
 
+Capability = Literal["inner_loop", "inner_optimizer", "curvature", "head_sized_per_task"]
+"""What a learner may be able to do: an inner loop of gradient steps, a chosen inner
+optimizer, curvature measured (`metalearn.algorithms.curvature`), a head sized per task."""
+
+_ATTRIBUTES: Mapping[str, str] = {
+    "inner_loop": "has_inner_loop", "inner_optimizer": "takes_inner_optimizer",
+    "curvature": "measures_curvature", "head_sized_per_task": "head_sized_per_task",
+}  # fmt: skip
+
 
 def _learner(name: str) -> type[MetaLearner]:
     if name not in LEARNERS:
         raise ValueError(f"unknown algorithm {name!r}; choose one of {', '.join(ALGORITHMS)}")
     return LEARNERS[name]
+
+
+def can(name: str, capability: Capability) -> bool:
+    """Whether algorithm ``name``'s learner has ``capability`` (its class attribute).
+
+    Raises:
+        ValueError: an unknown algorithm or capability.
+    """
+    if capability not in _ATTRIBUTES:
+        raise ValueError(f"capability {capability!r}; choose one of {', '.join(_ATTRIBUTES)}")
+    return bool(getattr(_learner(name), _ATTRIBUTES[capability]))
+
+
+def algorithms_that(capability: Capability) -> tuple[str, ...]:
+    """The algorithms whose learner has ``capability``, in `LEARNERS`' order."""
+    return tuple(name for name in LEARNERS if can(name, capability))
+
+
+def algorithms_taking(argument: str) -> tuple[str, ...]:
+    """The algorithms whose learner takes ``argument`` (`learner_arguments`)."""
+    return tuple(name for name in LEARNERS if argument in learner_arguments(name))
 
 
 def learner_arguments(name: str) -> dict[str, Any]:

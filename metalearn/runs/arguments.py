@@ -63,8 +63,7 @@ class ModelArgs:
 
 @dataclass
 class LearnerArgs:
-    """The algorithm and its settings, each flag named after the learner argument it sets
-    (but --gradient-checkpointing: checkpoint, and --lora-rank: rank);
+    """The algorithm and its settings, each flag named after the learner argument it sets;
     none: the learner constructor's default, the one place it is written (docs/algorithms.md
     lists them), recorded resolved."""
 

@@ -5,10 +5,14 @@ What differs between experiments (their own argument groups, presets and refusal
 
 - `parse_args`: the command line (`metalearn.runs.cli`), under a preset; with ``--resume``,
   the flags not given take the saved run's values;
-- `check_args`: values that would fail later, refused before any data loads (`UserError`);
+- `check_args`: values that would fail later, refused before any data loads (`UserError`),
+  tasks the data set cannot give among them (`metalearn.data.check_task_sizes`, from its
+  published sizes);
 - `resolve_args`: the open values filled once (the learner's from its constructor,
-  `metalearn.runs.recipe.resolve_learner_args`) and a run not named by the user given a
-  unique name (`run_name`, `new_run_identity`): the resolved arguments are the recipe;
+  `metalearn.runs.recipe.resolve_learner_args`), the learner built once on the ``meta``
+  device so that whatever its constructor refuses is refused here (`check_learner`), and a
+  run not named by the user given a unique name (`run_name`, `new_run_identity`): the
+  resolved arguments are the recipe;
 - `start_from`: the run's arguments, its `metalearn.runs.recipe.Recipe` and its checkpoint,
   a resume refused where it would change what the saved run computes (`RESUMABLE`).
 
@@ -19,6 +23,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 import secrets
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -27,11 +32,14 @@ from typing import Any
 
 import torch
 
+from metalearn.algorithms.registry import make_learner
 from metalearn.checkpoint import load_checkpoint
+from metalearn.data import check_task_sizes
 from metalearn.runs.cli import flag, flatten, parse_dataclass, unflatten
 from metalearn.runs.lifecycle import UserError, merge_resumed_args, require
 from metalearn.runs.recipe import (
     Recipe,
+    build_model,
     read_recipe,
     recipe_from_args,
     resolve_learner_args,
@@ -43,6 +51,7 @@ __all__ = [
     "RESUMABLE",
     "Experiment",
     "check_args",
+    "check_learner",
     "checkpoint_path",
     "make_recipe",
     "new_run_identity",
@@ -172,6 +181,21 @@ def check_args(exp: Experiment, args: Any) -> None:
     _check_device(a["device"])
     _check_run_folder(a["out_dir"], a["run_name"], a["resume"])
     exp.check(args)
+    _check_task_sizes(a)
+
+
+def _check_task_sizes(a: Mapping[str, Any]) -> None:
+    """Refuse tasks the data set cannot give (its published classes per split and examples
+    per class), before minutes of decoding."""
+    try:
+        check_task_sizes(
+            a.get("dataset", "omniglot"), ways=a["ways"], shots=a["shots"], query=a["query"],
+            eval_query=a["eval_query"], train_ways=a.get("train_ways"),
+            split=a.get("split", "maml"), train_tasks=a.get("train_tasks", "episodic"),
+            eval_protocol=a.get("eval_protocol", "episodic"),
+        )  # fmt: skip
+    except ValueError as err:
+        raise UserError(str(err)) from None
 
 
 def _check_device(device: str) -> None:
@@ -219,6 +243,7 @@ def resolve_args(exp: Experiment, args: Any) -> Any:
     except ValueError as err:
         raise UserError(str(err)) from None
     resolved = unflatten(exp.args_type, flat)
+    check_learner(make_recipe(exp, resolved), flat)
     tracking = resolved.tracking
     if tracking.run_name is None:
         tracking.run_name, chosen_id = new_run_identity(run_name(resolved))
@@ -238,6 +263,30 @@ def make_recipe(exp: Experiment, args: Any) -> Recipe:
         return recipe_from_args(exp.name, flatten(args))
     except ValueError as err:
         raise UserError(str(err)) from None
+
+
+def check_learner(recipe: Recipe, flags: Mapping[str, Any]) -> None:
+    """Build the recipe's learner on the ``meta`` device (no memory, no data) so that a value
+    its constructor refuses (an inner optimizer's ``inner_beta1=1.0``, ...) is refused before
+    anything loads.
+
+    Args:
+        recipe: the run's recipe.
+        flags: the run's flat arguments; an argument named in the refusal that is one of them
+            is named as its flag (a flag is named after the argument it sets).
+
+    Raises:
+        UserError: the learner's refusal, in one line.
+    """
+    try:
+        with torch.device("meta"):
+            make_learner(recipe.learner.algorithm, build_model(recipe), recipe.learner.arguments)
+    except ValueError as err:
+        message = str(err)
+        named = re.match(r"(\w+)=(\S+) (.*)", message)
+        if named and named[1] in flags:
+            message = f"{flag(named[1])} {named[2]} {named[3]}"
+        raise UserError(message) from None
 
 
 def _read(path: Path) -> dict:

@@ -16,8 +16,9 @@ from collections.abc import Sequence
 import torch
 
 from metalearn import distributed
-from metalearn.algorithms import HeadLearner, MetaLearner, MetaLossLearner
+from metalearn.algorithms import MetaLearner
 from metalearn.algorithms.curvature import PROBE_SEED, meta_curvature, support_curvature
+from metalearn.algorithms.registry import algorithms_that, can
 from metalearn.runs.lifecycle import require
 from metalearn.runs.recipe import Recipe
 
@@ -81,13 +82,12 @@ def curvature_probe(recipe: Recipe, learner: MetaLearner, sampler) -> list | Non
         UserError: ``curvature_every`` > 0 for a learner with no inner loop or no meta-loss.
     """
     t = recipe.training
-    measurable = isinstance(learner, MetaLossLearner) and not isinstance(learner, HeadLearner)
-    lacks = "no inner loop" if isinstance(learner, HeadLearner) else "no meta-loss"
-    require(t.curvature_every == 0 or measurable,
-            f"--curvature-every {t.curvature_every} with --algorithm "
-            f"{recipe.learner.algorithm}: {type(learner).__name__} has {lacks} to measure; use "
-            "maml, fomaml, anil, metasgd, mamlpp, protomaml or lora, or drop "
-            "--curvature-every")  # fmt: skip
+    algorithm = recipe.learner.algorithm
+    lacks = "no inner loop" if not can(algorithm, "inner_loop") else "no meta-loss"
+    require(t.curvature_every == 0 or can(algorithm, "curvature"),
+            f"--curvature-every {t.curvature_every} with --algorithm {algorithm}: "
+            f"{type(learner).__name__} has {lacks} to measure; use "
+            f"{', '.join(algorithms_that('curvature'))}, or drop --curvature-every")  # fmt: skip
     if t.curvature_every == 0 or not distributed.is_main():
         return None
     return sampler.batch(t.curvature_tasks, torch.Generator().manual_seed(PROBE_SEED))

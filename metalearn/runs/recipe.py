@@ -37,8 +37,10 @@ from metalearn.algorithms import MetaLearner
 from metalearn.algorithms.inner_optimizer import optimizer_hyperparameters
 from metalearn.algorithms.registry import (
     LEARNERS,
+    algorithms_taking,
+    algorithms_that,
+    can,
     complete_arguments,
-    learner_arguments,
     make_learner,
 )
 from metalearn.data import (
@@ -78,24 +80,21 @@ RECIPE_VERSION = 1
 EXPERIMENTS = ("omniglot_maml", "fewshot_maml")
 """The experiments that write recipes (``experiments/<name>.py``)."""
 
-# The flags that set a learner argument, by flag name -> argument name. A switch (bool) that
-# is off and a value left at None set nothing: the learner's default stands (and is recorded).
-LEARNER_FLAGS = {
-    "inner_lr": "inner_lr", "inner_steps": "inner_steps", "first_order": "first_order",
-    "vectorize": "vectorize", "chunk_size": "chunk_size", "gradient_checkpointing": "checkpoint",
-    "checkpoint": "checkpoint", "cg_damping": "cg_damping", "lora_rank": "rank",
-    "msl_steps": "msl_steps", "first_order_steps": "first_order_steps",
-    "inner_optimizer": "inner_optimizer", "inner_momentum": "inner_momentum",
-    "inner_beta1": "inner_beta1", "inner_beta2": "inner_beta2", "inner_eps": "inner_eps",
-    "inner_alpha": "inner_alpha", "learn_inner_hyperparameters": "learn_inner_hyperparameters",
-    "on_nonfinite": "on_nonfinite",
-}  # fmt: skip
+# The flags that set a learner argument, each named after the argument it sets. A switch
+# (bool) that is off and a value left at None set nothing: the learner's default stands (and
+# is recorded).
+LEARNER_FLAGS = (
+    "inner_lr", "inner_steps", "first_order", "vectorize", "chunk_size",
+    "gradient_checkpointing", "cg_damping", "lora_rank", "msl_steps", "first_order_steps",
+    "inner_optimizer", "inner_momentum", "inner_beta1", "inner_beta2", "inner_eps",
+    "inner_alpha", "learn_inner_hyperparameters", "on_nonfinite",
+)  # fmt: skip
 # The inner optimizer's flags (`metalearn.algorithms.inner_optimizer`), for the refusals.
 _OPTIMIZER_FLAGS = ("inner_optimizer", "inner_momentum", "inner_beta1", "inner_beta2",
                     "inner_eps", "inner_alpha", "learn_inner_hyperparameters")  # fmt: skip
-# Flags that belong to one algorithm, with the algorithm they belong to (for the refusal).
-_OWN_FLAGS = {"cg_damping": "imaml", "lora_rank": "lora", "msl_steps": "mamlpp",
-              "first_order_steps": "mamlpp"}  # fmt: skip
+# Flags that belong to the algorithms whose learner takes them (`algorithms_taking`): recorded
+# resolved for those, refused for the others.
+_OWN_FLAGS = ("cg_damping", "lora_rank", "msl_steps", "first_order_steps")
 
 
 @dataclass(frozen=True)
@@ -256,16 +255,18 @@ def resolve_learner_args(args: Mapping[str, Any]) -> dict[str, Any]:
     for flag_name in ("inner_lr", "inner_steps"):
         if flag_name in own and resolved.get(flag_name) is None:
             resolved[flag_name] = own[flag_name]
-    for flag_name, owner in _OWN_FLAGS.items():
+    for flag_name in _OWN_FLAGS:
         if flag_name not in resolved:
             continue
-        if owner != algorithm and resolved[flag_name] is not None:
-            raise ValueError(f"--{flag_name.replace('_', '-')} is a setting of {owner}; drop "
+        if flag_name not in own and resolved[flag_name] is not None:
+            owners = " or ".join(algorithms_taking(flag_name))
+            raise ValueError(f"--{flag_name.replace('_', '-')} is a setting of {owners}; drop "
                              f"it for {algorithm}")  # fmt: skip
-        if owner == algorithm and resolved[flag_name] is None:
-            resolved[flag_name] = own[LEARNER_FLAGS[flag_name]]
+        if flag_name in own and resolved[flag_name] is None:
+            resolved[flag_name] = own[flag_name]
     if resolved.get("first_order") and "first_order" not in own:
-        hint = " (first order until --first-order-steps)" if algorithm == "mamlpp" else ""
+        scheduled = "first_order_steps" in own
+        hint = " (first order until --first-order-steps)" if scheduled else ""
         raise ValueError(f"{algorithm} sets its own derivative order{hint}; drop --first-order")
     if resolved.get("outer_lr") is None and "outer_lr" in resolved:
         resolved["outer_lr"] = LEARNERS[algorithm].default_outer_lr
@@ -278,13 +279,13 @@ def flag_arguments(algorithm: str) -> set[str]:
     """The arguments of ``algorithm``'s learner that a flag sets (the rest are recorded at
     their defaults)."""
     takes = complete_arguments(algorithm, {})
-    return {argument for argument in LEARNER_FLAGS.values() if argument in takes}
+    return {argument for argument in LEARNER_FLAGS if argument in takes}
 
 
 def _check_head_flags(algorithm: str, args: Mapping[str, Any], own: Mapping[str, Any]) -> None:
     """Refuse inner-loop flags for a learner with no inner loop, and ``--train-ways`` other
     than ``--ways`` for one that adapts the model's own head (sized ``--ways``)."""
-    if "inner_lr" not in own:
+    if not can(algorithm, "inner_loop"):
         inner = ("inner_lr", "inner_steps", "first_order", "gradient_checkpointing")
         given = [flag for flag in inner if args.get(flag) not in (None, False)]
         if given:
@@ -292,12 +293,8 @@ def _check_head_flags(algorithm: str, args: Mapping[str, Any], own: Mapping[str,
             raise ValueError(f"{algorithm} solves its head per task, with no inner loop; drop "
                              f"{flags}")  # fmt: skip
     train_ways, ways = args.get("train_ways"), args.get("ways")
-    if (
-        train_ways is not None
-        and train_ways != ways
-        and not LEARNERS[algorithm].head_sized_per_task
-    ):
-        sized = ", ".join(n for n, c in LEARNERS.items() if c.head_sized_per_task)
+    if train_ways is not None and train_ways != ways and not can(algorithm, "head_sized_per_task"):
+        sized = ", ".join(algorithms_that("head_sized_per_task"))
         raise ValueError(f"--train-ways {train_ways} with --algorithm {algorithm}: it adapts the "
                          f"model's {ways}-way head, so it trains {ways}-way; drop --train-ways or "
                          f"use an algorithm that sizes its head per task ({sized})")  # fmt: skip
@@ -307,9 +304,9 @@ def _check_optimizer_flags(algorithm: str, args: Mapping[str, Any], own: Mapping
     """Refuse the inner optimizer's flags for a learner without one, and a hyperparameter
     flag the chosen optimizer does not read."""
     given = [flag for flag in _OPTIMIZER_FLAGS if args.get(flag) is not None]
-    if "inner_optimizer" not in own:
+    if not can(algorithm, "inner_optimizer"):
         if given:
-            takers = ", ".join(n for n in LEARNERS if "inner_optimizer" in learner_arguments(n))
+            takers = ", ".join(algorithms_that("inner_optimizer"))
             raise ValueError(f"--{given[0].replace('_', '-')} is a setting of the inner "
                              f"optimizer of {takers}; drop it for {algorithm}")  # fmt: skip
         return
@@ -330,8 +327,8 @@ def learner_recipe(args: Mapping[str, Any]) -> LearnerRecipe:
     algorithm = args["algorithm"]
     takes = complete_arguments(algorithm, {})
     given = {}
-    for flag_name, argument in LEARNER_FLAGS.items():
-        value = args.get(flag_name)
+    for argument in LEARNER_FLAGS:
+        value = args.get(argument)
         if value is None or value is False or argument not in takes:
             continue
         given[argument] = value
@@ -413,6 +410,9 @@ def read_recipe(saved: Mapping[str, Any]) -> Recipe:
 _RENAMED = {"checkpoint": "gradient_checkpointing"}
 """Flags renamed since a record was written: old name -> new name."""
 
+_RENAMED_ARGUMENTS = {"checkpoint": "gradient_checkpointing", "rank": "lora_rank"}
+"""Learner arguments renamed since a recipe was written (to the flags' names): old -> new."""
+
 
 def upgrade_args(args: Mapping[str, Any]) -> dict[str, Any]:
     """A checkpoint's flat arguments under today's flag names (`_RENAMED`), with the
@@ -424,11 +424,13 @@ def upgrade_args(args: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def _upgrade_learner(learner: LearnerRecipe) -> LearnerRecipe:
-    """``metaoptnet`` was the logistic-regression head before it became the SVM: a record
-    naming it with the logistic head's arguments (``newton_steps``) is ``metaoptnet-lr``."""
-    if learner.algorithm == "metaoptnet" and "newton_steps" in learner.arguments:
-        return LearnerRecipe("metaoptnet-lr", learner.arguments)
-    return learner
+    """A recorded learner under today's names: its arguments renamed (`_RENAMED_ARGUMENTS`),
+    and ``metaoptnet`` with the logistic head's arguments (``newton_steps``) read as
+    ``metaoptnet-lr`` (it was the logistic-regression head before it became the SVM)."""
+    arguments = {_RENAMED_ARGUMENTS.get(k, k): v for k, v in learner.arguments.items()}
+    if learner.algorithm == "metaoptnet" and "newton_steps" in arguments:
+        return LearnerRecipe("metaoptnet-lr", arguments)
+    return LearnerRecipe(learner.algorithm, arguments)
 
 
 def with_resumed(recipe: Recipe, args: Mapping[str, Any]) -> Recipe:
@@ -440,12 +442,9 @@ def with_resumed(recipe: Recipe, args: Mapping[str, Any]) -> Recipe:
     data = dataclasses.replace(recipe.data, root=args.get("data_root", recipe.data.root))
     defaults = complete_arguments(recipe.learner.algorithm, {})
     arguments = dict(recipe.learner.arguments)
-    for flag_name, argument in (
-        ("gradient_checkpointing", "checkpoint"),
-        ("chunk_size", "chunk_size"),
-    ):
-        if argument in arguments and flag_name in args:
-            value = args[flag_name]
+    for argument in ("gradient_checkpointing", "chunk_size"):
+        if argument in arguments and argument in args:
+            value = args[argument]
             arguments[argument] = defaults[argument] if value in (None, False) else value
     learner = LearnerRecipe(recipe.learner.algorithm, arguments)
     return dataclasses.replace(recipe, training=training, data=data, learner=learner)

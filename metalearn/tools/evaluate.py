@@ -111,9 +111,12 @@ def test_data(args: Args, recipe: Recipe) -> tuple[DataRecipe, int]:
 
     Raises:
         ValueError: ways other than the head's, ``tasks < 1``, ``steps < 0``, ``--split``
-            for a data set other than Omniglot, or the within-alphabet protocol off
-            Omniglot's alphabet split.
+            for a data set other than Omniglot, the within-alphabet protocol off
+            Omniglot's alphabet split, or tasks the test split cannot give (its published
+            sizes, `metalearn.data.check_task_sizes`), all before the data loads.
     """
+    from metalearn.data import check_task_sizes
+
     data = recipe.data
     if args.split is not None and data.dataset != "omniglot":
         raise ValueError(f"--split {args.split}: {data.dataset} has one published split (--split "
@@ -137,6 +140,10 @@ def test_data(args: Args, recipe: Recipe) -> tuple[DataRecipe, int]:
             f"split; this is {drawn_from(chosen)}: pass --split alphabet (Omniglot runs) or "
             "--protocol episodic"
         )
+    # The test split's tasks only, with evaluate's own flag names (--query, --shots, --ways).
+    check_task_sizes(chosen.dataset, ways=chosen.ways, shots=chosen.shots,
+                     query=chosen.eval_query, split=chosen.split,
+                     eval_protocol=chosen.eval_protocol, splits=("test",))  # fmt: skip
     steps = recipe.training.eval_inner_steps if args.steps is None else args.steps
     if args.tasks < 1 or steps < 0:
         raise ValueError(f"--tasks must be >= 1 and --steps >= 0, got {args.tasks} and {steps}")

@@ -22,7 +22,7 @@ Command (from the folder that holds experiments/, e.g. a clone of metalearn):
 The experiment is a file, not an installed module: ``--experiment NAME`` is
 ``experiments/NAME.py`` under the current folder, anything ending in ``.py`` a path. The grid
 reads its ``Args``, ``parse_args`` and ``EXPERIMENT`` by loading the file by its path
-(`experiment_module`; nothing is added to ``sys.path``), and runs each cell as ``python
+(`metalearn.tools.experiments`; nothing is added to ``sys.path``), and runs each cell as ``python
 FILE ...``. Ctrl-C stops the cells (each saves a checkpoint) and lists the ones that a rerun
 of the same command resumes.
 
@@ -38,7 +38,6 @@ from __future__ import annotations
 
 import difflib
 import hashlib
-import importlib.util
 import itertools
 import json
 import shlex
@@ -48,7 +47,6 @@ import subprocess
 import sys
 import time
 from dataclasses import dataclass
-from functools import cache
 from pathlib import Path
 from types import ModuleType
 from typing import TYPE_CHECKING
@@ -57,6 +55,7 @@ import tyro
 
 from metalearn.runs.cli import flag, flat_fields, parse_dataclass
 from metalearn.runs.lifecycle import UserError
+from metalearn.tools import experiments
 
 if TYPE_CHECKING:  # imported where used: --help loads no torch
     from metalearn.runs.recipe import Recipe
@@ -108,44 +107,27 @@ class Cell:
 
 
 def experiment_file(experiment: str) -> Path:
-    """The experiment's file: ``experiment`` itself when it ends in ``.py``, else
-    ``experiments/<experiment>.py`` under the current folder.
+    """The experiment's file (`metalearn.tools.experiments.experiment_file`).
 
     Raises:
         GridError: no such file.
     """
-    path = Path(experiment if experiment.endswith(".py") else f"experiments/{experiment}.py")
-    if not path.is_file():
-        raise GridError(f"--experiment {experiment}: no experiment file {path} here; run from the "
-                        "folder that holds experiments/ (a clone of metalearn) or pass "
-                        "--experiment PATH.py")  # fmt: skip
-    return path.resolve()
-
-
-@cache
-def experiment_module(path: Path) -> ModuleType:
-    """The experiment file at ``path``, loaded by its path (``sys.path`` is left as it is).
-
-    It is registered in ``sys.modules`` under a name of its own (``metalearn_experiment_`` and
-    its stem), which its dataclasses need while they are built; its ``__main__`` block does
-    not run.
-    """
-    name = f"metalearn_experiment_{path.stem}"
-    spec = importlib.util.spec_from_file_location(name, path)
-    if spec is None or spec.loader is None:
-        raise GridError(f"--experiment {path}: not a Python file")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
     try:
-        spec.loader.exec_module(module)
-    except BaseException:
-        del sys.modules[name]
-        raise
-    missing = [a for a in ("Args", "EXPERIMENT", "parse_args") if not hasattr(module, a)]
-    if missing:
-        raise GridError(f"--experiment {path}: not an experiment file (it defines no "
-                        f"{', '.join(missing)})")  # fmt: skip
-    return module
+        return experiments.experiment_file(experiment)
+    except UserError as err:
+        raise GridError(str(err)) from None
+
+
+def experiment_module(path: Path) -> ModuleType:
+    """The experiment file at ``path``, loaded by its path (`load_experiment`).
+
+    Raises:
+        GridError: not an experiment file.
+    """
+    try:
+        return experiments.experiment_module(path)
+    except UserError as err:
+        raise GridError(str(err)) from None
 
 
 def parse_settings(items: tuple[str, ...] | list[str], exp: ModuleType) -> dict[str, list[str]]:
@@ -198,7 +180,7 @@ def cell_key(recipe: Recipe) -> str:
     record = recipe.to_dict()
     record["data"].pop("root")
     record["training"].pop("checkpoint_every")
-    for memory_only in ("checkpoint", "chunk_size"):
+    for memory_only in ("gradient_checkpointing", "chunk_size"):
         record["learner"]["arguments"].pop(memory_only, None)
     text = json.dumps(record, sort_keys=True, default=str)
     return hashlib.sha256(text.encode()).hexdigest()[:8]
