@@ -8,15 +8,12 @@ baselines``.
 from __future__ import annotations
 
 import re
-import sys
-from pathlib import Path
 
 import pytest
 import torch
+from conftest import script
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
-
-import bench_maml  # noqa: E402
+bench_maml = script("bench_maml")
 
 
 @pytest.mark.baselines("torchopt")

@@ -12,13 +12,13 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import experiment
 
 from metalearn.checkpoint import load_checkpoint
 from metalearn.runs.cli import unflatten
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "experiments"))
-import rl_maml  # noqa: E402
+rl_maml = experiment("rl_maml")
 
 TINY = dict(  # 2D navigation, small enough for a test, large enough that adaptation helps
     iterations=2,
