@@ -78,6 +78,9 @@ RECIPE_VERSION = 1
 EXPERIMENTS = ("omniglot_maml", "fewshot_maml")
 """The experiments that write recipes (``experiments/<name>.py``)."""
 
+# The outer loop's fields of `TrainingRecipe`, each set by the flag of its name.
+_OUTER_FIELDS = ("outer_optimizer", "outer_momentum", "nesterov", "weight_decay", "lr_schedule",
+                 "eta_min", "step_size", "gamma", "schedule_every")  # fmt: skip
 # The flags that set a learner argument, by flag name -> argument name. A switch (bool) that
 # is off and a value left at None set nothing: the learner's default stands (and is recorded).
 LEARNER_FLAGS = {
@@ -166,6 +169,16 @@ class TrainingRecipe:
     checkpoint_every: int
     curvature_every: int = 0
     curvature_tasks: int = 4
+    # The outer loop (`metalearn.runs.outer_loop`); a record without them ran at these.
+    outer_optimizer: str | None = None  # None: the learner's own (records before it existed)
+    outer_momentum: float = 0.0
+    nesterov: bool = False
+    weight_decay: float = 0.0
+    lr_schedule: str = "constant"
+    eta_min: float = 0.0
+    step_size: int | None = None
+    gamma: float = 0.1
+    schedule_every: int = 1
 
 
 @dataclass(frozen=True)
@@ -239,7 +252,8 @@ def resolve_learner_args(args: Mapping[str, Any]) -> dict[str, Any]:
     ``inner_steps`` and the algorithm's own flags: iMAML's ``cg_damping``, MAML++'s
     ``msl_steps``, LoRA's rank ``lora_rank``, ...) take the learner constructor's defaults,
     the one place a learner's defaults live; ``outer_lr`` takes the learner's
-    (`MetaLearner.default_outer_lr`: Adam's 1e-3, Reptile's 1.0); ``train_ways`` takes
+    (`MetaLearner.default_outer_lr`: Adam's 1e-3, Reptile's 1.0), ``outer_optimizer`` the
+    learner's (`MetaLearner.default_outer_optimizer`); ``train_ways`` takes
     ``ways``. A setting of another algorithm stays None.
 
     Raises:
@@ -269,6 +283,8 @@ def resolve_learner_args(args: Mapping[str, Any]) -> dict[str, Any]:
         raise ValueError(f"{algorithm} sets its own derivative order{hint}; drop --first-order")
     if resolved.get("outer_lr") is None and "outer_lr" in resolved:
         resolved["outer_lr"] = LEARNERS[algorithm].default_outer_lr
+    if resolved.get("outer_optimizer") is None and "outer_optimizer" in resolved:
+        resolved["outer_optimizer"] = LEARNERS[algorithm].default_outer_optimizer
     if resolved.get("train_ways") is None and "ways" in resolved:
         resolved["train_ways"] = resolved["ways"]  # the one place train_ways defaults to ways
     return resolved
@@ -374,6 +390,7 @@ def recipe_from_args(experiment: str, args: Mapping[str, Any]) -> Recipe:
         test_tasks=args["test_tasks"], checkpoint_every=args["checkpoint_every"],
         curvature_every=args.get("curvature_every", 0),
         curvature_tasks=args.get("curvature_tasks", 4),
+        **{name: args[name] for name in _OUTER_FIELDS if name in args},
     )  # fmt: skip
     recipe = Recipe(experiment, data, model, learner_recipe(args), training)
     recipe.check()
@@ -416,8 +433,12 @@ _RENAMED = {"checkpoint": "gradient_checkpointing"}
 
 def upgrade_args(args: Mapping[str, Any]) -> dict[str, Any]:
     """A checkpoint's flat arguments under today's flag names (`_RENAMED`), with the
-    ``train_ways`` a record written before it was resolved trained with (``ways``)."""
+    ``train_ways`` and ``outer_optimizer`` a record written before them trained with
+    (``ways``, the learner's own optimizer)."""
     upgraded = {_RENAMED.get(k, k): v for k, v in args.items()}
+    if "outer_optimizer" not in upgraded and upgraded.get("algorithm") in LEARNERS:
+        # written before the flag existed: the learner's own optimizer, as resolved today
+        upgraded["outer_optimizer"] = LEARNERS[upgraded["algorithm"]].default_outer_optimizer
     if upgraded.get("train_ways") is None and "ways" in upgraded:
         upgraded["train_ways"] = upgraded["ways"]
     return upgraded
