@@ -11,14 +11,17 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+import wandb
 from conftest import NO_OMNIGLOT, OMNIGLOT
 from run_helpers import make, om, recipe_of
 
 from metalearn.algorithms import MAML, Reptile
 from metalearn.checkpoint import load_checkpoint
 from metalearn.models import Conv4
+from metalearn.runs.lifecycle import UserError
 from metalearn.runs.outer_loop import build_outer_optimizer, scheduled_lr
 from metalearn.runs.recipe import Recipe, read_recipe
+from metalearn.runs.records import read_offline_run
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -154,6 +157,7 @@ def _flags(**values) -> list[str]:
      ({"lr_schedule": "cosine", "eta_min": 0.01}, "--eta-min 0.01 is above --outer-lr 0.001"),
      ({"lr_schedule": "constant", "eta_min": 1e-5}, "--eta-min is the minimum of")],
 )  # fmt: skip
+@pytest.mark.slow
 def test_bad_outer_settings_exit_2_with_one_line_before_data_loads(tmp_path, bad, message):
     # An empty --data-root: a refusal after data loading would say Omniglot is not there.
     empty = tmp_path / "empty"
@@ -180,6 +184,7 @@ def _tiny(tmp_path: Path, **overrides):
                        **overrides})  # fmt: skip
 
 
+@pytest.mark.slow
 def test_a_run_resumed_mid_schedule_is_the_uninterrupted_run(tmp_path, monkeypatch):
     om.main(_tiny(tmp_path, run_name="straight"))
     original = om.meta_step
@@ -207,9 +212,25 @@ def test_a_run_resumed_mid_schedule_is_the_uninterrupted_run(tmp_path, monkeypat
     assert split["recipe"]["training"]["lr_schedule"] == "cosine"
 
 
+@pytest.mark.slow
 def test_an_annealed_run_is_not_extended_on_resume(tmp_path):
-    from metalearn.runs.lifecycle import UserError
-
     om.main(_tiny(tmp_path, run_name="c", iterations=2, val_every=2))
     with pytest.raises(UserError, match="--lr-schedule cosine anneals over the run's 2 steps"):
         om.main(_tiny(tmp_path, run_name="c", iterations=4, val_every=2, resume=True))
+
+
+@pytest.mark.slow
+def test_the_outer_settings_are_in_the_wandb_config(tmp_path):
+    if not (OMNIGLOT / "images_background").is_dir():
+        pytest.skip(NO_OMNIGLOT)
+    step = dict(outer_optimizer="adam", weight_decay=1e-4, lr_schedule="step", step_size=1,
+                gamma=0.5, schedule_every=2)  # fmt: skip
+    om.main(make(om, **{**TINY, **step, "data_root": str(OMNIGLOT), "out_dir": str(tmp_path),
+                        "run_name": "w", "track": True, "wandb_mode": "offline"}))  # fmt: skip
+    wandb.teardown()
+    (run_dir,) = (tmp_path / "wandb").glob("offline-run-*")
+    record = read_offline_run(run_dir)
+    for name, value in step.items():
+        assert record.config[name] == value, name
+    assert record.config["outer_momentum"] == 0.0 and record.config["eta_min"] == 0.0
+    assert record.series("train/outer_lr")[1] == [1e-3, 1e-3, 5e-4, 5e-4]
