@@ -13,7 +13,7 @@ import pytest
 import torch
 import wandb
 from conftest import NO_OMNIGLOT, OMNIGLOT
-from run_helpers import make, om, recipe_of
+from run_helpers import make, om, recipe_of, seeded_learner
 
 from metalearn.algorithms import MAML, Reptile
 from metalearn.checkpoint import load_checkpoint
@@ -22,6 +22,7 @@ from metalearn.runs.lifecycle import UserError
 from metalearn.runs.outer_loop import build_outer_optimizer, scheduled_lr
 from metalearn.runs.recipe import Recipe, read_recipe
 from metalearn.runs.records import read_offline_run
+from metalearn.runs.run import load_samplers
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -132,6 +133,29 @@ TINY = dict(
 )  # fmt: skip
 
 
+def test_label_smoothing_is_metaoptnets_own_training_loss():
+    """--label-smoothing sets MetaOptNet's own argument (no second smoothing on top): the
+    training loss changes with it, evaluation's does not."""
+    if not (OMNIGLOT / "images_background").is_dir():
+        pytest.skip(NO_OMNIGLOT)
+    losses = {}
+    for smoothing in (None, 0.0, 0.3):
+        args = make(om, **{**TINY, "algorithm": "metaoptnet", "label_smoothing": smoothing,
+                           "data_root": str(OMNIGLOT)})  # fmt: skip
+        recipe = recipe_of(om, args)
+        learner = seeded_learner(recipe)
+        assert learner.label_smoothing == recipe.learner.arguments["label_smoothing"]
+        tasks = load_samplers(recipe, "cpu")["train"].batch(2, torch.Generator().manual_seed(0))
+        train = learner.backward(tasks).loss
+        evaluated = learner.evaluate(tasks)[0].mean().item()
+        losses[smoothing] = (learner.label_smoothing, train, evaluated)
+    assert losses[None][0] == 0.1 and losses[0.3][0] == 0.3  # none: the learner's default
+    assert losses[0.0][1] == pytest.approx(losses[0.0][2], rel=1e-5)  # plain: train = eval
+    # smoothed training loss (its formula: test_svm_head.test_label_smoothing_is_metaoptnets)
+    assert losses[0.3][1] != pytest.approx(losses[0.0][1], rel=1e-4)
+    assert losses[0.3][2] == pytest.approx(losses[0.0][2], rel=1e-6)  # evaluation plain
+
+
 def _flags(**values) -> list[str]:
     out = []
     for key, value in values.items():
@@ -155,15 +179,18 @@ def _flags(**values) -> list[str]:
      ({"lr_schedule": "step"}, "--step-size None: --lr-schedule step needs"),
      ({"schedule_every": 5}, "--schedule-every 5: must be in"),
      ({"lr_schedule": "cosine", "eta_min": 0.01}, "--eta-min 0.01 is above --outer-lr 0.001"),
-     ({"lr_schedule": "constant", "eta_min": 1e-5}, "--eta-min is the minimum of")],
+     ({"lr_schedule": "constant", "eta_min": 1e-5}, "--eta-min is the minimum of"),
+     ({"algorithm": "metaoptnet", "label_smoothing": 1.0}, "--label-smoothing 1.0: must be in"),
+     ({"algorithm": "metaoptnet", "label_smoothing": -0.1}, "--label-smoothing -0.1: must be"),
+     ({"label_smoothing": 0.1}, "--label-smoothing is a setting of metaoptnet; drop it")],
 )  # fmt: skip
 @pytest.mark.slow
 def test_bad_outer_settings_exit_2_with_one_line_before_data_loads(tmp_path, bad, message):
     # An empty --data-root: a refusal after data loading would say Omniglot is not there.
     empty = tmp_path / "empty"
     empty.mkdir()
-    cmd = [sys.executable, str(ROOT / "experiments" / "omniglot_maml.py"),
-           *_flags(**TINY, out_dir=tmp_path / "runs", data_root=empty, **bad)]  # fmt: skip
+    flags = _flags(**{**TINY, "out_dir": tmp_path / "runs", "data_root": empty, **bad})
+    cmd = [sys.executable, str(ROOT / "experiments" / "omniglot_maml.py"), *flags]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
     assert done.returncode == 2, done.stderr
     lines = done.stderr.strip().splitlines()

@@ -111,6 +111,9 @@ class LearnerArgs:
     """--inner-optimizer adam or rmsprop: eps; none: the learner's."""
     inner_alpha: float | None = None
     """--inner-optimizer rmsprop: the mean square's decay; none: the learner's."""
+    label_smoothing: float | None = None
+    """metaoptnet only: label smoothing of its training query loss, in [0, 1) (never at
+    evaluation); none: the learner's (0.1, the paper's SVM command)."""
     learn_inner_hyperparameters: Literal["none", "tensor", "step"] | None = None
     """maml, fomaml, anil: meta-learn the inner step size and the optimizer's decay rates,
     one per parameter tensor (tensor) or per tensor and inner step (step); none: fixed."""

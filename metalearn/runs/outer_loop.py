@@ -97,6 +97,9 @@ def check_outer_loop(a: Mapping[str, Any]) -> None:
         ValueError: one line.
     """
     schedule, every, iterations = a["lr_schedule"], a["schedule_every"], a["iterations"]
+    smoothing = a.get("label_smoothing")
+    if smoothing is not None and not 0 <= smoothing < 1:
+        raise ValueError(f"--label-smoothing {smoothing}: must be in [0, 1) (0: none)")
     decay, momentum = a["weight_decay"], a["outer_momentum"]
     if not (math.isfinite(decay) and decay >= 0):
         raise ValueError(f"--weight-decay {decay}: must be >= 0 and finite (0: none)")

@@ -91,14 +91,14 @@ LEARNER_FLAGS = {
     "inner_optimizer": "inner_optimizer", "inner_momentum": "inner_momentum",
     "inner_beta1": "inner_beta1", "inner_beta2": "inner_beta2", "inner_eps": "inner_eps",
     "inner_alpha": "inner_alpha", "learn_inner_hyperparameters": "learn_inner_hyperparameters",
-    "on_nonfinite": "on_nonfinite",
+    "on_nonfinite": "on_nonfinite", "label_smoothing": "label_smoothing",
 }  # fmt: skip
 # The inner optimizer's flags (`metalearn.algorithms.inner_optimizer`), for the refusals.
 _OPTIMIZER_FLAGS = ("inner_optimizer", "inner_momentum", "inner_beta1", "inner_beta2",
                     "inner_eps", "inner_alpha", "learn_inner_hyperparameters")  # fmt: skip
 # Flags that belong to one algorithm, with the algorithm they belong to (for the refusal).
 _OWN_FLAGS = {"cg_damping": "imaml", "lora_rank": "lora", "msl_steps": "mamlpp",
-              "first_order_steps": "mamlpp"}  # fmt: skip
+              "first_order_steps": "mamlpp", "label_smoothing": "metaoptnet"}  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -436,6 +436,9 @@ def upgrade_args(args: Mapping[str, Any]) -> dict[str, Any]:
     ``train_ways`` and ``outer_optimizer`` a record written before them trained with
     (``ways``, the learner's own optimizer)."""
     upgraded = {_RENAMED.get(k, k): v for k, v in args.items()}
+    if "label_smoothing" not in upgraded and upgraded.get("algorithm") == "metaoptnet":
+        # written before the flag existed: the learner's own (no flag could set it)
+        upgraded["label_smoothing"] = complete_arguments("metaoptnet", {})["label_smoothing"]
     if "outer_optimizer" not in upgraded and upgraded.get("algorithm") in LEARNERS:
         # written before the flag existed: the learner's own optimizer, as resolved today
         upgraded["outer_optimizer"] = LEARNERS[upgraded["algorithm"]].default_outer_optimizer
