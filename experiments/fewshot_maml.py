@@ -76,6 +76,7 @@ from metalearn.runs.metrics import (
     curvature_probe,
     measure_curvature,
 )
+from metalearn.runs.outer_loop import build_outer_optimizer, scheduled_lr
 from metalearn.runs.recipe import Recipe, build_model
 from metalearn.runs.run import Run, check_finite_gradient, load_samplers, meta_gradient, my_tasks
 from metalearn.runs.seeding import seed_everything
@@ -221,7 +222,8 @@ def meta_step(
     t = recipe.training
     start = time.perf_counter()
     scheduled = learner.schedule(step, t.iterations)
-    lr = t.outer_lr * learner.outer_lr_factor(step, t.iterations)
+    # the run's schedule (--lr-schedule, metalearn.runs.outer_loop) times the learner's own
+    lr = scheduled_lr(t, step) * learner.outer_lr_factor(step, t.iterations)
     for group in opt.param_groups:
         group["lr"] = lr
     tasks = my_tasks(sampler, t.meta_batch, gen)
@@ -278,12 +280,12 @@ def main(args: Args) -> dict[str, float]:
         recipe, t, device = run.recipe, run.recipe.training, run.args.system.device
         # Data: the train, validation and test tasks of the recipe's split and protocols.
         samplers = load_samplers(recipe, device)
-        # Model and learner, seeded by --seed; the outer optimizer is the learner's own.
+        # Model and learner, seeded by --seed; the outer optimizer the recipe names.
         seed_everything(t.seed)
         model = build_model(recipe)
         learner = make_learner(recipe.learner.algorithm, model, recipe.learner.arguments)
         learner = learner.to(device)
-        opt = learner.outer_optimizer(t.outer_lr)
+        opt = build_outer_optimizer(learner, t)  # --outer-optimizer (none: the learner's)
         gen = torch.Generator().manual_seed(t.seed)  # draws the training tasks
         backward = meta_gradient(run.args, learner)  # learner.backward; compiled: --compile
         probe = curvature_probe(recipe, learner, samplers["train"])  # None: not measured

@@ -493,3 +493,68 @@ def test_seam(cell, experiment, folder, tmp_path, capsys):
     code = transfer_check.cli(["--checkpoint", str(path), "--tasks", "2", "--seed", "5"])
     assert capsys.readouterr().out.strip().splitlines()[-1] == "deploy_matches_evaluate: true"
     assert code == 0
+
+
+# --------------------------------------------------------------------------- the outer loop
+
+# Outer-loop settings (`metalearn.runs.outer_loop`), each run end to end on MAML: the
+# references' optimizers and schedules (MetaOptNet's SGD with Nesterov momentum and weight
+# decay; MAML++'s cosine to a minimum, stepped per epoch; ProtoNet's StepLR).
+OUTER_CELLS: dict[str, dict] = {
+    "sgd-nesterov+cosine": dict(outer_optimizer="sgd", outer_momentum=0.9, nesterov=True,
+                                weight_decay=5e-4, outer_lr=0.1, lr_schedule="cosine",
+                                eta_min=1e-3, schedule_every=2),
+    "adam+step": dict(weight_decay=1e-3, lr_schedule="step", step_size=1, gamma=0.5,
+                      schedule_every=2),
+}  # fmt: skip
+
+
+def torch_outer(learner, t) -> tuple[torch.optim.Optimizer, object]:
+    """torch's own optimizer and scheduler for the recipe's outer settings."""
+    if t.outer_optimizer == "sgd":
+        opt = torch.optim.SGD(learner.parameters(), lr=t.outer_lr, momentum=t.outer_momentum,
+                              nesterov=t.nesterov, weight_decay=t.weight_decay)  # fmt: skip
+    else:
+        opt = torch.optim.Adam(learner.parameters(), lr=t.outer_lr, weight_decay=t.weight_decay)
+    epochs = t.iterations // t.schedule_every
+    if t.lr_schedule == "cosine":
+        return opt, torch.optim.lr_scheduler.CosineAnnealingLR(opt, epochs, eta_min=t.eta_min)
+    return opt, torch.optim.lr_scheduler.StepLR(opt, t.step_size, gamma=t.gamma)
+
+
+@pytest.mark.parametrize("experiment", EXPERIMENTS)
+@pytest.mark.parametrize("cell", list(OUTER_CELLS))
+def test_seam_outer(cell, experiment, folder, tmp_path):
+    """The run's recorded step sizes are torch's scheduler's, and its weights are those of a
+    loop written with torch's optimizer and scheduler objects on the same task draws."""
+    outer = {**OUTER_CELLS[cell], "iterations": 4, "val_every": 4}  # best = last weights
+    exp, args = arguments(experiment, "maml", folder, tmp_path, **outer)
+    recipe = recipe_of(exp, args)
+    t = recipe.training
+    for name, value in outer.items():
+        assert getattr(t, name) == value, name
+
+    learner = seeded_learner(recipe)
+    sampler = load_samplers(recipe, "cpu")["train"]
+    gen = torch.Generator().manual_seed(t.seed)
+    opt, sched = torch_outer(learner, t)
+    lrs = []
+    for step in range(t.iterations):
+        lrs.append(opt.param_groups[0]["lr"])
+        opt.zero_grad(set_to_none=True)
+        learner.backward(my_tasks(sampler, t.meta_batch, gen))
+        opt.step()
+        if (step + 1) % t.schedule_every == 0:
+            sched.step()
+
+    exp.main(args)
+    saved = load_checkpoint(tmp_path / "r" / "checkpoint.pt")
+    assert saved["recipe"] == recipe.to_dict() and saved["args"]["lr_schedule"] == t.lr_schedule
+    recorded = [row["train/outer_lr"] for row in saved["history"] if "train/outer_lr" in row]
+    assert recorded == pytest.approx(lrs, rel=1e-12)
+    assert len(set(recorded)) > 1
+    # torch's cosine is a recurrence, metalearn's the closed form: lrs equal to float64
+    # rounding, so the weights to float32's.
+    for name, p in learner.named_parameters():
+        torch.testing.assert_close(saved["learner"][name], p.detach(), rtol=1e-5, atol=1e-7,
+                                   msg=lambda m, name=name: f"{name}: {m}")  # fmt: skip

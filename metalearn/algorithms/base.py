@@ -124,6 +124,8 @@ class MetaLearner(nn.Module, abc.ABC):
             ``first_order``, ANIL's ``adapt_keys``), so a record of its arguments leaves them
             out (`metalearn.algorithms.registry`).
         default_outer_lr: the outer step size `outer_optimizer` takes when given none.
+        default_outer_optimizer: the name of `outer_optimizer`'s kind (``"adam"``,
+            ``"sgd"``), what an experiment's ``--outer-optimizer`` records when left open.
         head_sized_per_task: whether the learner sizes its classifier from each task's
             labels (the solved heads of `metalearn.algorithms.heads`), so it can train on
             tasks with more classes than the model's head has outputs; False for learners
@@ -144,6 +146,7 @@ class MetaLearner(nn.Module, abc.ABC):
 
     fixed_arguments: ClassVar[tuple[str, ...]] = ()
     default_outer_lr: ClassVar[float] = 1e-3
+    default_outer_optimizer: ClassVar[str] = "adam"
     head_sized_per_task: ClassVar[bool] = False
     not_compiled: ClassVar[str | None] = None
     has_inner_loop: ClassVar[bool] = True

@@ -87,6 +87,7 @@ class Reptile(MetaLearner):
 
     fixed_arguments = ("first_order",)
     default_outer_lr = 1.0  # the paper's initial outer step size epsilon (Appendix A)
+    default_outer_optimizer = "sgd"  # plain SGD: exactly Alg. 2's update
 
     def outer_optimizer(self, lr: float | None = None) -> torch.optim.Optimizer:
         """Plain SGD with step epsilon (None: 1.0): exactly Alg. 2's update on `backward`'s

@@ -110,6 +110,9 @@ class LearnerArgs:
     """--inner-optimizer adam or rmsprop: eps; none: the learner's."""
     inner_alpha: float | None = None
     """--inner-optimizer rmsprop: the mean square's decay; none: the learner's."""
+    label_smoothing: float | None = None
+    """metaoptnet only: label smoothing of its training query loss, in [0, 1) (never at
+    evaluation); none: the learner's (0.1, the paper's SVM command)."""
     learn_inner_hyperparameters: Literal["none", "tensor", "step"] | None = None
     """maml, fomaml, anil: meta-learn the inner step size and the optimizer's decay rates,
     one per parameter tensor (tensor) or per tensor and inner step (step); none: fixed."""
@@ -138,6 +141,28 @@ class TrainingArgs:
     """Fixed probe tasks (drawn once from the training split) curvature is measured on."""
     seed: int = 0
     """Seeds the initial weights and the task sampling."""
+    outer_optimizer: Literal["adam", "sgd"] | None = None
+    """The outer loop's torch optimizer (step --outer-lr); none: the learner's (Adam; Reptile:
+    plain SGD, Alg. 2's update). MetaOptNet's reference: sgd, --outer-momentum 0.9 --nesterov."""
+    outer_momentum: float = 0.0
+    """--outer-optimizer sgd: SGD's momentum, in [0, 1)."""
+    nesterov: bool = False
+    """--outer-optimizer sgd: Nesterov momentum (needs --outer-momentum)."""
+    weight_decay: float = 0.0
+    """The outer optimizer's weight decay (L2 on the meta-parameters; MetaOptNet's 5e-4)."""
+    lr_schedule: Literal["constant", "cosine", "step", "linear"] = "constant"
+    """Outer step-size schedule, as torch's schedulers (metalearn.runs.outer_loop): cosine
+    (CosineAnnealingLR to --eta-min over the run; MAML++), step (StepLR: x --gamma every
+    --step-size; ProtoNet), linear (LinearLR to --eta-min over the run). Reptile's own
+    annealing multiplies it."""
+    eta_min: float = 0.0
+    """--lr-schedule cosine or linear: the step size it anneals to (MAML++'s 1e-5)."""
+    step_size: int | None = None
+    """--lr-schedule step: scheduler steps between decays."""
+    gamma: float = 0.1
+    """--lr-schedule step: the decay factor (ProtoNet's 0.5)."""
+    schedule_every: int = 1
+    """Meta-steps per scheduler step (1: every meta-step; MAML++'s epochs: 500)."""
 
 
 @dataclass

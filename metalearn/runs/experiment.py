@@ -37,6 +37,7 @@ from metalearn.checkpoint import load_checkpoint
 from metalearn.data import check_task_sizes
 from metalearn.runs.cli import flag, flatten, parse_dataclass, unflatten
 from metalearn.runs.lifecycle import UserError, merge_resumed_args, require
+from metalearn.runs.outer_loop import check_outer_loop
 from metalearn.runs.recipe import (
     Recipe,
     build_model,
@@ -240,6 +241,7 @@ def resolve_args(exp: Experiment, args: Any) -> Any:
     check_args(exp, args)
     try:
         flat = resolve_learner_args(flatten(exp.resolve(args)))
+        check_outer_loop(flat)  # after resolving: the learner's outer lr and optimizer
     except ValueError as err:
         raise UserError(str(err)) from None
     resolved = unflatten(exp.args_type, flat)
@@ -338,6 +340,11 @@ def start_from(exp: Experiment, args: Any) -> tuple[Any, Recipe, dict | None]:
     require(merged["iterations"] >= saved["iteration"],
             f"--iterations {merged['iterations']} is below the {saved['iteration']} steps "
             f"{path} already holds; pass at least {saved['iteration']}")  # fmt: skip
+    schedule = recipe.training.lr_schedule
+    require(merged["iterations"] == recipe.training.iterations
+            or schedule not in ("cosine", "linear"),
+            f"--iterations {merged['iterations']}: --lr-schedule {schedule} anneals over the "
+            f"run's {recipe.training.iterations} steps; resume without --iterations")  # fmt: skip
     known = {k: v for k, v in merged.items() if k in flatten(exp.args_type())}
     return unflatten(exp.args_type, known), with_resumed(recipe, merged), saved
 

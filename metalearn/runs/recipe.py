@@ -80,6 +80,9 @@ RECIPE_VERSION = 1
 EXPERIMENTS = ("omniglot_maml", "fewshot_maml")
 """The experiments that write recipes (``experiments/<name>.py``)."""
 
+# The outer loop's fields of `TrainingRecipe`, each set by the flag of its name.
+_OUTER_FIELDS = ("outer_optimizer", "outer_momentum", "nesterov", "weight_decay", "lr_schedule",
+                 "eta_min", "step_size", "gamma", "schedule_every")  # fmt: skip
 # The flags that set a learner argument, each named after the argument it sets. A switch
 # (bool) that is off and a value left at None set nothing: the learner's default stands (and
 # is recorded).
@@ -87,14 +90,14 @@ LEARNER_FLAGS = (
     "inner_lr", "inner_steps", "first_order", "vectorize", "chunk_size",
     "gradient_checkpointing", "cg_damping", "lora_rank", "msl_steps", "first_order_steps",
     "inner_optimizer", "inner_momentum", "inner_beta1", "inner_beta2", "inner_eps",
-    "inner_alpha", "learn_inner_hyperparameters", "on_nonfinite",
+    "inner_alpha", "learn_inner_hyperparameters", "on_nonfinite", "label_smoothing",
 )  # fmt: skip
 # The inner optimizer's flags (`metalearn.algorithms.inner_optimizer`), for the refusals.
 _OPTIMIZER_FLAGS = ("inner_optimizer", "inner_momentum", "inner_beta1", "inner_beta2",
                     "inner_eps", "inner_alpha", "learn_inner_hyperparameters")  # fmt: skip
 # Flags that belong to the algorithms whose learner takes them (`algorithms_taking`): recorded
 # resolved for those, refused for the others.
-_OWN_FLAGS = ("cg_damping", "lora_rank", "msl_steps", "first_order_steps")
+_OWN_FLAGS = ("cg_damping", "lora_rank", "msl_steps", "first_order_steps", "label_smoothing")
 
 
 @dataclass(frozen=True)
@@ -165,6 +168,16 @@ class TrainingRecipe:
     checkpoint_every: int
     curvature_every: int = 0
     curvature_tasks: int = 4
+    # The outer loop (`metalearn.runs.outer_loop`); a record without them ran at these.
+    outer_optimizer: str | None = None  # None: the learner's own (records before it existed)
+    outer_momentum: float = 0.0
+    nesterov: bool = False
+    weight_decay: float = 0.0
+    lr_schedule: str = "constant"
+    eta_min: float = 0.0
+    step_size: int | None = None
+    gamma: float = 0.1
+    schedule_every: int = 1
 
 
 @dataclass(frozen=True)
@@ -238,7 +251,8 @@ def resolve_learner_args(args: Mapping[str, Any]) -> dict[str, Any]:
     ``inner_steps`` and the algorithm's own flags: iMAML's ``cg_damping``, MAML++'s
     ``msl_steps``, LoRA's rank ``lora_rank``, ...) take the learner constructor's defaults,
     the one place a learner's defaults live; ``outer_lr`` takes the learner's
-    (`MetaLearner.default_outer_lr`: Adam's 1e-3, Reptile's 1.0); ``train_ways`` takes
+    (`MetaLearner.default_outer_lr`: Adam's 1e-3, Reptile's 1.0), ``outer_optimizer`` the
+    learner's (`MetaLearner.default_outer_optimizer`); ``train_ways`` takes
     ``ways``. A setting of another algorithm stays None.
 
     Raises:
@@ -270,6 +284,8 @@ def resolve_learner_args(args: Mapping[str, Any]) -> dict[str, Any]:
         raise ValueError(f"{algorithm} sets its own derivative order{hint}; drop --first-order")
     if resolved.get("outer_lr") is None and "outer_lr" in resolved:
         resolved["outer_lr"] = LEARNERS[algorithm].default_outer_lr
+    if resolved.get("outer_optimizer") is None and "outer_optimizer" in resolved:
+        resolved["outer_optimizer"] = LEARNERS[algorithm].default_outer_optimizer
     if resolved.get("train_ways") is None and "ways" in resolved:
         resolved["train_ways"] = resolved["ways"]  # the one place train_ways defaults to ways
     return resolved
@@ -371,6 +387,7 @@ def recipe_from_args(experiment: str, args: Mapping[str, Any]) -> Recipe:
         test_tasks=args["test_tasks"], checkpoint_every=args["checkpoint_every"],
         curvature_every=args.get("curvature_every", 0),
         curvature_tasks=args.get("curvature_tasks", 4),
+        **{name: args[name] for name in _OUTER_FIELDS if name in args},
     )  # fmt: skip
     recipe = Recipe(experiment, data, model, learner_recipe(args), training)
     recipe.check()
@@ -416,8 +433,15 @@ _RENAMED_ARGUMENTS = {"checkpoint": "gradient_checkpointing", "rank": "lora_rank
 
 def upgrade_args(args: Mapping[str, Any]) -> dict[str, Any]:
     """A checkpoint's flat arguments under today's flag names (`_RENAMED`), with the
-    ``train_ways`` a record written before it was resolved trained with (``ways``)."""
+    ``train_ways`` and ``outer_optimizer`` a record written before them trained with
+    (``ways``, the learner's own optimizer)."""
     upgraded = {_RENAMED.get(k, k): v for k, v in args.items()}
+    if "label_smoothing" not in upgraded and upgraded.get("algorithm") == "metaoptnet":
+        # written before the flag existed: the learner's own (no flag could set it)
+        upgraded["label_smoothing"] = complete_arguments("metaoptnet", {})["label_smoothing"]
+    if "outer_optimizer" not in upgraded and upgraded.get("algorithm") in LEARNERS:
+        # written before the flag existed: the learner's own optimizer, as resolved today
+        upgraded["outer_optimizer"] = LEARNERS[upgraded["algorithm"]].default_outer_optimizer
     if upgraded.get("train_ways") is None and "ways" in upgraded:
         upgraded["train_ways"] = upgraded["ways"]
     return upgraded

@@ -1,0 +1,137 @@
+"""The outer loop's optimizer and step-size schedule, as a run's recipe records them.
+
+The experiments' ``meta_step`` sets the outer step size of meta-step ``t`` (0-based) to
+
+    lr_t = `scheduled_lr` (training, t) * learner.outer_lr_factor(t, iterations)
+
+and ``main`` builds the optimizer with `build_outer_optimizer`. Both are functions of the
+recipe's `metalearn.runs.recipe.TrainingRecipe` and the step alone, so a resumed run (the
+optimizer's state restored from the checkpoint) continues the schedule exactly where it
+stopped. The schedule is the experiment's (``--lr-schedule``); the learner's factor is what
+an algorithm defines itself (Reptile's epsilon annealed linearly to 0, Nichol et al., 2018),
+1.0 for the others. Changing how the schedule is applied means editing the experiment's
+``meta_step``.
+
+The schedules equal torch's, stepped once every ``schedule_every`` meta-steps (1: every
+meta-step; MAML++'s reference steps per epoch of 500), with ``k = t // schedule_every``
+scheduler steps taken and ``K = iterations // schedule_every``:
+
+* ``constant``: ``lr``;
+* ``cosine``: ``eta_min + (lr - eta_min) (1 + cos(pi k / K)) / 2``, CosineAnnealingLR(T_max=K,
+  eta_min) (MAML++: eta_min 1e-5 over its epochs);
+* ``step``: ``lr gamma^floor(k / step_size)``, StepLR(step_size, gamma) (ProtoNet: every 20
+  epochs, gamma 0.5);
+* ``linear``: ``lr + (eta_min - lr) k / K``, LinearLR(1, eta_min / lr, total_iters=K).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from metalearn.algorithms import MetaLearner
+
+__all__ = ["OUTER_OPTIMIZERS", "SCHEDULES", "build_outer_optimizer", "check_outer_loop",
+           "scheduled_lr"]  # fmt: skip
+
+OUTER_OPTIMIZERS = ("adam", "sgd")
+SCHEDULES = ("constant", "cosine", "step", "linear")
+
+
+def scheduled_lr(training: Any, step: int) -> float:
+    """The outer step size of the schedule at meta-step ``step`` (0-based), before the
+    learner's own factor.
+
+    Args:
+        training: a `metalearn.runs.recipe.TrainingRecipe` (``outer_lr``, ``iterations``,
+            ``lr_schedule``, ``eta_min``, ``step_size``, ``gamma``, ``schedule_every``).
+        step: the meta-step.
+    """
+    lr, kind = training.outer_lr, training.lr_schedule
+    k = step // training.schedule_every
+    total = max(training.iterations // training.schedule_every, 1)
+    if kind == "constant":
+        return lr
+    if kind == "cosine":
+        return training.eta_min + (lr - training.eta_min) * (1 + math.cos(math.pi * k / total)) / 2
+    if kind == "step":
+        return lr * training.gamma ** (k // training.step_size)
+    if kind == "linear":
+        return lr + (training.eta_min - lr) * min(k, total) / total
+    raise ValueError(f"unknown lr_schedule {kind!r}; choose one of {', '.join(SCHEDULES)}")
+
+
+def build_outer_optimizer(learner: MetaLearner, training: Any) -> torch.optim.Optimizer:
+    """The optimizer of the learner's parameters the recipe names.
+
+    ``outer_optimizer`` None (a record written before it existed) is the learner's own
+    (`MetaLearner.default_outer_optimizer`: Adam; Reptile: plain SGD). Adam and plain SGD at
+    weight decay 0 are exactly `MetaLearner.outer_optimizer`'s.
+
+    Args:
+        learner: the learner whose parameters are trained.
+        training: a `metalearn.runs.recipe.TrainingRecipe`.
+    """
+    name = training.outer_optimizer or type(learner).default_outer_optimizer
+    params, lr, decay = learner.parameters(), training.outer_lr, training.weight_decay
+    if name == "adam":
+        return torch.optim.Adam(params, lr=lr, weight_decay=decay)
+    if name == "sgd":
+        return torch.optim.SGD(params, lr=lr, momentum=training.outer_momentum,
+                               nesterov=training.nesterov, weight_decay=decay)  # fmt: skip
+    raise ValueError(
+        f"unknown outer_optimizer {name!r}; choose one of {', '.join(OUTER_OPTIMIZERS)}"
+    )
+
+
+def check_outer_loop(a: Mapping[str, Any]) -> None:
+    """Refuse outer-loop settings that make no sense, naming the flag and the fix.
+
+    Args:
+        a: an experiment's flat arguments.
+
+    Raises:
+        ValueError: one line.
+    """
+    schedule, every, iterations = a["lr_schedule"], a["schedule_every"], a["iterations"]
+    smoothing = a.get("label_smoothing")
+    if smoothing is not None and not 0 <= smoothing < 1:
+        raise ValueError(f"--label-smoothing {smoothing}: must be in [0, 1) (0: none)")
+    decay, momentum = a["weight_decay"], a["outer_momentum"]
+    if not (math.isfinite(decay) and decay >= 0):
+        raise ValueError(f"--weight-decay {decay}: must be >= 0 and finite (0: none)")
+    if not 0 <= momentum < 1:
+        raise ValueError(f"--outer-momentum {momentum}: must be in [0, 1) (0: none)")
+    if a["outer_optimizer"] != "sgd" and (momentum or a["nesterov"]):
+        raise ValueError("--outer-momentum and --nesterov set SGD's momentum; add "
+                         "--outer-optimizer sgd or drop them")  # fmt: skip
+    if a["nesterov"] and not momentum:
+        raise ValueError("--nesterov needs momentum: add --outer-momentum (e.g. 0.9)")
+    if every < 1 or every > iterations:
+        raise ValueError(f"--schedule-every {every}: must be in [1, --iterations {iterations}] "
+                         "(meta-steps per scheduler step)")  # fmt: skip
+    steps = iterations // every
+    if schedule == "step":
+        size = a["step_size"]
+        if size is None or not 1 <= size <= steps:
+            raise ValueError(f"--step-size {size}: --lr-schedule step needs a step size in "
+                             f"[1, {steps}] (scheduler steps in the run: --iterations "
+                             f"{iterations} / --schedule-every {every})")  # fmt: skip
+        if not (math.isfinite(a["gamma"]) and a["gamma"] > 0):
+            raise ValueError(f"--gamma {a['gamma']}: must be a positive finite number")
+    elif a["step_size"] is not None:
+        raise ValueError(f"--step-size is a setting of --lr-schedule step; drop it for "
+                         f"--lr-schedule {schedule}")  # fmt: skip
+    eta_min, lr = a["eta_min"], a["outer_lr"]
+    if schedule in ("cosine", "linear"):
+        if not (math.isfinite(eta_min) and eta_min >= 0):
+            raise ValueError(f"--eta-min {eta_min}: must be >= 0 and finite")
+        if lr is not None and eta_min > lr:
+            raise ValueError(f"--eta-min {eta_min} is above --outer-lr {lr}: the schedule "
+                             "anneals down to it; give a smaller --eta-min")  # fmt: skip
+    elif eta_min != 0:
+        raise ValueError(f"--eta-min is the minimum of --lr-schedule cosine or linear; drop it "
+                         f"for --lr-schedule {schedule}")  # fmt: skip
