@@ -34,7 +34,6 @@ from typing import Any
 import torch
 
 from metalearn.checkpoint import load_checkpoint, save_checkpoint
-from metalearn.runs import lock
 from metalearn.runs.cli import flatten, parse_dataclass, unflatten
 from metalearn.runs.experiment import (
     Experiment,
@@ -52,6 +51,7 @@ from metalearn.runs.lifecycle import (
     require,
     signals_held,
 )
+from metalearn.runs.run import run_lock
 from metalearn.runs.tracking import graceful_shutdown, init_run, log_model
 
 __all__ = ["RESUMABLE", "PolicyRun", "parse_args"]
@@ -150,7 +150,7 @@ class PolicyRun:
         torch.set_num_threads(max(args.system.threads, 1))
         self.path = checkpoint_path(args)
         with contextlib.ExitStack() as stack:
-            stack.enter_context(_locked(self.path.parent))
+            stack.enter_context(run_lock(self.path.parent))
             if t.resume:
                 self.saved = _read(exp, self.path)
                 merged = merge_resumed_args(self.saved["args"], flatten(args), RESUMABLE)
@@ -288,15 +288,3 @@ class PolicyRun:
 
 def _seed(args: Any) -> int:
     return flatten(args)["seed"]
-
-
-@contextlib.contextmanager
-def _locked(folder: Path) -> Iterator[None]:
-    """The run folder's lock; a folder made for a run that wrote nothing is removed again."""
-    made = not folder.exists()
-    try:
-        with lock.held(folder):
-            yield
-    finally:
-        if made and folder.is_dir() and not any(folder.iterdir()):
-            folder.rmdir()

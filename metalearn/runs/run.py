@@ -84,7 +84,7 @@ from metalearn.runs.tracking import (
     run_group,
 )
 
-__all__ = ["Run", "check_finite_gradient", "load_samplers", "meta_gradient", "my_tasks"]
+__all__ = ["Run", "check_finite_gradient", "load_samplers", "meta_gradient", "my_tasks", "run_lock"]
 
 _DIVERGED = (NonFiniteLossError, AllTasksSkippedError, NonFiniteGradientError)
 
@@ -145,7 +145,7 @@ class Run:
             # rank 0 holds the run folder's lock while it trains (one writer per run), reads
             # the checkpoint (only its machine need hold it) and every rank gets its answer.
             args = distributed.from_main(resolve_args, exp, args)
-            stack.enter_context(_run_lock(checkpoint_path(args).parent, dist.is_main))
+            stack.enter_context(run_lock(checkpoint_path(args).parent, dist.is_main))
             self.args, self.recipe, self.saved = distributed.from_main(start_from, exp, args)
             self._stack = stack.pop_all()
         self.dist, self.path = dist, checkpoint_path(self.args)
@@ -444,7 +444,7 @@ def _cpu_state(learner: MetaLearner) -> dict[str, torch.Tensor]:
 
 
 @contextlib.contextmanager
-def _run_lock(folder: Path, main: bool) -> Iterator[None]:
+def run_lock(folder: Path, main: bool = True) -> Iterator[None]:
     """The run folder's lock on rank 0 (`metalearn.runs.lock`); a folder this call made
     for a run that then stopped before writing anything is removed again."""
     if not main:
