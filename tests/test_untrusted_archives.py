@@ -131,7 +131,7 @@ def test_a_checkpoint_naming_a_folder_of_hostile_pickles_runs_nothing(tmp_path, 
     args = make(fs, dataset="mini-imagenet", data_root=str(data), out_dir=str(tmp_path / "runs"),
                 track=False, device="cpu", hidden=4)  # fmt: skip
     checkpoint = checkpoint_of(tmp_path / "runs", fs, args)
-    code = evaluate.cli(["--checkpoint", str(checkpoint), "--no-track", "--tasks", "2"])
+    code = evaluate.main(["--checkpoint", str(checkpoint), "--no-track", "--tasks", "2"])
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and len(err) == 1, err
     assert f"mini-imagenet-cache-test.pkl: refusing to unpickle {name}" in err[0]
