@@ -172,7 +172,9 @@ def _replay(stream: str) -> dict[str, Any]:
             seen["history"].append(record["history"]["item"])
         elif kind == "summary":
             update = record["summary"].get("update") or {}
-            seen["summary"].update({k: v for k, v in update.items() if not k.startswith("_wandb")})
+            for key, value in update.items():
+                if not key.startswith("_wandb"):
+                    _set_nested(seen["summary"], key, value)
         elif kind == "run":
             run = record["run"]
             config = (run.get("config") or {}).get("update") or {}
@@ -186,6 +188,19 @@ def _replay(stream: str) -> dict[str, Any]:
         elif kind == "exit":
             seen["exit_code"] = int(record["exit"].get("exit_code") or 0)
     return seen
+
+
+def _set_nested(summary: dict[str, Any], key: str, value: Any) -> None:
+    """Apply one summary update: the stream flattens a logged object's fields into dotted
+    keys (an image's ``test/curves.width``), kept nested as the run's summary holds them
+    (``summary["test/curves"]["width"]``); metric names hold no dots."""
+    head, dot, rest = key.partition(".")
+    if not dot:
+        summary[key] = value
+        return
+    if not isinstance(summary.get(head), dict):
+        summary[head] = {}
+    _set_nested(summary[head], rest, value)
 
 
 def _file_state(file: Path, state: str, exited: bool, stderr: str) -> tuple[str, str | None]:
