@@ -71,7 +71,7 @@ def load_program(path: str | os.PathLike, extra_files: dict[str, str]) -> Export
     """
     with weights_only_loads():
         try:
-            return torch.export.load(path, extra_files=extra_files)
+            return torch.export.load(path, extra_files=extra_files)  # safe: load_exported checks
         except pickle.UnpicklingError as err:
             found = re.search(r"WeightsUnpickler error: ([^.\n]*)", str(err))
             refused = found.group(1).strip() if found else type(err).__name__
