@@ -11,6 +11,7 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
+import pytest
 import torch
 from conftest import experiment
 
@@ -73,3 +74,23 @@ def checkpoint_of(
              "learner": state, "iteration": 2, "best_learner": state if best else None,
              "best_val": 0.5}  # fmt: skip
     return save_checkpoint(path / "run" / "checkpoint.pt", saved)
+
+
+def main_interrupted(monkeypatch: Any, args: Any, at_step: int = 3) -> None:
+    """``om.main(args)`` stopped by Ctrl-C inside its meta-step ``at_step`` (the
+    ``KeyboardInterrupt`` is expected and caught); ``om.meta_step`` is restored after."""
+    original = om.meta_step
+    calls = {"n": 0}
+
+    def interrupted_step(*step_args: Any) -> Any:
+        calls["n"] += 1
+        if calls["n"] == at_step:
+            raise KeyboardInterrupt("simulated Ctrl-C")
+        return original(*step_args)
+
+    monkeypatch.setattr(om, "meta_step", interrupted_step)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            om.main(args)
+    finally:
+        monkeypatch.setattr(om, "meta_step", original)

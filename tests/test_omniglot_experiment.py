@@ -19,7 +19,7 @@ import pytest
 import torch
 import wandb
 from conftest import NO_OMNIGLOT, OMNIGLOT
-from run_helpers import make, om
+from run_helpers import main_interrupted, make, om
 
 from metalearn.algorithms import IMAML, Reptile
 from metalearn.checkpoint import load_checkpoint
@@ -173,20 +173,8 @@ def test_resume_reaches_the_uninterrupted_result(tmp_path):
 
 def test_an_interrupted_run_keeps_its_last_step_and_resumes(tmp_path, monkeypatch):
     om.main(tiny_args(tmp_path, iterations=4, run_name="straight"))
-    original = om.meta_step
-    calls = {"n": 0}
-
-    def interrupted_step(*args):  # Ctrl-C inside the third meta-step
-        calls["n"] += 1
-        if calls["n"] == 3:
-            raise KeyboardInterrupt("simulated Ctrl-C")
-        return original(*args)
-
-    monkeypatch.setattr(om, "meta_step", interrupted_step)
-    with pytest.raises(KeyboardInterrupt):
-        om.main(tiny_args(tmp_path, iterations=4, run_name="killed"))
+    main_interrupted(monkeypatch, tiny_args(tmp_path, iterations=4, run_name="killed"), at_step=3)
     assert _checkpoint(tmp_path, "killed")["iteration"] == 2
-    monkeypatch.setattr(om, "meta_step", original)
     om.main(tiny_args(tmp_path, iterations=4, run_name="killed", resume=True))
     straight, resumed = _checkpoint(tmp_path, "straight"), _checkpoint(tmp_path, "killed")
     assert all(

@@ -13,7 +13,7 @@ import pytest
 import torch
 import wandb
 from conftest import NO_OMNIGLOT, OMNIGLOT
-from run_helpers import make, om, recipe_of, seeded_learner
+from run_helpers import main_interrupted, make, om, recipe_of, seeded_learner
 
 from metalearn.algorithms import MAML, Reptile
 from metalearn.checkpoint import load_checkpoint
@@ -214,19 +214,7 @@ def _tiny(tmp_path: Path, **overrides):
 @pytest.mark.slow
 def test_a_run_resumed_mid_schedule_is_the_uninterrupted_run(tmp_path, monkeypatch):
     om.main(_tiny(tmp_path, run_name="straight"))
-    original = om.meta_step
-    calls = {"n": 0}
-
-    def interrupted_step(*args):  # Ctrl-C inside the third meta-step
-        calls["n"] += 1
-        if calls["n"] == 3:
-            raise KeyboardInterrupt("simulated Ctrl-C")
-        return original(*args)
-
-    monkeypatch.setattr(om, "meta_step", interrupted_step)
-    with pytest.raises(KeyboardInterrupt):
-        om.main(_tiny(tmp_path, run_name="split"))
-    monkeypatch.setattr(om, "meta_step", original)
+    main_interrupted(monkeypatch, _tiny(tmp_path, run_name="split"), at_step=3)
     assert load_checkpoint(tmp_path / "split" / "checkpoint.pt")["iteration"] == 2
     om.main(_tiny(tmp_path, run_name="split", resume=True))
     straight = load_checkpoint(tmp_path / "straight" / "checkpoint.pt")
