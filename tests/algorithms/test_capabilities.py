@@ -19,8 +19,8 @@ from metalearn.algorithms.registry import (
     learner_arguments,
 )
 from metalearn.runs.recipe import resolve_learner_args
+from tests.conftest import ROOT
 
-ROOT = Path(__file__).resolve().parents[1]
 ABOVE = [ROOT / "metalearn" / "runs", ROOT / "metalearn" / "tools", ROOT / "metalearn" / "deploy",
          ROOT / "experiments"]  # fmt: skip
 

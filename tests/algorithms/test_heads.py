@@ -21,7 +21,6 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
-from test_svm_head import kkt_violation
 from torch import Tensor, nn
 from torch.autograd.functional import hessian, jacobian
 from torch.func import functional_call
@@ -32,6 +31,7 @@ from metalearn.algorithms.heads import HeadLearner
 from metalearn.algorithms.metaoptnet import solve_dual
 from metalearn.engine import Task
 from metalearn.models import Conv4
+from tests.algorithms.test_svm_head import kkt_violation
 
 F64 = torch.float64
 EXACT = 1e-10

@@ -6,13 +6,9 @@ hand-written second-order MAML over the same adapted set and against finite diff
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import NO_OMNIGLOT, OMNIGLOT
-from run_helpers import checkpoint_of, learner_of, make, om, recipe_of
 from torch import Tensor, nn
 from torch.func import functional_call
 
@@ -25,8 +21,8 @@ from metalearn.models.lora import LoRAConv2d, LoRALinear, add_lora, lora_keys
 from metalearn.runs.cli import flatten
 from metalearn.runs.lifecycle import UserError
 from metalearn.runs.recipe import build_learner, read_recipe
-
-ROOT = Path(__file__).resolve().parents[1]
+from tests.conftest import NO_OMNIGLOT, OMNIGLOT
+from tests.helpers.run_helpers import checkpoint_of, learner_of, make, om, recipe_of
 
 F64 = torch.float64
 DATA = OMNIGLOT

@@ -15,8 +15,6 @@ import pytest
 import torch
 import torch.nn.functional as F
 import wandb
-from conftest import NO_OMNIGLOT, OMNIGLOT
-from run_helpers import make, om
 from torch import nn
 from torch.func import functional_call
 
@@ -27,8 +25,8 @@ from metalearn.engine import Task
 from metalearn.functional import flatten_tree, unflatten_like
 from metalearn.runs.lifecycle import UserError
 from metalearn.runs.records import read_offline_run
-
-ROOT = Path(__file__).resolve().parents[1]
+from tests.conftest import NO_OMNIGLOT, OMNIGLOT
+from tests.helpers.run_helpers import make, om
 
 F64 = torch.float64
 ALPHA = 0.3

@@ -6,10 +6,9 @@ marker) with and without METALEARN_REQUIRE_BASELINES.
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
-from conftest import REQUIRE_BASELINES
+
+from tests.conftest import REQUIRE_BASELINES, ROOT
 
 TESTS = """
 import pytest
@@ -33,7 +32,7 @@ def test_unmarked():
 
 @pytest.fixture
 def made_up(pytester: pytest.Pytester) -> pytest.Pytester:
-    pytester.makeconftest((Path(__file__).parent / "conftest.py").read_text())
+    pytester.makeconftest((ROOT / "tests" / "conftest.py").read_text())
     pytester.makeini("[pytest]\nmarkers =\n    baselines: needs the modules named\n")
     pytester.makepyfile(test_made_up=TESTS)
     return pytester
@@ -59,7 +58,7 @@ def test_a_missing_baseline_fails_where_required(made_up, monkeypatch, value):
 
 
 def test_the_marker_must_name_its_modules(pytester: pytest.Pytester):
-    pytester.makeconftest((Path(__file__).parent / "conftest.py").read_text())
+    pytester.makeconftest((ROOT / "tests" / "conftest.py").read_text())
     pytester.makepyfile("import pytest\n\n@pytest.mark.baselines\ndef test_x():\n    pass\n")
     result = pytester.runpytest()
     assert result.ret == pytest.ExitCode.USAGE_ERROR

@@ -15,10 +15,10 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from test_higher_interop import _grads, _mlp, _tasks
 
 from metalearn.algorithms import MAML
 from metalearn.engine import Task
+from tests.baselines.test_higher_interop import _grads, _mlp, _tasks
 
 STEPS = 3
 

@@ -41,7 +41,6 @@ from functools import partial
 import pytest
 import torch
 import torch.nn.functional as F
-from test_higher_interop import FEATURES, _grads, _mlp, _tasks
 from torch import Tensor
 from torch.func import functional_call
 
@@ -49,6 +48,7 @@ from metalearn.algorithms import MAML
 from metalearn.algorithms.metaoptnet_lr import logistic_objective, newton_logistic
 from metalearn.engine import Task
 from metalearn.implicit import root
+from tests.baselines.test_higher_interop import FEATURES, _grads, _mlp, _tasks
 
 STEPS = 3
 RTOL = 1e-12

@@ -1,10 +1,10 @@
-"""One rank of tests/test_distributed.py's 2-process job (launched by torchrun, gloo, CPU).
+"""One rank of tests/core/test_distributed.py's 2-process job (launched by torchrun, gloo, CPU).
 
 Each rank runs the library's collectives on float64 problems and saves what it got to
 ``OUT/rank{R}.pt``; the test compares those files with a single-process reference, so the
 assertions (and their failure messages) live in pytest, not here.
 
-    python -m torch.distributed.run --standalone --nproc_per_node=2 tests/dist_worker.py OUT
+    python -m torch.distributed.run --standalone --nproc_per_node=2 tests/core/dist_worker.py OUT
 """
 
 from __future__ import annotations

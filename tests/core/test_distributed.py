@@ -1,6 +1,6 @@
 """metalearn.distributed on 2 real gloo processes (torchrun), against one process.
 
-Two launches: ``tests/dist_worker.py`` (the library on float64 problems, checked here against
+Two launches: ``tests/core/dist_worker.py`` (the library on float64 problems, checked here against
 a single-process reference over the union of the same tasks) and the Omniglot experiment
 (a rank killed mid-run ends the job with an error rather than a hang, and the job resumes
 from rank 0's last checkpoint).
@@ -16,17 +16,15 @@ import sys
 import time
 from pathlib import Path
 
-import dist_worker as worker
 import pytest
 import torch
-from conftest import NO_OMNIGLOT, OMNIGLOT
 
 from metalearn import distributed as dist
 from metalearn.checkpoint import load_checkpoint
 from metalearn.data import load_omniglot, omniglot_samplers
 from metalearn.runs.evaluation import TEST_SEED, evaluate_tasks
-
-ROOT = Path(__file__).resolve().parents[1]
+from tests.conftest import NO_OMNIGLOT, OMNIGLOT, ROOT
+from tests.core import dist_worker as worker
 
 DATA = OMNIGLOT
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
@@ -74,7 +72,7 @@ def test_without_a_process_group_everything_is_the_identity(monkeypatch):
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory) -> list[dict]:
     out = tmp_path_factory.mktemp("dist-worker")
-    done = torchrun(["tests/dist_worker.py", str(out)])
+    done = torchrun(["tests/core/dist_worker.py", str(out)])
     assert done.returncode == 0, done.stderr[-3000:]
     return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in (0, 1)] + [
         torch.load(out / "stall.pt", weights_only=False)

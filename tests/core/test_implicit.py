@@ -11,7 +11,6 @@ that did not, CG on a non-symmetric Jacobian, a second derivative, vmap.
 from __future__ import annotations
 
 import re
-from pathlib import Path
 
 import pytest
 import torch
@@ -24,6 +23,7 @@ from metalearn.engine import Task
 from metalearn.implicit import NotPositiveDefiniteError, argmin, root
 from metalearn.models import MLP
 from metalearn.second_order import HVP_METHODS, conjugate_gradient, hvp
+from tests.conftest import ROOT
 
 F64 = torch.float64
 EXACT = 1e-10
@@ -281,7 +281,7 @@ def test_imaml_on_metalearn_implicit_equals_its_meta_gradient_before(method: str
 
 
 def test_the_readme_example_runs_and_equals_the_closed_form() -> None:
-    text = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    text = (ROOT / "README.md").read_text()
     (code,) = [block.split("```", 1)[0] for block in text.split("```python\n")[1:]
                if "from metalearn.implicit import root" in block]  # fmt: skip
     scope: dict = {}

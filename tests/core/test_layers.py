@@ -8,7 +8,9 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
-PACKAGE = Path(__file__).resolve().parents[1] / "metalearn"
+from tests.conftest import ROOT
+
+PACKAGE = ROOT / "metalearn"
 FLOORS = {
     "functional": 1, "autograd": 1, "allocator": 1, "checkpoint": 1, "distributed": 1,
     "second_order": 1, "debug": 1, "implicit": 1, "optim": 1, "task": 1, "__init__": 1,

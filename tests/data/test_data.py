@@ -18,7 +18,6 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import HAS_OMNIGLOT, NO_OMNIGLOT, OMNIGLOT
 from PIL import Image
 
 from metalearn.data import (
@@ -36,6 +35,7 @@ from metalearn.data import (
 from metalearn.data import omniglot as om
 from metalearn.engine import InnerLoop, Task, TaskCall, task_loss
 from metalearn.models import MLP, Conv4
+from tests.conftest import HAS_OMNIGLOT, NO_OMNIGLOT, OMNIGLOT
 
 SIDE = 105  # Omniglot drawings are 105x105
 

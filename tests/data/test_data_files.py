@@ -4,7 +4,7 @@ formats, in every layout people have; the decoded-image cache degrades to runnin
 Hostile pickles are real payloads (each would create a marker file if executed, which
 `test_the_payloads_are_live` shows with Python's own unpickler), written where each loader
 reads its data. Layout fixtures are written from class lists typed in
-`tests/image_set_fixtures.py`, apart from the loaders' tables.
+`tests/helpers/image_set_fixtures.py`, apart from the loaders' tables.
 """
 
 from __future__ import annotations
@@ -18,7 +18,20 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from image_set_fixtures import (
+from PIL import Image
+
+import metalearn
+from metalearn.data import (
+    load_cifar_fs,
+    load_cub,
+    load_fc100,
+    load_image_folder,
+    load_mini_imagenet,
+    load_tiered_imagenet,
+)
+from metalearn.data.cifar import CIFAR100_SUPERCLASSES, CIFAR_FS_CLASSES, FC100_SUPERCLASSES
+from metalearn.data.safe_pickle import load_pickle
+from tests.helpers.image_set_fixtures import (
     CIFAR_FS_SPLIT,
     FC100_SPLIT,
     FINE,
@@ -37,22 +50,7 @@ from image_set_fixtures import (
     write_tiered,
     write_tiered_torchmeta,
 )
-from pickle_writers import hidden, numpy1_dumps, payload_object, payloads, py2_dumps
-from PIL import Image
-
-import metalearn
-from metalearn.data import (
-    load_cifar_fs,
-    load_cub,
-    load_fc100,
-    load_image_folder,
-    load_mini_imagenet,
-    load_tiered_imagenet,
-)
-from metalearn.data.cifar import CIFAR100_SUPERCLASSES, CIFAR_FS_CLASSES, FC100_SUPERCLASSES
-from metalearn.data.safe_pickle import load_pickle
-
-ROOT = Path(__file__).resolve().parents[1]
+from tests.helpers.pickle_writers import hidden, numpy1_dumps, payload_object, payloads, py2_dumps
 
 
 def _quiet(load, *args, **kwargs):
@@ -572,9 +570,8 @@ def test_a_full_disk_runs_uncached_with_a_warning(tmp_path):
 
 
 def test_a_corrupt_omniglot_drawing_is_one_line_in_the_experiment(tmp_path):
-    from run_helpers import make, om, samplers_of
-
     from metalearn.runs.lifecycle import UserError
+    from tests.helpers.run_helpers import make, om, samplers_of
 
     drawing = tmp_path / "omniglot" / "images_background" / "A" / "character01" / "0001_01.png"
     drawing.parent.mkdir(parents=True)

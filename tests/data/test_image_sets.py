@@ -15,22 +15,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import OMNIGLOT, needs_omniglot
-from image_set_fixtures import (
-    CIFAR_FS_SPLIT,
-    FC100_SPLIT,
-    FINE,
-    MINI,
-    RNG,
-    SUPERCLASS,
-    TIERED,
-    write_cub,
-    write_folder,
-    write_mini_csv,
-    write_tiered,
-)
-from image_set_fixtures import tiered_labels as _tiered_labels
-from image_set_fixtures import write_cifar as _write_cifar
 from PIL import Image
 
 from metalearn.data import (
@@ -46,6 +30,22 @@ from metalearn.data import (
     load_tiered_imagenet,
 )
 from metalearn.data import image_set as image_set_module
+from tests.conftest import OMNIGLOT, needs_omniglot
+from tests.helpers.image_set_fixtures import (
+    CIFAR_FS_SPLIT,
+    FC100_SPLIT,
+    FINE,
+    MINI,
+    RNG,
+    SUPERCLASS,
+    TIERED,
+    write_cub,
+    write_folder,
+    write_mini_csv,
+    write_tiered,
+)
+from tests.helpers.image_set_fixtures import tiered_labels as _tiered_labels
+from tests.helpers.image_set_fixtures import write_cifar as _write_cifar
 
 
 def _pil_rgb(path: Path, size: int) -> np.ndarray:

@@ -8,17 +8,15 @@ from __future__ import annotations
 
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
-from conftest import HAS_OMNIGLOT, NO_OMNIGLOT, OMNIGLOT, experiment
 
 from metalearn.data import load_omniglot, omniglot_samplers
 from metalearn.data.augment import SmallAffine
 from metalearn.data.within_alphabet import WithinAlphabetSampler, within_alphabet_samplers
+from tests.conftest import HAS_OMNIGLOT, NO_OMNIGLOT, OMNIGLOT, ROOT, experiment
 
-ROOT = Path(__file__).resolve().parents[1]
 # Alphabet sizes: "small" has too few characters for 4-way tasks and is never drawn.
 ALPHABETS = ["a"] * 6 + ["b"] * 4 + ["small"] * 3 + ["c"] * 5
 DRAWERS = 10

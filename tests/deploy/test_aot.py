@@ -13,8 +13,6 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from conftest import NO_OMNIGLOT
-from test_deploy import CHARACTERS, _args, experiment_checkpoint, make_support_folder
 
 from metalearn.deploy import (
     adapt_to_support,
@@ -33,8 +31,8 @@ from metalearn.deploy import (
     predict,
 )
 from metalearn.tools import export as script
-
-ROOT = Path(__file__).resolve().parents[1]
+from tests.conftest import NO_OMNIGLOT
+from tests.deploy.test_deploy import CHARACTERS, _args, experiment_checkpoint, make_support_folder
 
 pytestmark = [
     pytest.mark.skipif(not CHARACTERS.is_dir(), reason=NO_OMNIGLOT),

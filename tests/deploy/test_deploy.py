@@ -11,9 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import NO_OMNIGLOT, OMNIGLOT
 from PIL import Image
-from run_helpers import checkpoint_of, learner_of, make, om, recipe_of
 
 import metalearn.data
 from metalearn.algorithms import ANIL, FOMAML, IMAML, MAML, MAMLpp, MetaSGD, Reptile
@@ -31,8 +29,9 @@ from metalearn.deploy import (
 )
 from metalearn.models import MetaBatchNorm
 from metalearn.runs.recipe import build_learner
+from tests.conftest import NO_OMNIGLOT, OMNIGLOT
+from tests.helpers.run_helpers import checkpoint_of, learner_of, make, om, recipe_of
 
-ROOT = Path(__file__).resolve().parents[1]
 DATA = OMNIGLOT
 needs_data = pytest.mark.skipif(
     not (DATA / "images_evaluation").is_dir(),

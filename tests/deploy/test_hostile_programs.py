@@ -21,10 +21,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from pickle_writers import payload_object
 
 from metalearn.deploy import compile_aot, export_adapted, load_exported, predict
 from metalearn.deploy.archive import UntrustedPackageError
+from tests.helpers.pickle_writers import payload_object
 
 ROOT = "archive/"
 CONSTANTS = ROOT + "data/constants/model_constants_config.json"

@@ -11,14 +11,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from pickle_writers import hidden, payload_object
-from run_helpers import checkpoint_of, fs, make
 
 from metalearn.deploy import export_adapted, load_aot, load_exported, predict
 from metalearn.deploy.archive import UntrustedPackageError
 from metalearn.tools import evaluate
-
-ROOT = Path(__file__).resolve().parents[1]
+from tests.helpers.pickle_writers import hidden, payload_object
+from tests.helpers.run_helpers import checkpoint_of, fs, make
 
 
 def _exported(tmp_path: Path) -> Path:

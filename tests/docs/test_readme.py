@@ -1,13 +1,11 @@
 """The README's set-up commands are the ones CI runs."""
 
 import math
-from pathlib import Path
 
 import pytest
 import torch
-from conftest import needs_omniglot
 
-ROOT = Path(__file__).resolve().parents[1]
+from tests.conftest import ROOT, needs_omniglot
 
 
 def _readme_commands() -> list[str]:

@@ -18,13 +18,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import HAS_OMNIGLOT, NO_OMNIGLOT, OMNIGLOT
-from test_deploy import make_support_folder
 
 from metalearn.deploy import load_learner
 from metalearn.tools import compare, evaluate, export, predict
+from tests.conftest import HAS_OMNIGLOT, NO_OMNIGLOT, OMNIGLOT, ROOT
+from tests.deploy.test_deploy import make_support_folder
 
-ROOT = Path(__file__).resolve().parents[1]
 TOOLS = {"metalearn-evaluate": evaluate, "metalearn-compare": compare,
          "metalearn-export": export, "metalearn-predict": predict}  # fmt: skip
 RESULT = re.compile(r"test/acc: (\d\.\d{4}) ± (\d\.\d{4})")

@@ -13,9 +13,6 @@ import math
 
 import pytest
 import torch
-from conftest import NO_OMNIGLOT
-from test_chunking import RecordingRunner
-from test_omniglot_experiment import DATA, om, tiny_args
 from torch._dynamo.utils import counters
 
 from metalearn.algorithms import IMAML, MAML, MAMLpp, MetaSGD, Reptile
@@ -25,6 +22,9 @@ from metalearn.engine import NonFiniteLossError, Task, TaskCall, TaskFn, TaskRes
 from metalearn.engine.outer import vmapped_task_results
 from metalearn.models import MLP, Conv4
 from metalearn.runs.lifecycle import UserError
+from tests.conftest import NO_OMNIGLOT
+from tests.engine.test_chunking import RecordingRunner
+from tests.experiments.test_omniglot_experiment import DATA, om, tiny_args
 
 # Inductor's compile runs torch code that warns about torch's own deprecated APIs.
 pytestmark = [

@@ -123,7 +123,7 @@ def test_vmap_and_loop_give_the_same_meta_gradient(norm: str, seed: int) -> None
 def test_vmap_meta_gradient_with_batch_norm_matches_finite_differences() -> None:
     """Directional derivatives along random directions: the fused batch-norm kernel's trap
     (its vmapped second-order meta-gradient 10-72% off finite differences, measured in
-    ``tests/test_models.py``) would show here.
+    ``tests/models/test_models.py``) would show here.
 
     The step is small on purpose: with ReLU the inner gradient, hence the MAML objective,
     jumps where a pre-activation changes sign, and at eps=1e-5 one direction crosses such a

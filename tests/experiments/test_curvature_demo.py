@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import experiment
 from torch.func import functional_call
 
 from metalearn import hessian
+from tests.conftest import experiment
 
 curvature_demo = experiment("curvature_demo")
 

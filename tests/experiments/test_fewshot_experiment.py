@@ -15,17 +15,6 @@ from pathlib import Path
 import pytest
 import torch
 import wandb
-from conftest import NO_OMNIGLOT, OMNIGLOT
-from image_set_fixtures import (
-    write_cifar,
-    write_cub,
-    write_folder,
-    write_mini_cache,
-    write_mini_csv,
-    write_tiered,
-)
-from pickle_writers import payloads
-from run_helpers import fs, learner_of, make, samplers_of
 
 from metalearn.algorithms import FOMAML, MAML
 from metalearn.checkpoint import load_checkpoint
@@ -37,9 +26,17 @@ from metalearn.runs.evaluation import TEST_SEED, evaluate_tasks
 from metalearn.runs.lifecycle import UserError
 from metalearn.runs.records import read_offline_run
 from metalearn.runs.run import load_samplers as make_samplers
-
-ROOT = Path(__file__).resolve().parents[1]
-
+from tests.conftest import NO_OMNIGLOT, OMNIGLOT, ROOT
+from tests.helpers.image_set_fixtures import (
+    write_cifar,
+    write_cub,
+    write_folder,
+    write_mini_cache,
+    write_mini_csv,
+    write_tiered,
+)
+from tests.helpers.pickle_writers import payloads
+from tests.helpers.run_helpers import fs, learner_of, make, samplers_of
 
 # The fixtures hold 2 images per class (CIFAR 3, CUB 2 or 3): 1 shot + 1 query.
 TINY = dict(

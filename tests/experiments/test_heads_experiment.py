@@ -10,17 +10,15 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import NO_OMNIGLOT, OMNIGLOT
-from image_set_fixtures import write_folder
-from run_helpers import fs, make, om, recipe_of, samplers_of
-from test_deploy import make_support_folder
 
 from metalearn.checkpoint import load_checkpoint
 from metalearn.deploy import export_from_checkpoint, load_exported
 from metalearn.runs.lifecycle import UserError
 from metalearn.tools import evaluate as evaluate_script
-
-ROOT = Path(__file__).resolve().parents[1]
+from tests.conftest import NO_OMNIGLOT, OMNIGLOT
+from tests.deploy.test_deploy import make_support_folder
+from tests.helpers.image_set_fixtures import write_folder
+from tests.helpers.run_helpers import fs, make, om, recipe_of, samplers_of
 
 DATA = OMNIGLOT
 pytestmark = pytest.mark.skipif(
@@ -114,8 +112,8 @@ def test_maml_with_train_ways_equal_to_ways_runs_as_before(tmp_path):
 def test_a_head_learns_above_chance(tmp_path, algorithm):
     """30 meta-steps of a 16-filter conv4, then 50 test tasks of 5-way 1-shot (500 query
     answers; chance is 0.2 with a standard error of 0.018): each head answers at least 0.28,
-    the bar tests/test_omniglot_experiment.py sets the other algorithms (measured: ProtoNet
-    0.47, R2D2 0.44, MetaOptNet 0.32)."""
+    the bar tests/experiments/test_omniglot_experiment.py sets the other algorithms (measured:
+    ProtoNet 0.47, R2D2 0.44, MetaOptNet 0.32)."""
     results = om.main(tiny(tmp_path, algorithm=algorithm, iterations=30, hidden=16,
                            val_every=30, test_tasks=50))  # fmt: skip
     assert results["test/acc"] >= 0.28

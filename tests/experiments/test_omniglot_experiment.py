@@ -18,8 +18,6 @@ from pathlib import Path
 import pytest
 import torch
 import wandb
-from conftest import NO_OMNIGLOT, OMNIGLOT
-from run_helpers import main_interrupted, make, om
 
 from metalearn.algorithms import IMAML, Reptile
 from metalearn.checkpoint import load_checkpoint
@@ -27,8 +25,8 @@ from metalearn.runs.cli import flatten, replace_flat
 from metalearn.runs.lifecycle import UserError, latest_segment
 from metalearn.runs.recipe import build_learner, read_recipe, recipe_from_args
 from metalearn.runs.records import read_offline_run
-
-ROOT = Path(__file__).resolve().parents[1]
+from tests.conftest import NO_OMNIGLOT, OMNIGLOT, ROOT
+from tests.helpers.run_helpers import main_interrupted, make, om
 
 DATA = OMNIGLOT
 pytestmark = pytest.mark.skipif(

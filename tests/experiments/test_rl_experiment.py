@@ -12,12 +12,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import experiment
 
 from metalearn.checkpoint import load_checkpoint
 from metalearn.runs.cli import unflatten
+from tests.conftest import ROOT, experiment
 
-ROOT = Path(__file__).resolve().parents[1]
 rl_maml = experiment("rl_maml")
 
 TINY = dict(  # 2D navigation, small enough for a test, large enough that adaptation helps

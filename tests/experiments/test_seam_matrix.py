@@ -35,10 +35,6 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import NO_OMNIGLOT, OMNIGLOT, script
-from image_set_fixtures import write_folder
-from run_helpers import fs, make, om, recipe_of, seeded_learner
-from test_heads import svm_query_loss
 
 from metalearn.algorithms import HeadLearner, MetaLossLearner
 from metalearn.algorithms.curvature import PROBE_SEED
@@ -46,8 +42,11 @@ from metalearn.algorithms.registry import LEARNERS
 from metalearn.checkpoint import load_checkpoint
 from metalearn.deploy import load_learner
 from metalearn.runs.run import load_samplers, my_tasks
+from tests.algorithms.test_heads import svm_query_loss
+from tests.conftest import NO_OMNIGLOT, OMNIGLOT, script
+from tests.helpers.image_set_fixtures import write_folder
+from tests.helpers.run_helpers import fs, make, om, recipe_of, seeded_learner
 
-ROOT = Path(__file__).resolve().parents[1]
 transfer_check = script("transfer_check")
 
 F64 = torch.float64

@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 import wandb
-from conftest import experiment
 
 from metalearn.runs.lifecycle import UserError
 from metalearn.runs.records import read_offline_run
+from tests.conftest import experiment
 
 sine_maml = experiment("sine_maml")
 

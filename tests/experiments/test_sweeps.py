@@ -5,17 +5,16 @@ to exactly the cell's values; sweep runs and runs started by hand never share a 
 from __future__ import annotations
 
 import itertools
-from pathlib import Path
 
 import pytest
 import yaml
-from conftest import experiment as load_experiment
 from wandb.sdk.launch.sweeps.utils import create_sweep_command_args
 
 from metalearn.runs.cli import flatten
 from metalearn.runs.experiment import new_run_identity
+from tests.conftest import ROOT
+from tests.conftest import experiment as load_experiment
 
-ROOT = Path(__file__).resolve().parents[1]
 SWEEPS = sorted((ROOT / "experiments" / "sweeps").glob("*.yaml"))
 
 
@@ -43,7 +42,7 @@ def test_every_cell_is_a_command_line_the_experiment_takes(path, tmp_path):
     assert program.is_file() and program.parent.name == "experiments"
     assert "${args}" in sweep["command"]  # the agent passes --name=value flags
     experiment = load_experiment(program.stem)
-    # The best validation accuracy: val/best_acc's last value (tests/test_tracking.py).
+    # The best validation accuracy: val/best_acc's last value (tests/runs/test_tracking.py).
     assert sweep["metric"] == {"name": "val/best_acc", "goal": "maximize"}
     for cell in cells(sweep["parameters"]):
         built = create_sweep_command_args({"args": {k: {"value": v} for k, v in cell.items()}})

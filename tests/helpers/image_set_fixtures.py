@@ -18,8 +18,9 @@ import pickle
 from pathlib import Path
 
 import numpy as np
-from pickle_writers import py2_dumps
 from PIL import Image
+
+from tests.helpers.pickle_writers import py2_dumps
 
 RNG = np.random.default_rng(0)
 MINI = {"train": 64, "val": 16, "test": 20}

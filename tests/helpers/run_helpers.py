@@ -13,7 +13,6 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import experiment
 
 from metalearn.algorithms import MetaLearner
 from metalearn.checkpoint import save_checkpoint
@@ -22,8 +21,8 @@ from metalearn.runs.experiment import make_recipe
 from metalearn.runs.recipe import Recipe, build_learner
 from metalearn.runs.run import load_samplers
 from metalearn.runs.seeding import seed_everything
+from tests.conftest import experiment
 
-ROOT = Path(__file__).resolve().parents[1]
 fs = experiment("fewshot_maml")
 om = experiment("omniglot_maml")
 

@@ -334,7 +334,7 @@ def test_batch_norm_compiles_without_graph_breaks() -> None:
 
 
 # --------------------------------------------------------------------------- meta-gradients
-# Shared with tests/test_resnet12.py: the vmapped meta-gradient against the loop's, and the
+# Shared with tests/models/test_resnet12.py: the vmapped meta-gradient against the loop's, and the
 # second-order meta-gradient against central finite differences, both in float64.
 
 

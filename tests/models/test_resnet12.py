@@ -7,15 +7,15 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from test_models import (
-    image_tasks,
-    meta_gradient_errors_against_fd,
-    meta_gradients_agree_across_modes,
-)
 from torch import nn
 
 from metalearn.algorithms import ANIL
 from metalearn.models import ResidualBlock, ResNet12
+from tests.models.test_models import (
+    image_tasks,
+    meta_gradient_errors_against_fd,
+    meta_gradients_agree_across_modes,
+)
 
 F64 = torch.float64
 TINY = (4, 6, 8, 10)

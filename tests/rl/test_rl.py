@@ -32,6 +32,7 @@ from metalearn.rl import (
 from metalearn.rl.baseline import baseline_features
 from metalearn.rl.seeds import derive_seeds
 from metalearn.second_order import hessian, hvp
+from tests.conftest import ROOT
 
 DT = torch.float64
 
@@ -230,9 +231,8 @@ def test_gaussian_policy_log_prob_and_kl_match_torch_distributions():
 def test_bench_rl_prints_a_row_per_shape_and_refuses_a_bad_shape():
     import subprocess
     import sys
-    from pathlib import Path
 
-    script = Path(__file__).resolve().parents[1] / "scripts" / "bench_rl.py"
+    script = ROOT / "scripts" / "bench_rl.py"
     run = [sys.executable, str(script), "--repeats", "1", "--horizon", "3", "--shapes"]
     out = subprocess.run([*run, "2x2", "3x1"], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr

@@ -1,4 +1,4 @@
-"""The meta-RL estimators against exact answers on a tiny MDP (tests/rl_mdp.py).
+"""The meta-RL estimators against exact answers on a tiny MDP (tests/rl/rl_mdp.py).
 
 The expected return and the post-adaptation expected return are computed by enumerating
 every trajectory in float64 and differentiated by autograd; the estimators' means over many
@@ -9,13 +9,6 @@ exact gradients, at N and at 16 N tasks, the error shrinking as 1/sqrt(N).
 from __future__ import annotations
 
 import torch
-from rl_mdp import (
-    HORIZON,
-    TabularSoftmax,
-    TinyEnv,
-    expected_return,
-    post_adaptation_return,
-)
 from torch.func import functional_call, grad, vmap
 
 from metalearn.rl import (
@@ -26,6 +19,13 @@ from metalearn.rl import (
     rollout,
 )
 from metalearn.rl.seeds import derive_seeds
+from tests.rl.rl_mdp import (
+    HORIZON,
+    TabularSoftmax,
+    TinyEnv,
+    expected_return,
+    post_adaptation_return,
+)
 
 LOGITS = torch.tensor([[0.3, -0.2], [-0.4, 0.1]], dtype=torch.float64)
 LR = 0.3

@@ -1,5 +1,5 @@
 """Checkpoints written before runs carried a recipe still rebuild, evaluate, export and
-resume. The files in tests/data/records/ were written by the experiments of commit 68e375d
+resume. The files in tests/fixtures/records/ were written by the experiments of commit 68e375d
 (flat ``args``, no ``recipe``): two Omniglot runs (MAML and Reptile, 4 filters, 2 steps) and
 a few-shot run on the image folder beside them (3-way, 16 px grayscale). Each holds the test
 accuracy that code measured, which its rebuilt learner must reproduce exactly."""
@@ -8,13 +8,9 @@ from __future__ import annotations
 
 import re
 import shutil
-from pathlib import Path
 
 import pytest
 import torch
-from conftest import NO_OMNIGLOT, OMNIGLOT
-from run_helpers import fs, om
-from test_deploy import make_support_folder
 
 from metalearn.algorithms import MetaOptNet, MetaOptNetLR, complete_arguments
 from metalearn.data import ImageFormat
@@ -22,10 +18,11 @@ from metalearn.deploy import export_from_checkpoint, load_exported
 from metalearn.runs.lifecycle import UserError
 from metalearn.runs.recipe import build_learner, read_recipe
 from metalearn.tools import evaluate
+from tests.conftest import NO_OMNIGLOT, OMNIGLOT, ROOT
+from tests.deploy.test_deploy import make_support_folder
+from tests.helpers.run_helpers import fs, om
 
-ROOT = Path(__file__).resolve().parents[1]
-
-RECORDS = ROOT / "tests" / "data" / "records"
+RECORDS = ROOT / "tests" / "fixtures" / "records"
 DATA = OMNIGLOT
 needs_omniglot = pytest.mark.skipif(not (DATA / "images_background").is_dir(), reason=NO_OMNIGLOT)
 RESULT = re.compile(r"test/acc: (\d\.\d{4}) ± ")

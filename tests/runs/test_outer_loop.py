@@ -12,8 +12,6 @@ from types import SimpleNamespace
 import pytest
 import torch
 import wandb
-from conftest import NO_OMNIGLOT, OMNIGLOT
-from run_helpers import main_interrupted, make, om, recipe_of, seeded_learner
 
 from metalearn.algorithms import MAML, Reptile
 from metalearn.checkpoint import load_checkpoint
@@ -23,8 +21,8 @@ from metalearn.runs.outer_loop import build_outer_optimizer, scheduled_lr
 from metalearn.runs.recipe import Recipe, read_recipe
 from metalearn.runs.records import read_offline_run
 from metalearn.runs.run import load_samplers
-
-ROOT = Path(__file__).resolve().parents[1]
+from tests.conftest import NO_OMNIGLOT, OMNIGLOT, ROOT
+from tests.helpers.run_helpers import main_interrupted, make, om, recipe_of, seeded_learner
 
 
 def training(**overrides) -> SimpleNamespace:

@@ -14,16 +14,21 @@ from pathlib import Path
 
 import pytest
 import wandb
-from conftest import NO_OMNIGLOT
-from run_helpers import make, om
-from test_omniglot_experiment import DATA, TINY, _flags, _spawn, _steps, _wait_for_step
 
 from metalearn.checkpoint import HOST, load_checkpoint
 from metalearn.runs.lifecycle import UserError, latest_segment
 from metalearn.runs.lock import LOCK_NAME, held, run_holder
 from metalearn.runs.records import read_offline_run
-
-ROOT = Path(__file__).resolve().parents[1]
+from tests.conftest import NO_OMNIGLOT, ROOT
+from tests.experiments.test_omniglot_experiment import (
+    DATA,
+    TINY,
+    _flags,
+    _spawn,
+    _steps,
+    _wait_for_step,
+)
+from tests.helpers.run_helpers import make, om
 
 
 def _dead_pid() -> int:

@@ -130,11 +130,11 @@ def test_a_nan_validation_is_never_the_best_and_all_nan_has_no_best():
     """`Run.keep_best` on a run's sequence of validations: NaN never replaces (or becomes)
     the best; the test loads the weights of the best finite one; every validation NaN is
     refused in one line."""
-    from run_helpers import om
     from torch import nn
 
     from metalearn.algorithms import MAML
     from metalearn.runs.run import Run
+    from tests.helpers.run_helpers import om
 
     run = Run(om.EXPERIMENT, om.Args())
     run.state = RunState("r")

@@ -1,5 +1,5 @@
 """Tracking: runs made offline here are read back by wandb's own reader (compare_runs has
-tests/test_compare_runs.py)."""
+tests/tools/test_compare_runs.py)."""
 
 from __future__ import annotations
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import script
 
 from metalearn.debug import NonFiniteError
+from tests.conftest import script
 
 bench_anomaly_guard = script("bench_anomaly_guard")
 

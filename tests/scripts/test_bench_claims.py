@@ -6,22 +6,20 @@ from __future__ import annotations
 
 import copy
 import random
-from pathlib import Path
 
 import pytest
 import torch
-from conftest import NO_OMNIGLOT, OMNIGLOT, script
 from torch import nn
 
 from metalearn.algorithms import MAML
 from metalearn.data import load_omniglot, omniglot_samplers
 from metalearn.engine import Task
 from metalearn.runs.evaluation import TEST_SEED, evaluate_tasks
+from tests.conftest import NO_OMNIGLOT, OMNIGLOT, script
 
 bench_claims = script("bench_claims")
 benchtools = script("benchtools")
 
-ROOT = Path(__file__).resolve().parents[1]
 DATA = OMNIGLOT
 needs_omniglot = pytest.mark.skipif(not (DATA / "images_background").is_dir(), reason=NO_OMNIGLOT)
 

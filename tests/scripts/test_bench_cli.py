@@ -11,9 +11,9 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from conftest import script as load_script
 
-ROOT = Path(__file__).resolve().parents[1]
+from tests.conftest import ROOT
+from tests.conftest import script as load_script
 
 SCRIPTS = sorted(p.stem for p in (ROOT / "scripts").glob("bench_*.py"))
 TOKEN = re.compile(r"[\w.,:=+-]+|\.\./[\w./-]+")

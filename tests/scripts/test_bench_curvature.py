@@ -5,12 +5,11 @@ from __future__ import annotations
 import re
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
-from conftest import NO_OMNIGLOT, OMNIGLOT
 
-ROOT = Path(__file__).resolve().parents[1]
+from tests.conftest import NO_OMNIGLOT, OMNIGLOT, ROOT
+
 DATA = OMNIGLOT
 SCRIPT = [sys.executable, str(ROOT / "scripts" / "bench_curvature.py")]
 

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from conftest import script
+
+from tests.conftest import script
 
 bench_maml = script("bench_maml")
 

@@ -5,7 +5,8 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
-from conftest import script
+
+from tests.conftest import script
 
 bench_memory = script("bench_memory")
 

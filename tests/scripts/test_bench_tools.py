@@ -4,12 +4,12 @@ that it is the one module of scripts/ the scripts import."""
 from __future__ import annotations
 
 import ast
-from pathlib import Path
 
 import torch
-from conftest import script
 
-SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
+from tests.conftest import ROOT, script
+
+SCRIPTS = ROOT / "scripts"
 benchtools = script("benchtools")
 
 

@@ -11,7 +11,8 @@ import re
 
 import pytest
 import torch
-from conftest import script
+
+from tests.conftest import script
 
 bench_maml = script("bench_maml")
 

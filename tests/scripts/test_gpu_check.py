@@ -13,7 +13,8 @@ from pathlib import Path
 import pytest
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
+from tests.conftest import ROOT
+
 SCRIPT = ROOT / "scripts" / "gpu_check.sh"
 
 

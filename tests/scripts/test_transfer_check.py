@@ -10,12 +10,12 @@ import re
 from pathlib import Path
 
 import pytest
-from conftest import NO_OMNIGLOT, OMNIGLOT
-from conftest import script as load_script
-from image_set_fixtures import write_cifar, write_folder
-from run_helpers import fs, make, om
 
-ROOT = Path(__file__).resolve().parents[1]
+from tests.conftest import NO_OMNIGLOT, OMNIGLOT
+from tests.conftest import script as load_script
+from tests.helpers.image_set_fixtures import write_cifar, write_folder
+from tests.helpers.run_helpers import fs, make, om
+
 script = load_script("transfer_check")
 
 DATA = OMNIGLOT

@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from second_order_problems import (
+
+from metalearn.functional import flatten_tree, tree_map, unflatten_like
+from metalearn.second_order import conjugate_gradient, hvp
+from tests.second_order.second_order_problems import (
     F64,
     assert_same_structure,
     dense_hessian,
@@ -13,9 +16,6 @@ from second_order_problems import (
     random_tree,
     rel_err,
 )
-
-from metalearn.functional import flatten_tree, tree_map, unflatten_like
-from metalearn.second_order import conjugate_gradient, hvp
 
 
 def _spd(n: int, seed: int, cond_spread: float = 1.0) -> torch.Tensor:

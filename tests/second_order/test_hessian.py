@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from second_order_problems import F64, dense_hessian, gen, make_problem, rel_err
 
 from metalearn.functional import flatten_tree, unflatten_like
 from metalearn.second_order import hessian
+from tests.second_order.second_order_problems import F64, dense_hessian, gen, make_problem, rel_err
 
 
 def test_hessian_rows_of_quadratic_is_A():

@@ -6,9 +6,9 @@ from collections import OrderedDict
 
 import pytest
 import torch
-from second_order_problems import F64, dense_hessian, gen, make_problem
 
 from metalearn.second_order import HVP_METHODS, hessian_trace
+from tests.second_order.second_order_problems import F64, dense_hessian, gen, make_problem
 
 
 @pytest.mark.parametrize("name", ["mlp", "conv_bn", "tuple"])

@@ -17,16 +17,6 @@ from collections import OrderedDict
 import pytest
 import torch
 import torch.nn.functional as F
-from second_order_problems import (
-    F64,
-    PROBLEMS,
-    assert_same_structure,
-    dense_hessian,
-    gen,
-    make_problem,
-    random_tree,
-    rel_err,
-)
 from torch import nn
 from torch.func import functional_call
 
@@ -39,6 +29,16 @@ from metalearn.second_order import (
     hvp,
     hvp_double_backward,
     top_eigenvalues,
+)
+from tests.second_order.second_order_problems import (
+    F64,
+    PROBLEMS,
+    assert_same_structure,
+    dense_hessian,
+    gen,
+    make_problem,
+    random_tree,
+    rel_err,
 )
 
 

@@ -6,10 +6,10 @@ from collections import OrderedDict
 
 import pytest
 import torch
-from second_order_problems import F64, dense_hessian, gen, make_problem
 
 from metalearn.functional import flatten_tree
 from metalearn.second_order import HVP_METHODS, top_eigenvalues
+from tests.second_order.second_order_problems import F64, dense_hessian, gen, make_problem
 
 
 def _quadratic_with_spectrum(eigs, seed):

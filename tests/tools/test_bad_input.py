@@ -14,14 +14,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import NO_OMNIGLOT, OMNIGLOT
-from run_helpers import checkpoint_of, fs, make
 
 from metalearn.deploy import export_adapted
 from metalearn.runs import lock
 from metalearn.tools import grid
-
-ROOT = Path(__file__).resolve().parents[1]
+from tests.conftest import NO_OMNIGLOT, OMNIGLOT, ROOT
+from tests.helpers.run_helpers import checkpoint_of, fs, make
 
 DATA = OMNIGLOT
 TINY = ["--iterations", "2", "--meta-batch", "2", "--query", "1", "--eval-query", "2",
@@ -116,7 +114,7 @@ def test_a_diverging_run_names_the_meta_step_and_the_flag(tmp_path):
 def test_an_overflowing_meta_gradient_is_not_taken_even_when_skipping(tmp_path):
     # --inner-lr 200 on a fewshot image folder: the losses stay finite (about 1e18) while the
     # meta-gradient overflows; --on-nonfinite skip drops tasks with non-finite losses only.
-    from image_set_fixtures import write_folder
+    from tests.helpers.image_set_fixtures import write_folder
 
     folder = write_folder(tmp_path / "folder")
     line = _run(tmp_path, "--dataset", "folder", "--data-root", str(folder), "--image-size",

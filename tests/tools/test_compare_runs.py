@@ -14,12 +14,11 @@ import sys
 from pathlib import Path
 
 import pytest
-from test_run_records import damage, offline_run, wandb_file
 
 from metalearn.runs.records import read_offline_runs
 from metalearn.tools import compare
-
-ROOT = Path(__file__).resolve().parents[1]
+from tests.conftest import ROOT
+from tests.runs.test_run_records import damage, offline_run, wandb_file
 
 T975 = {1: 12.7062, 2: 4.3027, 4: 2.7764, 9: 2.2622, 30: 2.0423}
 """Two-sided 95% critical values of Student's t, from a printed table."""

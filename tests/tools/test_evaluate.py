@@ -19,9 +19,6 @@ import numpy as np
 import pytest
 import torch
 import wandb
-from conftest import NO_OMNIGLOT, OMNIGLOT
-from image_set_fixtures import write_folder
-from run_helpers import fs, make, om
 
 from metalearn.checkpoint import save_checkpoint
 from metalearn.data import load_image_set, load_omniglot, omniglot_samplers
@@ -29,8 +26,9 @@ from metalearn.deploy import load_learner
 from metalearn.runs.evaluation import accuracy_interval, evaluate_tasks
 from metalearn.runs.records import read_offline_run
 from metalearn.tools import evaluate as script
-
-ROOT = Path(__file__).resolve().parents[1]
+from tests.conftest import NO_OMNIGLOT, OMNIGLOT, ROOT
+from tests.helpers.image_set_fixtures import write_folder
+from tests.helpers.run_helpers import fs, make, om
 
 DATA = OMNIGLOT
 RESULT = re.compile(r"test/acc: (\d\.\d{4}) ± (\d\.\d{4}|nan)")

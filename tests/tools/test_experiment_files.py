@@ -7,10 +7,10 @@ import ast
 from pathlib import Path
 
 import pytest
-from conftest import ROOT, experiment, script
 
 from metalearn.runs.lifecycle import UserError
 from metalearn.tools import experiments, grid
+from tests.conftest import ROOT, experiment, script
 
 EDITS = {"insert", "append", "extend", "__setitem__"}
 

@@ -14,13 +14,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import NO_OMNIGLOT
-from test_deploy import CHARACTERS, _args, experiment_checkpoint, make_support_folder
 
 from metalearn.deploy import is_run_checkpoint, load_exported
 from metalearn.tools import export as script
-
-ROOT = Path(__file__).resolve().parents[1]
+from tests.conftest import NO_OMNIGLOT, ROOT
+from tests.deploy.test_deploy import CHARACTERS, _args, experiment_checkpoint, make_support_folder
 
 pytestmark = pytest.mark.skipif(not CHARACTERS.is_dir(), reason=NO_OMNIGLOT)
 
@@ -189,7 +187,8 @@ def test_a_fewshot_checkpoint_exports_a_program_for_its_own_images(tmp_path, dat
     """A folder run (16 px grayscale) and a CIFAR-FS run (32 px RGB): the support folder is
     decoded as that run's training images, and the program takes them."""
     from PIL import Image
-    from run_helpers import checkpoint_of, fs, make
+
+    from tests.helpers.run_helpers import checkpoint_of, fs, make
 
     channels, side = shape
     overrides = {"image_size": 16, "channels": 1} if dataset == "folder" else {}

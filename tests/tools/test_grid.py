@@ -1,5 +1,5 @@
 """metalearn-grid runs a real seeds x settings grid of tiny Omniglot runs, skips the cells
-it finished, and runs new cells when a flag after -- changes (tests/test_grid_plan.py checks
+it finished, and runs new cells when a flag after -- changes (tests/tools/test_grid_plan.py checks
 the plan without training)."""
 
 from __future__ import annotations
@@ -9,16 +9,13 @@ import shlex
 import signal
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
-from conftest import NO_OMNIGLOT, OMNIGLOT
 
 from metalearn.checkpoint import load_checkpoint
 from metalearn.runs.records import read_offline_run
 from metalearn.tools import grid
-
-ROOT = Path(__file__).resolve().parents[1]
+from tests.conftest import NO_OMNIGLOT, OMNIGLOT, ROOT
 
 DATA = OMNIGLOT
 TINY = ["--iterations=1", "--meta-batch=2", "--query=1", "--eval-query=2", "--hidden=8",

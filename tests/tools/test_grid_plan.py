@@ -1,23 +1,23 @@
 """metalearn-grid before anything runs: a cell is its whole recipe, its --set names are the
 experiment's flags, every cell's command line is checked, and a cell's folder says what it
-holds (new, stopped, done, another recipe). No training here: tests/test_grid.py runs a grid."""
+holds (new, stopped, done, another recipe). No training here: tests/tools/test_grid.py runs a
+grid."""
 
 from __future__ import annotations
 
 import dataclasses
 import re
 import sys
-from pathlib import Path
 
 import pytest
 import torch
-from run_helpers import checkpoint_of, om
 
 from metalearn.checkpoint import save_checkpoint
 from metalearn.runs.cli import flatten
 from metalearn.tools import grid
+from tests.conftest import ROOT
+from tests.helpers.run_helpers import checkpoint_of, om
 
-ROOT = Path(__file__).resolve().parents[1]
 FEWSHOT = grid.experiment_module(ROOT / "experiments" / "fewshot_maml.py")
 
 

@@ -7,11 +7,11 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+from tests.conftest import ROOT
+
 TOOLS = ("evaluate", "grid", "compare", "export", "predict")
 
 
