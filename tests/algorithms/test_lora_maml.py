@@ -21,7 +21,7 @@ from metalearn.models.lora import LoRAConv2d, LoRALinear, add_lora, lora_keys
 from metalearn.runs.cli import flatten
 from metalearn.runs.lifecycle import UserError
 from metalearn.runs.recipe import build_learner, read_recipe
-from tests.conftest import NO_OMNIGLOT, OMNIGLOT
+from tests.conftest import OMNIGLOT, needs_omniglot
 from tests.helpers.run_helpers import checkpoint_of, learner_of, make, om, recipe_of
 
 F64 = torch.float64
@@ -302,7 +302,7 @@ def test_bad_ranks_are_refused_in_one_line_before_anything_runs(tmp_path, overri
     assert not any(tmp_path.iterdir())  # nothing written
 
 
-@pytest.mark.skipif(not (DATA / "images_background").is_dir(), reason=NO_OMNIGLOT)
+@needs_omniglot
 def test_a_tiny_lora_run_trains_tests_and_records_its_rank(tmp_path) -> None:
     args = make(om, algorithm="lora", lora_rank=3, iterations=2, meta_batch=2, query=1,
                 eval_query=2, hidden=8, val_every=1, val_tasks=3, test_tasks=4,

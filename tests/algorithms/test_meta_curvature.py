@@ -25,7 +25,7 @@ from metalearn.engine import Task
 from metalearn.functional import flatten_tree, unflatten_like
 from metalearn.runs.lifecycle import UserError
 from metalearn.runs.records import read_offline_run
-from tests.conftest import NO_OMNIGLOT, OMNIGLOT
+from tests.conftest import OMNIGLOT, needs_omniglot
 from tests.helpers.run_helpers import make, om
 
 F64 = torch.float64
@@ -177,10 +177,6 @@ def test_empty_task_lists_are_refused():
 # --------------------------------------------------------------------------- in a run
 
 DATA = OMNIGLOT
-needs_omniglot = pytest.mark.skipif(
-    not (DATA / "images_background").is_dir(),
-    reason=NO_OMNIGLOT,
-)
 CURV_KEYS = {
     "curv/support_top_eig", "curv/support_top_eig_max", "curv/two_over_inner_lr",
     "curv/meta_top_eig", "curv/meta_trace", "curv/meta_trace_std_error", "perf/curvature_s",

@@ -23,7 +23,7 @@ from metalearn import distributed as dist
 from metalearn.checkpoint import load_checkpoint
 from metalearn.data import load_omniglot, omniglot_samplers
 from metalearn.runs.evaluation import TEST_SEED, evaluate_tasks
-from tests.conftest import NO_OMNIGLOT, OMNIGLOT, ROOT
+from tests.conftest import OMNIGLOT, ROOT, needs_omniglot
 from tests.core import dist_worker as worker
 
 DATA = OMNIGLOT
@@ -132,11 +132,6 @@ def test_a_stalled_rank_times_out_with_a_clear_error(ranks):
 
 
 # --------------------------------------------------------------------------- the experiment
-
-needs_omniglot = pytest.mark.skipif(
-    not (DATA / "images_background").is_dir(),
-    reason=NO_OMNIGLOT,
-)
 
 
 def experiment_args(out: Path, iterations: int) -> list[str]:

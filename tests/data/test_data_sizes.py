@@ -1,16 +1,14 @@
 """The published sizes each data set gives tasks, and the check of ways, shots and queries
 made against them before any data loads.
 
-Omniglot's numbers are checked against the real layout (``$METALEARN_DATA``): its files
+Omniglot's numbers are checked against the real layout (conftest's `OMNIGLOT`): its files
 counted by walking the folders, split by `omniglot_splits` and handed to the samplers the
 experiments build, so the check refuses exactly what those samplers refuse.
 """
 
 from __future__ import annotations
 
-import os
 from collections import Counter
-from pathlib import Path
 
 import pytest
 import torch
@@ -27,6 +25,7 @@ from metalearn.data import (
 )
 from metalearn.data.sizes import PUBLISHED_SIZES
 from metalearn.data.within_alphabet import within_alphabet_samplers
+from tests.conftest import HAS_OMNIGLOT, NO_OMNIGLOT, OMNIGLOT
 
 
 def test_every_data_set_has_an_entry():
@@ -97,10 +96,9 @@ def test_messages_name_the_flag_and_the_limit():
 
 def _real_omniglot() -> OmniglotImages:
     """The real layout, walked here: one 1x1 image per drawing (the sizes are what matter)."""
-    root = Path(os.environ.get("METALEARN_DATA", ""))
-    root = root / "omniglot" if (root / "omniglot" / "images_background").is_dir() else root
-    if not (root / "images_background").is_dir():
-        pytest.skip("needs Omniglot: set METALEARN_DATA")
+    if not HAS_OMNIGLOT:
+        pytest.skip(NO_OMNIGLOT)
+    root = OMNIGLOT
     characters, alphabets, background, drawings = [], [], [], set()
     for subset in ("images_background", "images_evaluation"):
         for alphabet in sorted(p for p in (root / subset).iterdir() if p.is_dir()):

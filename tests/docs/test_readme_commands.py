@@ -21,14 +21,14 @@ import torch
 
 from metalearn.deploy import load_learner
 from metalearn.tools import compare, evaluate, export, predict
-from tests.conftest import HAS_OMNIGLOT, NO_OMNIGLOT, OMNIGLOT, ROOT
+from tests.conftest import OMNIGLOT, ROOT, needs_omniglot
 from tests.deploy.test_deploy import make_support_folder
 
 TOOLS = {"metalearn-evaluate": evaluate, "metalearn-compare": compare,
          "metalearn-export": export, "metalearn-predict": predict}  # fmt: skip
 RESULT = re.compile(r"test/acc: (\d\.\d{4}) ± (\d\.\d{4})")
 
-pytestmark = pytest.mark.skipif(not HAS_OMNIGLOT, reason=NO_OMNIGLOT)
+pytestmark = needs_omniglot
 
 
 def readme_commands() -> dict[str, list[str]]:

@@ -22,9 +22,9 @@ from metalearn.engine import NonFiniteLossError, Task, TaskCall, TaskFn, TaskRes
 from metalearn.engine.outer import vmapped_task_results
 from metalearn.models import MLP, Conv4
 from metalearn.runs.lifecycle import UserError
-from tests.conftest import NO_OMNIGLOT
+from tests.conftest import HAS_OMNIGLOT, NO_OMNIGLOT
 from tests.engine.test_chunking import RecordingRunner
-from tests.experiments.test_omniglot_experiment import DATA, om, tiny_args
+from tests.experiments.test_omniglot_experiment import om, tiny_args
 
 # Inductor's compile runs torch code that warns about torch's own deprecated APIs.
 pytestmark = [
@@ -212,7 +212,7 @@ def test_a_learner_that_overrides_backward_is_refused():
 
 
 def test_compile_in_the_omniglot_experiment_runs_compiled_and_resumes_uncompiled(tmp_path):
-    if not (DATA / "images_background").is_dir():
+    if not HAS_OMNIGLOT:
         pytest.skip(NO_OMNIGLOT)
     run = dict(run_name="compiled", algorithm="fomaml")  # first order: a smaller graph
     om.main(tiny_args(tmp_path, compile=True, **run))
@@ -235,7 +235,7 @@ def test_compile_in_the_omniglot_experiment_runs_compiled_and_resumes_uncompiled
 def test_compile_where_it_cannot_apply_is_refused_before_anything_is_written(
     tmp_path, overrides, message
 ):
-    if not (DATA / "images_background").is_dir():
+    if not HAS_OMNIGLOT:
         pytest.skip(NO_OMNIGLOT)
     with pytest.raises(UserError, match=message) as refused:
         om.main(tiny_args(tmp_path, compile=True, **overrides))

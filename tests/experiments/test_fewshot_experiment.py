@@ -26,7 +26,7 @@ from metalearn.runs.evaluation import TEST_SEED, evaluate_tasks
 from metalearn.runs.lifecycle import UserError
 from metalearn.runs.records import read_offline_run
 from metalearn.runs.run import load_samplers as make_samplers
-from tests.conftest import NO_OMNIGLOT, OMNIGLOT, ROOT
+from tests.conftest import HAS_OMNIGLOT, NO_OMNIGLOT, OMNIGLOT, ROOT
 from tests.helpers.image_set_fixtures import (
     write_cifar,
     write_cub,
@@ -76,7 +76,7 @@ CASES = {
 
 @pytest.mark.parametrize("dataset", list(CASES))
 def test_two_meta_steps_and_a_test_on_every_data_set(dataset, roots, tmp_path):
-    if dataset == "omniglot" and not (OMNIGLOT / "images_background").is_dir():
+    if dataset == "omniglot" and not HAS_OMNIGLOT:
         pytest.skip(NO_OMNIGLOT)
     overrides, (channels, side) = CASES[dataset]
     args = make(fs, **{**TINY, **overrides}, dataset=dataset, data_root=str(roots[dataset]),
@@ -129,7 +129,7 @@ def test_train_draws_training_queries_and_val_test_the_evaluation_ones(roots):
 
 
 def test_omniglot_keeps_its_tasks(roots):
-    if not (OMNIGLOT / "images_background").is_dir():
+    if not HAS_OMNIGLOT:
         pytest.skip(NO_OMNIGLOT)
     args = make(fs, **{**TINY, "query": 1, "eval_query": 3}, dataset="omniglot",
                 data_root=str(OMNIGLOT))  # fmt: skip

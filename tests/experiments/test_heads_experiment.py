@@ -15,16 +15,13 @@ from metalearn.checkpoint import load_checkpoint
 from metalearn.deploy import export_from_checkpoint, load_exported
 from metalearn.runs.lifecycle import UserError
 from metalearn.tools import evaluate as evaluate_script
-from tests.conftest import NO_OMNIGLOT, OMNIGLOT
+from tests.conftest import OMNIGLOT, needs_omniglot
 from tests.deploy.test_deploy import make_support_folder
 from tests.helpers.image_set_fixtures import write_folder
 from tests.helpers.run_helpers import fs, make, om, recipe_of, samplers_of
 
 DATA = OMNIGLOT
-pytestmark = pytest.mark.skipif(
-    not (DATA / "images_background").is_dir(),
-    reason=NO_OMNIGLOT,
-)
+pytestmark = needs_omniglot
 TINY = dict(
     iterations=3, meta_batch=2, query=1, eval_query=2, hidden=8, val_every=1, val_tasks=3,
     test_tasks=4, checkpoint_every=1, data_root=str(DATA), track=False, device="cpu",

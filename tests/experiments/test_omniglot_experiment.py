@@ -25,14 +25,11 @@ from metalearn.runs.cli import flatten, replace_flat
 from metalearn.runs.lifecycle import UserError, latest_segment
 from metalearn.runs.recipe import build_learner, read_recipe, recipe_from_args
 from metalearn.runs.records import read_offline_run
-from tests.conftest import NO_OMNIGLOT, OMNIGLOT, ROOT
+from tests.conftest import OMNIGLOT, ROOT, needs_omniglot
 from tests.helpers.run_helpers import main_interrupted, make, om
 
 DATA = OMNIGLOT
-pytestmark = pytest.mark.skipif(
-    not (DATA / "images_background").is_dir(),
-    reason=NO_OMNIGLOT,
-)
+pytestmark = needs_omniglot
 TINY = dict(  # MAML given explicitly: the command line's default preset trains Proto-MAML
     algorithm="maml", iterations=2, meta_batch=2, query=1, eval_query=2, hidden=8, val_every=1,
     val_tasks=3, test_tasks=4, eval_inner_steps=2, checkpoint_every=1, data_root=str(DATA),

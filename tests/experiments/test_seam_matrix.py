@@ -43,7 +43,7 @@ from metalearn.checkpoint import load_checkpoint
 from metalearn.deploy import load_learner
 from metalearn.runs.run import load_samplers, my_tasks
 from tests.algorithms.test_heads import svm_query_loss
-from tests.conftest import NO_OMNIGLOT, OMNIGLOT, script
+from tests.conftest import HAS_OMNIGLOT, NO_OMNIGLOT, OMNIGLOT, script
 from tests.helpers.image_set_fixtures import write_folder
 from tests.helpers.run_helpers import fs, make, om, recipe_of, seeded_learner
 
@@ -103,7 +103,7 @@ def arguments(experiment: str, cell: str, folder: Path, out: Path, **extra):
     if LEARNERS[algorithm].head_sized_per_task:
         flat.pop("inner_steps", None)
     if experiment == "omniglot":
-        if not (OMNIGLOT / "images_background").is_dir():
+        if not HAS_OMNIGLOT:
             pytest.skip(NO_OMNIGLOT)
         return om, make(om, **flat, data_root=str(OMNIGLOT))
     return fs, make(fs, **flat, dataset="folder", data_root=str(folder), image_size=16,

@@ -18,13 +18,12 @@ from metalearn.deploy import export_from_checkpoint, load_exported
 from metalearn.runs.lifecycle import UserError
 from metalearn.runs.recipe import build_learner, read_recipe
 from metalearn.tools import evaluate
-from tests.conftest import NO_OMNIGLOT, OMNIGLOT, ROOT
+from tests.conftest import HAS_OMNIGLOT, NO_OMNIGLOT, OMNIGLOT, ROOT, needs_omniglot
 from tests.deploy.test_deploy import make_support_folder
 from tests.helpers.run_helpers import fs, om
 
 RECORDS = ROOT / "tests" / "fixtures" / "records"
 DATA = OMNIGLOT
-needs_omniglot = pytest.mark.skipif(not (DATA / "images_background").is_dir(), reason=NO_OMNIGLOT)
 RESULT = re.compile(r"test/acc: (\d\.\d{4}) ± ")
 
 
@@ -54,7 +53,7 @@ def test_old_records_have_no_recipe_and_read_as_one():
 
 @pytest.mark.parametrize("name", ["omniglot-maml", "omniglot-reptile", "folder-maml"])
 def test_evaluate_reproduces_the_test_accuracy_the_old_code_measured(name, capsys):
-    if name.startswith("omniglot") and not (DATA / "images_background").is_dir():
+    if name.startswith("omniglot") and not HAS_OMNIGLOT:
         pytest.skip(NO_OMNIGLOT)
     record = saved(name)
     argv = ["--checkpoint", str(RECORDS / f"{name}.ckpt"), "--no-track",

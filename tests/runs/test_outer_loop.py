@@ -21,7 +21,7 @@ from metalearn.runs.outer_loop import build_outer_optimizer, scheduled_lr
 from metalearn.runs.recipe import Recipe, read_recipe
 from metalearn.runs.records import read_offline_run
 from metalearn.runs.run import load_samplers
-from tests.conftest import NO_OMNIGLOT, OMNIGLOT, ROOT
+from tests.conftest import HAS_OMNIGLOT, NO_OMNIGLOT, OMNIGLOT, ROOT
 from tests.helpers.run_helpers import main_interrupted, make, om, recipe_of, seeded_learner
 
 
@@ -134,7 +134,7 @@ TINY = dict(
 def test_label_smoothing_is_metaoptnets_own_training_loss():
     """--label-smoothing sets MetaOptNet's own argument (no second smoothing on top): the
     training loss changes with it, evaluation's does not."""
-    if not (OMNIGLOT / "images_background").is_dir():
+    if not HAS_OMNIGLOT:
         pytest.skip(NO_OMNIGLOT)
     losses = {}
     for smoothing in (None, 0.0, 0.3):
@@ -203,7 +203,7 @@ OUTER = dict(outer_optimizer="sgd", outer_momentum=0.9, nesterov=True, weight_de
 
 
 def _tiny(tmp_path: Path, **overrides):
-    if not (OMNIGLOT / "images_background").is_dir():
+    if not HAS_OMNIGLOT:
         pytest.skip(NO_OMNIGLOT)
     return make(om, **{**TINY, **OUTER, "data_root": str(OMNIGLOT), "out_dir": str(tmp_path),
                        **overrides})  # fmt: skip
@@ -234,7 +234,7 @@ def test_an_annealed_run_is_not_extended_on_resume(tmp_path):
 
 @pytest.mark.slow
 def test_the_outer_settings_are_in_the_wandb_config(tmp_path):
-    if not (OMNIGLOT / "images_background").is_dir():
+    if not HAS_OMNIGLOT:
         pytest.skip(NO_OMNIGLOT)
     step = dict(outer_optimizer="adam", weight_decay=1e-4, lr_schedule="step", step_size=1,
                 gamma=0.5, schedule_every=2)  # fmt: skip

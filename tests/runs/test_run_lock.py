@@ -19,9 +19,8 @@ from metalearn.checkpoint import HOST, load_checkpoint
 from metalearn.runs.lifecycle import UserError, latest_segment
 from metalearn.runs.lock import LOCK_NAME, held, run_holder
 from metalearn.runs.records import read_offline_run
-from tests.conftest import NO_OMNIGLOT, ROOT
+from tests.conftest import ROOT, needs_omniglot
 from tests.experiments.test_omniglot_experiment import (
-    DATA,
     TINY,
     _flags,
     _spawn,
@@ -102,7 +101,7 @@ def test_an_out_dir_that_cannot_hold_runs_is_refused_before_anything_runs(tmp_pa
             om.main(make(om, out_dir=str(locked), track=False))
 
 
-@pytest.mark.skipif(not (DATA / "images_background").is_dir(), reason=NO_OMNIGLOT)
+@needs_omniglot
 @pytest.mark.slow
 def test_two_runs_of_one_name_the_second_exits_2_and_the_first_finishes(tmp_path):
     n = 400  # long enough to be still training when the second process starts

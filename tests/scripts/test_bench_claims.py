@@ -15,13 +15,12 @@ from metalearn.algorithms import MAML
 from metalearn.data import load_omniglot, omniglot_samplers
 from metalearn.engine import Task
 from metalearn.runs.evaluation import TEST_SEED, evaluate_tasks
-from tests.conftest import NO_OMNIGLOT, OMNIGLOT, script
+from tests.conftest import OMNIGLOT, needs_omniglot, script
 
 bench_claims = script("bench_claims")
 benchtools = script("benchtools")
 
 DATA = OMNIGLOT
-needs_omniglot = pytest.mark.skipif(not (DATA / "images_background").is_dir(), reason=NO_OMNIGLOT)
 
 # ------------------------------------------------------------------------------ permute
 

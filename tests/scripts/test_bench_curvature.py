@@ -8,13 +8,13 @@ import sys
 
 import pytest
 
-from tests.conftest import NO_OMNIGLOT, OMNIGLOT, ROOT
+from tests.conftest import OMNIGLOT, ROOT, needs_omniglot
 
 DATA = OMNIGLOT
 SCRIPT = [sys.executable, str(ROOT / "scripts" / "bench_curvature.py")]
 
 
-@pytest.mark.skipif(not (DATA / "images_background").is_dir(), reason=NO_OMNIGLOT)
+@needs_omniglot
 def test_tiny_run_prints_the_fraction_of_its_own_medians():
     tiny = ["--data-root", str(DATA), "--steps", "2", "--repeats", "1", "--meta-batch", "2",
             "--hidden", "4", "--probe-tasks", "2", "--every", "50"]  # fmt: skip

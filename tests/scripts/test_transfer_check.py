@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import NO_OMNIGLOT, OMNIGLOT
+from tests.conftest import HAS_OMNIGLOT, NO_OMNIGLOT, OMNIGLOT
 from tests.conftest import script as load_script
 from tests.helpers.image_set_fixtures import write_cifar, write_folder
 from tests.helpers.run_helpers import fs, make, om
@@ -26,7 +26,7 @@ pytestmark = pytest.mark.filterwarnings("ignore:.*published:UserWarning")
 
 
 def omniglot_run(tmp: Path, split: str) -> Path:
-    if not (DATA / "images_background").is_dir():
+    if not HAS_OMNIGLOT:
         pytest.skip(NO_OMNIGLOT)
     protocol = "within-alphabet" if split == "alphabet" else "episodic"
     om.main(make(om, **TINY, algorithm="protomaml", ways=4, split=split, hidden=8,

@@ -18,7 +18,7 @@ import torch
 from metalearn.deploy import export_adapted
 from metalearn.runs import lock
 from metalearn.tools import grid
-from tests.conftest import NO_OMNIGLOT, OMNIGLOT, ROOT
+from tests.conftest import OMNIGLOT, ROOT, needs_omniglot
 from tests.helpers.run_helpers import checkpoint_of, fs, make
 
 DATA = OMNIGLOT
@@ -26,7 +26,6 @@ TINY = ["--iterations", "2", "--meta-batch", "2", "--query", "1", "--eval-query"
         "--hidden", "8", "--val-every", "1", "--val-tasks", "2", "--test-tasks", "2",
         "--eval-inner-steps", "1", "--data-root", str(DATA), "--no-track",
         "--threads", "1"]  # fmt: skip
-needs_data = pytest.mark.skipif(not (DATA / "images_background").is_dir(), reason=NO_OMNIGLOT)
 
 
 def _run(tmp_path: Path, *flags: str, script: str = "omniglot_maml") -> str:
@@ -101,7 +100,7 @@ def test_shapes_the_data_cannot_give_are_refused_before_it_loads(tmp_path, scrip
     assert not (tmp_path / "runs").exists()
 
 
-@needs_data
+@needs_omniglot
 def test_a_diverging_run_names_the_meta_step_and_the_flag(tmp_path):
     line = _run(tmp_path, "--algorithm", "maml", "--inner-lr", "1e30", "--inner-steps", "5",
                 "--run-name", "d")  # fmt: skip
@@ -129,7 +128,7 @@ def test_an_overflowing_meta_gradient_is_not_taken_even_when_skipping(tmp_path):
     assert all(v.isfinite().all() for v in saved["learner"].values() if v.is_floating_point())
 
 
-@needs_data
+@needs_omniglot
 @pytest.mark.parametrize("kind", ["truncated", "empty", "foreign", "fewshot"])
 def test_resuming_what_is_not_this_experiments_checkpoint(tmp_path, kind):
     folder = tmp_path / "runs" / "r"

@@ -26,7 +26,7 @@ from metalearn.deploy import load_learner
 from metalearn.runs.evaluation import accuracy_interval, evaluate_tasks
 from metalearn.runs.records import read_offline_run
 from metalearn.tools import evaluate as script
-from tests.conftest import NO_OMNIGLOT, OMNIGLOT, ROOT
+from tests.conftest import HAS_OMNIGLOT, NO_OMNIGLOT, OMNIGLOT, ROOT
 from tests.helpers.image_set_fixtures import write_folder
 from tests.helpers.run_helpers import fs, make, om
 
@@ -37,7 +37,7 @@ RESULT = re.compile(r"test/acc: (\d\.\d{4}) ± (\d\.\d{4}|nan)")
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory) -> Path:
     """Two meta-steps of the experiment itself (validated, so best weights exist), offline W&B."""
-    if not (DATA / "images_background").is_dir():
+    if not HAS_OMNIGLOT:
         pytest.skip(NO_OMNIGLOT)
     tmp = tmp_path_factory.mktemp("runs")
     args = make(
@@ -142,7 +142,7 @@ def test_the_eval_run_is_logged_in_the_runs_group(checkpoint, capsys) -> None:
 @pytest.fixture(scope="module")
 def logged_model(tmp_path_factory) -> Path:
     """A tiny run with --log-model, its out_dir then moved away (another machine)."""
-    if not (DATA / "images_background").is_dir():
+    if not HAS_OMNIGLOT:
         pytest.skip(NO_OMNIGLOT)
     tmp = tmp_path_factory.mktemp("logged")
     args = make(
@@ -348,7 +348,7 @@ def test_split_is_refused_for_a_data_set_other_than_omniglot(fewshot_checkpoint,
 @pytest.fixture(scope="module")
 def lake_checkpoint(tmp_path_factory) -> Path:
     """Two meta-steps of a Proto-MAML run on the alphabet split, tested within alphabets."""
-    if not (DATA / "images_background").is_dir():
+    if not HAS_OMNIGLOT:
         pytest.skip(NO_OMNIGLOT)
     tmp = tmp_path_factory.mktemp("lake")
     args = make(

@@ -10,12 +10,10 @@ import signal
 import subprocess
 import sys
 
-import pytest
-
 from metalearn.checkpoint import load_checkpoint
 from metalearn.runs.records import read_offline_run
 from metalearn.tools import grid
-from tests.conftest import NO_OMNIGLOT, OMNIGLOT, ROOT
+from tests.conftest import OMNIGLOT, ROOT, needs_omniglot
 
 DATA = OMNIGLOT
 TINY = ["--iterations=1", "--meta-batch=2", "--query=1", "--eval-query=2", "--hidden=8",
@@ -23,7 +21,7 @@ TINY = ["--iterations=1", "--meta-batch=2", "--query=1", "--eval-query=2", "--hi
         f"--data-root={DATA}", "--device=cpu", "--wandb-mode=offline"]  # fmt: skip
 
 
-@pytest.mark.skipif(not (DATA / "images_background").is_dir(), reason=NO_OMNIGLOT)
+@needs_omniglot
 def test_grid_runs_every_cell_in_one_group_skips_them_and_runs_a_changed_grid(
     tmp_path, capsys, monkeypatch
 ):
@@ -54,7 +52,7 @@ def test_grid_runs_every_cell_in_one_group_skips_them_and_runs_a_changed_grid(
         assert saved["recipe"]["learner"]["algorithm"] == "fomaml" and saved["results"]
 
 
-@pytest.mark.skipif(not (DATA / "images_background").is_dir(), reason=NO_OMNIGLOT)
+@needs_omniglot
 def test_ctrl_c_ends_with_the_cells_a_rerun_resumes_not_a_traceback(tmp_path):
     experiment = str(ROOT / "experiments" / "omniglot_maml.py")
     argv = ["--experiment", experiment, "--seeds", "0", "1", "--out-dir", str(tmp_path),
