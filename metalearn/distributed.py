@@ -29,7 +29,7 @@ on one machine, measured after a barrier).
 
 Each rank's meta-loss is a *mean* over its kept tasks, so the shares are weighted by their
 task counts: ``sum_r n_r * g_r / sum_r n_r`` equals the single-process mean over the union
-of the tasks in real arithmetic (``tests/test_distributed.py`` checks it to 1e-12 in
+of the tasks in real arithmetic (``tests/core/test_distributed.py`` checks it to 1e-12 in
 float64), also when ranks hold unequal shares or skip non-finite tasks.
 
 Without a process group (a plain ``python`` run, or ``torchrun --nproc_per_node=1``) every

@@ -103,7 +103,8 @@ if ! "$PY" -c "import wandb" 2> /dev/null; then
     echo "wandb is not importable by $PY: the Omniglot run is untracked"
 fi
 if [ "$QUICK" = 1 ]; then
-    TESTS=(-m "not slow" tests/test_readme.py tests/test_bench_tools.py tests/test_gpu_check.py)
+    TESTS=(-m "not slow" tests/docs/test_readme.py tests/scripts/test_bench_tools.py
+        tests/scripts/test_gpu_check.py)
     MAML=(--quick --settings q1-first --methods loop,auto --no-float64-check)
     HVP=(--quick)
     CHUNKS=(--settings q1-first --repeats 1 --max-examples 80)

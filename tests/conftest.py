@@ -21,7 +21,8 @@ import torch  # noqa: E402
 from metalearn.data.omniglot import resolve_data_root  # noqa: E402
 from metalearn.tools.experiments import PREFIX, experiment_file, load_file  # noqa: E402
 
-pytest_plugins = ["pytester"]  # tests/test_baselines_marker.py runs pytest on a made-up test
+# tests/baselines/test_baselines_marker.py runs pytest on a made-up test
+pytest_plugins = ["pytester"]
 
 # Set (to anything but "" or "0") where the baselines are meant to be installed, as CI does
 # for its .venv-baselines run: there a missing learn2learn or higher fails its tests.

@@ -4,7 +4,7 @@ runs, and which learners it refuses (`compile_blocker`).
 The compiled step is the learner's own `MetaLossLearner.backward` with a compiled chunk
 runner (`metalearn.engine.compiled.CompiledChunkRunner`, whose docstring says what compiles
 and how it falls back): the plan, the per-task function and the sum over chunks are
-``backward``'s, so the two compute the same meta-gradient (``tests/test_compiled.py``).
+``backward``'s, so the two compute the same meta-gradient (``tests/engine/test_compiled.py``).
 Evaluation (`MetaLearner.evaluate`) is not compiled.
 """
 

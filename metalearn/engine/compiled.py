@@ -27,7 +27,7 @@ break; a failed trace costs about a second and leaves the reason in ``break_reas
 The plan, the per-task function, the one-chunk shortcut, the all-skipped handling and the
 sum over chunks (`metalearn.engine.accumulate.ChunkedMetaGradient`) stay the learner's
 ``backward``'s, so a compiled step computes the eager meta-gradient: in float64 they agree to
-rounding (``tests/test_compiled.py``); in float32 the generated code rounds differently
+rounding (``tests/engine/test_compiled.py``); in float32 the generated code rounds differently
 (1e-3 relative at 16 tasks, docs/claims.md section 5).
 
 Non-finite losses are checked after the compiled code ran, not inside it (a check is a

@@ -11,7 +11,7 @@ needs. `run_meta_batch` runs it over one chunk of tasks (a `ChunkCall`: the task
 * ``"loop"``: a Python loop, which allows anything: per-task step counts, early stopping,
   per-task branches, checkpointing, and the finite-loss guard at every inner step.
 
-Both modes call the same `task_loss`; ``tests/test_outer.py`` asserts they agree.
+Both modes call the same `task_loss`; ``tests/engine/test_outer.py`` asserts they agree.
 `meta_batch` plans its tasks as one chunk and runs them. `run_meta_batch` is also the default
 `ChunkRunner`, what `MetaLossLearner.backward` hands each chunk of its plan to
 (`metalearn.engine.compiled.CompiledChunkRunner` is the compiled one).

@@ -20,8 +20,8 @@ def batch_norm(x: Tensor, weight: Tensor, bias: Tensor, eps: float = 1e-5) -> Te
     weight, w.r.t. a weight upstream of it) is wrong: on torch 2.13 in float64, a vmapped
     second-order Conv4 meta-gradient through ``F.batch_norm`` missed finite differences by
     10-72% along three random directions, where this form and the looped kernel agreed to
-    1e-8 (``tests/test_models.py``). There is no switch to the fused kernel: one form serves the
-    vmapped and the looped paths, and nothing global decides between them.
+    1e-8 (``tests/models/test_models.py``). There is no switch to the fused kernel: one form
+    serves the vmapped and the looped paths, and nothing global decides between them.
 
     Args:
         x: input ``[N, C]``, ``[N, C, L]`` or ``[N, C, H, W]``; statistics are taken per

@@ -7,7 +7,7 @@ finite, as rllab). Fitted per task, batched over any leading dims.
 
 Fitting the baseline on the batch it is applied to (as maml_rl and learn2learn do) makes it
 depend on that batch's actions, so the estimator it enters is not exactly unbiased; the
-exact tests (``tests/test_rl_exact.py``) use advantages without it.
+exact tests (``tests/rl/test_rl_exact.py``) use advantages without it.
 """
 
 from __future__ import annotations

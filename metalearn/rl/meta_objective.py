@@ -30,7 +30,7 @@ a scalar whose gradient at the sampling parameters estimates them:
   a constant independent of the task's inner episodes (0, or `leave_one_out` of the other
   tasks' returns), so it changes the variance only.
 
-``tests/test_rl_exact.py`` checks both against ``grad F`` computed exactly by enumerating a
+``tests/rl/test_rl_exact.py`` checks both against ``grad F`` computed exactly by enumerating a
 small MDP's trajectories: ``inner_score=True`` within 5 standard errors at N and 16 N tasks,
 ``False`` many standard errors away. The score term's variance grows with the number of
 inner steps it sums over (B x T log-probabilities): in a single-seed check on 2D navigation

@@ -1,0 +1,1 @@
+"""Tests of metalearn.algorithms: the learners against independent references."""

@@ -1,0 +1,1 @@
+"""Tests against learn2learn, higher and TorchOpt (marked ``baselines``), and of the marker."""

@@ -1,0 +1,2 @@
+"""Tests of metalearn's top-level modules (autograd, functional, implicit,
+distributed, allocator) and of its import layering."""

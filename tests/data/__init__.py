@@ -1,0 +1,1 @@
+"""Tests of metalearn.data: loaders, samplers, augmentations, published file formats."""

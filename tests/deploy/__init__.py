@@ -1,0 +1,1 @@
+"""Tests of metalearn.deploy: export, archives, AOTInductor packages, prediction."""

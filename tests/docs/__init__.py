@@ -1,0 +1,1 @@
+"""Tests of the README: its commands and examples run as written."""

@@ -1,0 +1,1 @@
+"""Tests of experiments/*.py run end to end, and of experiments/sweeps/."""

@@ -1,0 +1,211 @@
+"""experiments/rl_maml.py end to end: it trains, adaptation helps, a resume is the
+uninterrupted run bit for bit, and bad input is one line with exit code 2."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from metalearn.checkpoint import load_checkpoint
+from metalearn.runs.cli import unflatten
+from tests.conftest import ROOT, experiment
+
+rl_maml = experiment("rl_maml")
+
+TINY = dict(  # 2D navigation, small enough for a test, large enough that adaptation helps
+    iterations=2,
+    meta_batch=4,
+    fast_batch=5,
+    horizon=20,
+    hidden=(32, 32),
+    eval_tasks=8,
+    eval_inner_steps=1,
+    track=False,
+    device="cpu",
+)
+
+
+def tiny(tmp_path: Path, **overrides) -> rl_maml.Args:
+    return unflatten(rl_maml.Args, {**TINY, "out_dir": str(tmp_path), **overrides})
+
+
+def cli(argv: list[str], capsys) -> tuple[int, str]:
+    """The program run in this process: its exit code and its stderr."""
+    with pytest.raises(SystemExit) as stop:
+        rl_maml.run_cli(rl_maml.main, lambda: rl_maml.parse_args(argv))
+    return stop.value.code, capsys.readouterr().err
+
+
+def test_args_default_is_the_cpu_preset():
+    assert rl_maml.Args() == rl_maml.parse_args([])
+    assert rl_maml.parse_args(["--preset", "paper-2dnav"]).training.meta_batch == 40
+
+
+def test_a_tiny_run_trains_and_adaptation_raises_the_return(tmp_path, capsys):
+    results = rl_maml.main(tiny(tmp_path, run_name="a"))
+    # seed 0 fixes every goal and episode: these are exact, repeatable numbers
+    assert results["test/return_post"] > results["test/return_pre"] + 1.0
+    saved = load_checkpoint(tmp_path / "a" / "checkpoint.pt")
+    assert saved["iteration"] == 2 and saved["results"] == results
+    assert [row["step"] for row in saved["history"]] == [1, 2]
+    row = saved["history"][-1]
+    assert 0 < row["train/kl"] <= 0.01 and row["train/step_size"] > 0
+    assert row["perf/env_steps_per_s"] > 0
+    out = capsys.readouterr().out.strip().splitlines()
+    assert out[-1].startswith("test/return_post: ")
+
+
+def test_ppo_outer_step_runs(tmp_path):
+    results = rl_maml.main(tiny(tmp_path, run_name="p", outer="ppo", iterations=1))
+    assert torch.isfinite(torch.tensor(results["test/return_post"]))
+
+
+def test_resume_is_bit_identical_to_an_uninterrupted_run(tmp_path):
+    rl_maml.main(tiny(tmp_path, run_name="whole", iterations=3))
+    rl_maml.main(tiny(tmp_path, run_name="split", iterations=1))
+    rl_maml.main(tiny(tmp_path, run_name="split", iterations=3, resume=True))
+    whole = load_checkpoint(tmp_path / "whole" / "checkpoint.pt")
+    split = load_checkpoint(tmp_path / "split" / "checkpoint.pt")
+    for name, value in whole["policy"].items():
+        assert torch.equal(value, split["policy"][name]), name
+    assert whole["history"] == [
+        {**row, "perf/env_steps_per_s": w["perf/env_steps_per_s"], "perf/step_s": w["perf/step_s"]}
+        for row, w in zip(split["history"], whole["history"])
+    ]
+    assert whole["results"]["test/return_post"] == split["results"]["test/return_post"]
+
+
+@pytest.mark.slow
+def test_a_stopped_run_resumes_to_the_uninterrupted_parameters(tmp_path):
+    """SIGTERM mid-run: the last completed iteration is kept, --resume finishes the run and
+    its parameters equal an uninterrupted run's."""
+    flags = [
+        "--iterations",
+        "6",
+        "--meta-batch",
+        "4",
+        "--fast-batch",
+        "5",
+        "--horizon",
+        "20",
+        "--hidden",
+        "32",
+        "32",
+        "--eval-tasks",
+        "8",
+        "--eval-inner-steps",
+        "1",
+        "--no-track",
+        "--device",
+        "cpu",
+        "--out-dir",
+        str(tmp_path),
+    ]
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    script = [sys.executable, str(ROOT / "experiments" / "rl_maml.py")]
+    proc = subprocess.Popen(
+        [*script, *flags, "--run-name", "stopped"], env=env, stdout=subprocess.PIPE, text=True
+    )
+    for line in proc.stdout:
+        if line.startswith("iteration 2/"):
+            proc.send_signal(signal.SIGTERM)
+            break
+    rest, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 128 + signal.SIGTERM
+    assert "continue with --resume --run-name stopped" in rest
+    stopped = load_checkpoint(tmp_path / "stopped" / "checkpoint.pt")
+    assert 2 <= stopped["iteration"] < 6 and stopped.get("results") is None
+    resume = [*script, "--resume", "--run-name", "stopped", "--out-dir", str(tmp_path)]
+    subprocess.run(resume, env=env, check=True, capture_output=True, timeout=300)
+    subprocess.run(
+        [*script, *flags, "--run-name", "whole"],
+        env=env,
+        check=True,
+        capture_output=True,
+        timeout=300,
+    )
+    a = load_checkpoint(tmp_path / "stopped" / "checkpoint.pt")["policy"]
+    b = load_checkpoint(tmp_path / "whole" / "checkpoint.pt")["policy"]
+    assert all(torch.equal(a[k], b[k]) for k in b)
+
+
+@pytest.mark.parametrize(
+    "argv, needle",
+    [
+        (["--horizon", "0"], "--horizon 0"),
+        (["--meta-batch", "0"], "--meta-batch 0"),
+        (["--meta-batch", "100000", "--fast-batch", "100000"], "lower one of them"),
+        (["--env", "ant-vel", "--horizon", "5000"], "at most 1000"),
+        (["--max-kl", "nan"], "--max-kl nan"),
+        (["--env", "pong"], "pong"),
+        (["--resume"], "--run-name"),
+    ],
+)
+def test_bad_input_is_one_line_and_exit_2(tmp_path, capsys, argv, needle):
+    code, err = cli([*argv, "--out-dir", str(tmp_path), "--no-track"], capsys)
+    assert code == 2
+    assert len(err.strip().splitlines()) == 1 and needle in err
+    assert not any(tmp_path.iterdir())  # nothing written
+
+
+def test_a_non_finite_return_names_task_and_iteration(tmp_path, capsys):
+    argv = [
+        "--out-dir",
+        str(tmp_path),
+        "--run-name",
+        "nan",
+        "--inner-lr",
+        "1e30",
+        "--iterations",
+        "1",
+        "--meta-batch",
+        "3",
+        "--fast-batch",
+        "3",
+        "--horizon",
+        "10",
+        "--no-track",
+    ]
+    code, err = cli(argv, capsys)
+    assert code == 2 and len(err.strip().splitlines()) == 1
+    assert "non-finite" in err and "task 0 of iteration 1" in err
+
+
+def test_an_existing_run_is_never_overwritten(tmp_path, capsys):
+    rl_maml.main(tiny(tmp_path, run_name="done", iterations=1))
+    before = (tmp_path / "done" / "checkpoint.pt").read_bytes()
+    argv = ["--run-name", "done", "--out-dir", str(tmp_path), "--no-track", "--iterations", "1"]
+    code, err = cli(argv, capsys)
+    assert code == 2 and "--resume" in err and len(err.strip().splitlines()) == 1
+    assert (tmp_path / "done" / "checkpoint.pt").read_bytes() == before
+
+
+def test_mujoco_missing_names_the_extra(tmp_path):
+    """gymnasium made unimportable: one line naming the extra, exit 2."""
+    code = (
+        "import sys; sys.modules['gymnasium'] = None; sys.argv = ['rl_maml', '--env', "
+        f"'halfcheetah-vel', '--out-dir', {str(tmp_path)!r}, '--no-track']; "
+        "import runpy; runpy.run_path('experiments/rl_maml.py', run_name='__main__')"
+    )
+    start = time.perf_counter()
+    proc = subprocess.run(
+        [sys.executable, "-c", code],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        timeout=120,
+    )
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.strip().splitlines() == [
+        'error: --env halfcheetah-vel needs gymnasium with MuJoCo: pip install "metalearn[rl]"'
+    ]
+    assert time.perf_counter() - start < 60
+    assert not any(tmp_path.iterdir())

@@ -1,0 +1,559 @@
+"""The seam matrix: every registered algorithm x both experiments, a tiny run through the
+experiment's own code, checked where the parts join.
+
+For each cell:
+
+(a) the run's record rebuilds the learner: the checkpoint's recipe is the one the arguments
+    resolve to, and `metalearn.deploy.load_learner` builds from it a learner of the same
+    class, arguments and parameter names and shapes, holding the checkpoint's weights;
+(b) the meta-gradient of step 1, filled by the experiment's own `meta_step`
+    on the loop's own task draw, equals a float64 reference written out here from the
+    paper's update (a Conv4 forward written with ``F.conv2d``, unrolled autograd, the
+    inner optimizers' updates, the closed-form heads, iMAML's implicit gradient by a dense
+    Hessian and a dense solve, MetaOptNet's SVM dual on its optimal face by a dense KKT
+    solve certified by the QP's KKT conditions and differentiated by autograd, MetaOptNet-LR's
+    head by Newton's method and its implicit gradient by a dense solve), not from the
+    engine's functions;
+(c) ``--curvature-every 1``'s ``curv/support_top_eig`` equals the mean top eigenvalue of
+    dense float64 Hessians of the hand-written support loss where the algorithm's inner
+    loop starts (Proto-MAML's prototype head, MAML++'s step-0 batch-norm copies, LoRA's
+    adapters and head), on the loop's probe tasks, at the checkpoint's theta;
+(d) the run's checkpoint through deploy (``scripts/transfer_check.py``: adapt, build the
+    deployed network, predict) gives what `evaluate` gives on the same tasks.
+
+Beyond one cell per algorithm, `VARIANTS` runs MAML with other inner optimizers
+(``--inner-optimizer``). A new algorithm in `metalearn.algorithms.registry.LEARNERS`
+without a row here fails `test_every_registered_algorithm_has_a_row`.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from metalearn.algorithms import HeadLearner, MetaLossLearner
+from metalearn.algorithms.curvature import PROBE_SEED
+from metalearn.algorithms.registry import LEARNERS
+from metalearn.checkpoint import load_checkpoint
+from metalearn.deploy import load_learner
+from metalearn.runs.run import load_samplers, my_tasks
+from tests.algorithms.test_heads import svm_query_loss
+from tests.conftest import HAS_OMNIGLOT, NO_OMNIGLOT, OMNIGLOT, script
+from tests.helpers.image_set_fixtures import write_folder
+from tests.helpers.run_helpers import fs, make, om, recipe_of, seeded_learner
+
+transfer_check = script("transfer_check")
+
+F64 = torch.float64
+
+pytestmark = pytest.mark.filterwarnings("ignore:.*published:UserWarning")
+
+TINY = dict(
+    iterations=1, meta_batch=2, query=1, eval_query=1, hidden=1, val_every=1, val_tasks=2,
+    test_tasks=2, eval_inner_steps=1, track=False, device="cpu", vectorize="loop",
+)  # fmt: skip
+# Per algorithm: what its tiny run sets beyond TINY.
+ROWS: dict[str, dict] = {
+    "maml": {"inner_steps": 2}, "fomaml": {"inner_steps": 2}, "anil": {"inner_steps": 2},
+    "metasgd": {"inner_steps": 1}, "mamlpp": {"inner_steps": 1},
+    # iMAML at its own lr on both experiments (the few-shot one's open lr is MAML's 0.01,
+    # at which hidden=1's CG bound is too loose to test against).
+    "imaml": {"inner_steps": 2, "inner_lr": 0.1},
+    "reptile": {"inner_steps": 2}, "protomaml": {"inner_steps": 1}, "lora": {"inner_steps": 1},
+    "protonet": {}, "r2d2": {}, "metaoptnet": {}, "metaoptnet-lr": {}, "boil": {"inner_steps": 2},
+}  # fmt: skip
+# Cells beyond one per algorithm: name -> (algorithm, what its tiny run sets beyond TINY).
+# Adam's second-order step is ill-conditioned where an inner gradient entry is small: its
+# derivative in g is about lr / max(|g|, eps), and at hidden=1 a batch-norm weight's
+# gradient is ~1e-6, so at lr 0.4, eps 1e-8 float32 rounding of g is amplified ~1e5 times
+# (measured: the float32 meta-gradient of a batch-norm bias was 590 against float64's
+# 7900). lr 0.01 and eps 1e-3 bound that amplification by lr / eps = 10.
+VARIANTS: dict[str, tuple[str, dict]] = {
+    "maml+adam": (
+        "maml",
+        {"inner_steps": 2, "inner_optimizer": "adam", "inner_lr": 0.01, "inner_eps": 1e-3},
+    ),
+    "maml+momentum": ("maml", {"inner_steps": 2, "inner_optimizer": "momentum"}),
+}
+CELLS: dict[str, tuple[str, dict]] = {**{a: (a, r) for a, r in ROWS.items()}, **VARIANTS}
+EXPERIMENTS = ("omniglot", "folder")
+
+
+def test_every_registered_algorithm_has_a_row():
+    assert set(ROWS) == set(LEARNERS)
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory) -> Path:
+    return write_folder(tmp_path_factory.mktemp("seam") / "folder")
+
+
+def arguments(experiment: str, cell: str, folder: Path, out: Path, **extra):
+    """The experiment module and its tiny run's `Args`."""
+    algorithm, row = CELLS[cell]
+    flat = {**TINY, **row, "algorithm": algorithm, "out_dir": str(out), "run_name": "r",
+            **extra}  # fmt: skip
+    if LEARNERS[algorithm].head_sized_per_task or algorithm in ("imaml", "reptile"):
+        flat.pop("vectorize")  # loop-only or no inner loop: the default
+    if LEARNERS[algorithm].head_sized_per_task:
+        flat.pop("inner_steps", None)
+    if experiment == "omniglot":
+        if not HAS_OMNIGLOT:
+            pytest.skip(NO_OMNIGLOT)
+        return om, make(om, **flat, data_root=str(OMNIGLOT))
+    return fs, make(fs, **flat, dataset="folder", data_root=str(folder), image_size=16,
+                    channels=1, ways=3)  # fmt: skip
+
+
+def measures_curvature(algorithm: str) -> bool:
+    cls = LEARNERS[algorithm]
+    return issubclass(cls, MetaLossLearner) and not issubclass(cls, HeadLearner)
+
+
+# --------------------------------------------------------------------------- by hand
+
+
+def conv4(p: dict, x: torch.Tensor, model, *, body_only: bool = False) -> torch.Tensor:
+    """`metalearn.models.Conv4` written out: per block conv (plus LoRA's ``s B A``), batch
+    norm over (N, H, W) with eps 1e-5, ReLU, pooling; then the head on the pooled features."""
+    h = x
+    for i, block in enumerate(model.features):
+        pre = f"features.{i}.conv"
+        w = p[f"{pre}.weight"]
+        if f"{pre}.lora_A" in p:
+            w = w + block.conv.scaling * (p[f"{pre}.lora_B"] @ p[f"{pre}.lora_A"]).reshape(w.shape)
+        h = F.conv2d(h, w, p[f"{pre}.bias"], stride=block.conv.stride, padding=1)
+        mean = h.mean((0, 2, 3), keepdim=True)
+        var = ((h - mean) ** 2).mean((0, 2, 3), keepdim=True)
+        gamma, beta = p[f"features.{i}.norm.weight"], p[f"features.{i}.norm.bias"]
+        h = (h - mean) / torch.sqrt(var + 1e-5) * gamma[:, None, None] + beta[:, None, None]
+        h = torch.relu(h)
+        if isinstance(block.pool, torch.nn.MaxPool2d):
+            h = F.max_pool2d(h, 2)
+    h = h.flatten(1) if model.head_kind == "flatten" else h.mean((2, 3))
+    return h if body_only else h @ p["head.weight"].T + p["head.bias"]
+
+
+def ce(p, data, model) -> torch.Tensor:
+    return F.cross_entropy(conv4(p, data[0], model), data[1])
+
+
+def prototypes(p, support, model, ways: int) -> dict:
+    """Snell et al. (2017) Eq. 1 as a linear head: ``2 c_k``, ``-||c_k||^2``."""
+    f, y = conv4(p, support[0], model, body_only=True), support[1]
+    c = torch.stack([f[y == k].mean(0) for k in range(ways)])
+    return {"head.weight": 2 * c, "head.bias": -(c**2).sum(1)}
+
+
+def as64(task):
+    return [(x.to(F64), y) for x, y in (task.support, task.query)]
+
+
+def grad_of(loss, params: dict) -> dict:
+    names = [k for k, v in params.items() if v.requires_grad]
+    grads = torch.autograd.grad(loss, [params[k] for k in names], allow_unused=True)
+    return {k: torch.zeros_like(params[k]) if g is None else g for k, g in zip(names, grads)}
+
+
+def sgd(p, g, state, lr, t):
+    """Finn et al. (2017) Eq. 1: ``p - lr g``."""
+    return p - lr * g, state
+
+
+def momentum(mu: float):
+    """Heavy-ball momentum as ``torch.optim.SGD`` (no dampening): ``b = mu b + g``,
+    ``p - lr b``, from ``b = 0``."""
+
+    def step(p, g, b, lr, t):
+        b = g if b is None else mu * b + g
+        return p - lr * b, b
+
+    return step
+
+
+def adam(beta1: float, beta2: float, eps: float):
+    """Kingma & Ba (2015) Alg. 1, ``eps`` added to ``sqrt(v_hat)`` as ``torch.optim.Adam``."""
+
+    def step(p, g, state, lr, t):
+        m, v = (torch.zeros_like(g), torch.zeros_like(g)) if state is None else state
+        m = beta1 * m + (1 - beta1) * g
+        v = beta2 * v + (1 - beta2) * g * g
+        m_hat, v_hat = m / (1 - beta1**t), v / (1 - beta2**t)
+        return p - lr * m_hat / (torch.sqrt(v_hat) + eps), (m, v)
+
+    return step
+
+
+def inner_descent(p, keys, lrs, support, model, steps: int, second_order: bool,
+                  update=sgd) -> dict:  # fmt: skip
+    """``steps`` inner steps on ``keys``: ``update`` (Finn et al. 2017, Eq. 1 by default) on
+    grad L_s(phi)."""
+    state = dict.fromkeys(keys)
+    for t in range(1, steps + 1):
+        if second_order:
+            g = torch.autograd.grad(ce(p, support, model), [p[k] for k in keys], create_graph=True)
+        else:  # first order: the inner gradient is a constant of theta
+            q = {k: p[k].detach().requires_grad_() for k in keys}
+            g = torch.autograd.grad(ce({**p, **q}, support, model), list(q.values()))
+        new = dict(p)
+        for k, gk in zip(keys, g):
+            new[k], state[k] = update(p[k], gk, state[k], lrs[k], t)
+        p = new
+    return p
+
+
+def flat_of(params: dict, keys: list) -> torch.Tensor:
+    return torch.cat([params[k].flatten() for k in keys])
+
+
+def unflat(flat: torch.Tensor, like: dict, keys: list) -> dict:
+    sizes = [like[k].numel() for k in keys]
+    return {k: v.view_as(like[k]) for k, v in zip(keys, flat.split(sizes))}
+
+
+def imaml_task(theta: dict, support, query, model, learner) -> tuple[dict, float]:
+    """Rajeswaran et al. (2019): phi by ``inner_steps`` gradient steps on Eq. 4's proximal
+    loss from theta, then Eq. 7 by a dense solve with the dense Hessian H of L_s at phi.
+
+    The engine adds ``cg_damping d`` to ``I + H/lam`` (the run records d); the system here
+    is the same ``(1 + d) I + H/lam``. Returns the task's meta-gradient and the bound on
+    the 2-norm error of ``cg_steps`` CG iterations from 0, ``2 sqrt(k) r^m ||g||`` with
+    ``r = (sqrt(k) - 1) / (sqrt(k) + 1)``, k the system's condition number, m the CG steps
+    and g the solution: CG's classical bound ``2 r^m`` on the A-norm error relative to the
+    start's, turned into the 2-norm by ``sqrt(k)``.
+    """
+    lam, lr, d = learner.lam, float(learner.inner_lr), learner.cg_damping
+    keys = list(theta)
+    anchor = {k: v.detach() for k, v in theta.items()}
+    phi = dict(anchor)
+    for _ in range(learner.inner_steps):  # Eq. 4 by gradient descent, no graph to theta
+        q = {k: v.clone().requires_grad_() for k, v in phi.items()}
+        prox = sum(((q[k] - anchor[k]) ** 2).sum() for k in keys)
+        g = torch.autograd.grad(ce(q, support, model) + 0.5 * lam * prox, list(q.values()))
+        phi = {k: (q[k] - lr * gk).detach() for k, gk in zip(keys, g)}
+    x = flat_of(phi, keys).requires_grad_()
+    g_query = torch.autograd.grad(ce(unflat(x, phi, keys), query, model), x)[0]
+    hessian = torch.autograd.functional.hessian(
+        lambda f: ce(unflat(f, phi, keys), support, model), x.detach()
+    )
+    system = (1 + d) * torch.eye(len(x), dtype=F64) + hessian / lam
+    eig = torch.linalg.eigvalsh(system)
+    assert eig[0] > 0, "(1 + d) I + H/lam is not positive definite: CG is undefined"
+    root = float((eig[-1] / eig[0]).sqrt())
+    grad = torch.linalg.solve(system, g_query)
+    bound = 2 * root * ((root - 1) / (root + 1)) ** learner.cg_steps * float(grad.norm())
+    return {f"model.{k}": v for k, v in unflat(grad, phi, keys).items()}, bound
+
+
+def newton_logistic_head(f_s: torch.Tensor, y: torch.Tensor, ways: int, wd: float):
+    """argmin_W (1/S) sum_i CE(W x_i, y_i) + wd/2 ||W||^2 by Newton's method on W [C, D]
+    with a dense Hessian and backtracking (Armijo), run to the float64 gradient floor. f is
+    wd-strongly convex, so W is within ||grad f(W)|| / wd of the minimiser."""
+    x = f_s.detach()
+
+    def objective(w):
+        return F.cross_entropy(x @ w.view(ways, -1).T, y) + 0.5 * wd * (w**2).sum()
+
+    w = torch.zeros(ways * x.shape[1], dtype=F64)
+    for _ in range(100):
+        g = torch.autograd.functional.jacobian(objective, w)
+        if g.norm() < 1e-12:
+            break
+        step = torch.linalg.solve(torch.autograd.functional.hessian(objective, w), g)
+        t, start = 1.0, float(objective(w))
+        while float(objective(w - t * step)) > start - 1e-4 * t * float(g @ step) and t > 1e-8:
+            t /= 2
+        w = w - t * step
+    assert torch.autograd.functional.jacobian(objective, w).norm() < 1e-9 * wd
+    return w.view(ways, -1), objective
+
+
+def metaoptnet_task(theta: dict, named: dict, support, query, model, wd: float):
+    """Lee et al. (2019) with the logistic-regression head: W* solved here, then the IFT on
+    grad_W f(W*, X_s) = 0 by a dense solve: dL/dtheta = dL/dtheta|_W* - v^T d2f/(dW dtheta)
+    with v = (d2f/dW2)^{-1} dL/dW*. Returns a scalar whose gradient is that (its value is
+    the query loss, the second term being 0 at the optimum)."""
+    f_s = conv4(theta, support[0], model, body_only=True)
+    f_q = conv4(theta, query[0], model, body_only=True)
+    ways = int(support[1].max()) + 1
+    w, objective = newton_logistic_head(f_s, support[1], ways, wd)
+    w = w.detach().requires_grad_()
+    loss = F.cross_entropy(named["log_scale"].exp() * f_q @ w.T, query[1])
+    dl_dw = torch.autograd.grad(loss, w, retain_graph=True)[0].flatten()
+    v = torch.linalg.solve(torch.autograd.functional.hessian(objective, w.detach().flatten()),
+                           dl_dw)  # fmt: skip
+    inner = F.cross_entropy(f_s @ w.T, support[1]) + 0.5 * wd * (w**2).sum()
+    grad_w = torch.autograd.grad(inner, w, create_graph=True)[0].flatten()
+    return loss - grad_w @ v
+
+
+def inner_update(learner, arguments: dict):
+    """The run's inner update, written out here, from the arguments it records."""
+    name = arguments.get("inner_optimizer", "sgd")
+    if name == "sgd":
+        return sgd
+    if name == "momentum":
+        return momentum(arguments["inner_momentum"])
+    if name == "adam":
+        return adam(arguments["inner_beta1"], arguments["inner_beta2"], arguments["inner_eps"])
+    raise AssertionError(f"no reference for inner optimizer {name!r}")
+
+
+def reference_gradient(algorithm: str, learner, tasks, arguments: dict):
+    """The step's meta-gradient, name (as ``learner.named_parameters``) -> float64 tensor,
+    and the 2-norm error the run's own settings allow beyond rounding (iMAML's CG bound,
+    the mean of the tasks'; 0 for the others)."""
+    model = learner.model
+    named = {k: v.detach().to(F64).requires_grad_() for k, v in learner.named_parameters()}
+    theta = {k.removeprefix("model."): v for k, v in named.items() if k.startswith("model.")}
+    steps, alpha = learner.inner_steps, float(learner.inner_lr)
+    heads = ("head.weight", "head.bias")
+    total, bound = 0.0, 0.0
+    for task in tasks:
+        support, query = as64(task)
+        if algorithm in ("reptile", "imaml"):
+            if algorithm == "reptile":  # Nichol et al. (2018) Alg. 2: the direction theta - phi
+                phi = inner_descent(dict(theta), list(theta), dict.fromkeys(theta, alpha),
+                                    support, model, steps, False)  # fmt: skip
+                direction = {f"model.{k}": (theta[k] - phi[k]).detach() for k in theta}
+            else:
+                direction, task_bound = imaml_task(theta, support, query, model, learner)
+                bound += task_bound / len(tasks)
+            direction = {k: v / len(tasks) for k, v in direction.items()}
+            total = direction if isinstance(total, float) else \
+                {k: total[k] + direction[k] for k in total}  # fmt: skip
+            continue
+        if algorithm == "metaoptnet-lr":
+            loss = metaoptnet_task(theta, named, support, query, model, learner.weight_decay)
+            total = total + loss / len(tasks)
+            continue
+        if algorithm == "metaoptnet":  # Lee et al. (2019): MetaOptNetHead_SVM_CS
+            f_s = conv4(theta, support[0], model, body_only=True)
+            f_q = conv4(theta, query[0], model, body_only=True)
+            loss = svm_query_loss(f_s, f_q, support[1], query[1], c_reg=learner.c_reg,
+                                  ridge=learner.ridge, scale=named["scale"],
+                                  smoothing=learner.label_smoothing)  # fmt: skip
+            total = total + loss / len(tasks)
+            continue
+        if algorithm in ("protonet", "r2d2"):
+            f_s = conv4(theta, support[0], model, body_only=True)
+            f_q = conv4(theta, query[0], model, body_only=True)
+            ways = int(support[1].max()) + 1
+            if algorithm == "protonet":  # Snell et al. (2017) Eq. 1-2
+                c = torch.stack([f_s[support[1] == k].mean(0) for k in range(ways)])
+                logits = -((f_q[:, None, :] - c[None]) ** 2).sum(-1)
+            else:  # Bertinetto et al. (2019) Eq. 3: W = X'(XX' + lam I)^-1 Y
+                lam, scale = named["log_lam"].exp(), named["log_scale"].exp()
+                onehot = F.one_hot(support[1], ways).to(F64)
+                w = (
+                    f_s.T
+                    @ torch.linalg.inv(f_s @ f_s.T + lam * torch.eye(len(f_s), dtype=F64))
+                    @ onehot
+                )
+                logits = scale * f_q @ w + named["bias"]
+            total = total + F.cross_entropy(logits, query[1]) / len(tasks)
+            continue
+        # The inner loop's variables are copies of theta, so each inner gradient is the
+        # partial one (Proto-MAML's head depends on theta's body: a total derivative is wrong).
+        start = {k: v * 1.0 for k, v in theta.items()}
+        keys, lrs, fixed = list(theta), dict.fromkeys(theta, alpha), {}
+        second = not learner.first_order
+        if algorithm == "anil":
+            keys = list(heads)
+        if algorithm == "boil":  # Oh et al. (2021): the body adapts, the head stays theta's
+            keys = [k for k in theta if k not in heads]
+        if algorithm == "protomaml":  # Triantafillou et al. (2020) Sec. 4
+            start.update(prototypes(theta, support, model, learner.model.head.out_features))
+        if algorithm == "metasgd":  # Li et al. (2017) Eq. 3: alpha elementwise, learned
+            lrs = {k: named[f"lrs.{k.replace('.', '__')}"] for k in keys}
+        if algorithm == "mamlpp":  # Antoniou et al. (2019): LSLR rates, BNWB copies, DA
+            fixed = {k: named[f"bn.{k.replace('.', '__')}"][0] for k in theta if ".norm." in k}
+            keys = [k for k in theta if k not in fixed]
+            lrs = {k: named[f"lrs.{k.replace('.', '__')}"][0] for k in keys}
+            start.update(fixed)
+            second = learner.second_order
+        if algorithm == "lora":  # Hu et al. (2021) Eq. 3 adapters and the full head adapt
+            keys = [k for k in theta if "lora_" in k or k.startswith("head.")]
+        update = inner_update(learner, arguments)
+        phi = inner_descent(start, keys, lrs, support, model, steps, second, update)
+        total = total + ce(phi, query, model) / len(tasks)
+    if isinstance(total, dict):
+        return total, bound
+    return grad_of(total, named), bound
+
+
+def dense_support_top(algorithm: str, learner, task) -> float:
+    """Top eigenvalue of the dense Hessian of L_s where the inner loop starts (float64)."""
+    model = learner.model
+    theta = {k: v.detach().to(F64) for k, v in model.named_parameters()}
+    support = (task.support[0].to(F64), task.support[1])
+    start, keys = dict(theta), list(theta)
+    if algorithm == "anil":
+        keys = ["head.weight", "head.bias"]
+    if algorithm == "boil":
+        keys = [k for k in theta if not k.startswith("head.")]
+    if algorithm == "protomaml":
+        start.update(prototypes(theta, support, model, model.head.out_features))
+    if algorithm == "mamlpp":
+        bn = {
+            k: learner.bn[k.replace(".", "__")][0].detach().to(F64) for k in theta if ".norm." in k
+        }
+        start.update(bn)
+        keys = [k for k in theta if k not in bn]
+    if algorithm == "lora":
+        keys = [k for k in theta if "lora_" in k or k.startswith("head.")]
+    sizes = [start[k].numel() for k in keys]
+
+    def loss(flat):
+        parts = {k: v.view_as(start[k]) for k, v in zip(keys, flat.split(sizes))}
+        return ce({**start, **parts}, support, model)
+
+    flat = torch.cat([start[k].flatten() for k in keys])
+    return float(torch.linalg.eigvalsh(torch.autograd.functional.hessian(loss, flat))[-1])
+
+
+# --------------------------------------------------------------------------- the matrix
+
+
+@pytest.mark.parametrize("experiment", EXPERIMENTS)
+@pytest.mark.parametrize("cell", list(CELLS))
+def test_seam(cell, experiment, folder, tmp_path, capsys):
+    algorithm = CELLS[cell][0]
+    curvature = measures_curvature(algorithm)
+    exp, args = arguments(experiment, cell, folder, tmp_path,
+                          curvature_every=1 if curvature else 0, curvature_tasks=2)  # fmt: skip
+    recipe = recipe_of(exp, args)
+
+    # (b) step 1's meta-gradient, through the loop's meta_step on the loop's task draw.
+    checked = recipe
+    if algorithm == "metaoptnet-lr":
+        # The float32 default accepts the head at ||grad_W f|| <= 1e-4 (its Newton solver
+        # stops at 1e-5), which leaves the meta-gradient ~4e-5 of its largest entry off
+        # (measured); (b) checks the maths with the learner argument tol = 1e-6, edited into
+        # the recipe (its solver then stops at 1e-7, float32's floor).
+        arguments_b = {**recipe.learner.arguments, "tol": 1e-6}
+        checked = replace(recipe, learner=replace(recipe.learner, arguments=arguments_b))
+    learner = seeded_learner(checked)
+    samplers = load_samplers(checked, "cpu")
+    t = checked.training
+    tasks = my_tasks(samplers["train"], t.meta_batch, torch.Generator().manual_seed(t.seed))
+    expected, bound = reference_gradient(algorithm, learner, tasks, checked.learner.arguments)
+    opt = torch.optim.SGD(learner.parameters(), lr=0.0)  # .grad is what is checked
+    exp.meta_step(checked, learner, opt, samplers["train"],
+                  torch.Generator().manual_seed(t.seed), step=0)  # fmt: skip
+    # float32 run against float64: entries whose true value is 0 (a conv bias before batch
+    # norm) come out at rounding level, so atol is relative to the largest entry. iMAML's
+    # CG stops at the run's cg_steps: its error bound (`imaml_task`) widens atol.
+    scale = max(float(g.abs().max()) for g in expected.values())
+    assert bound < 1e-4 * scale, f"CG's error bound {bound:.2e} is too loose to test against"
+    for name, p in learner.named_parameters():
+        got = torch.zeros_like(p) if p.grad is None else p.grad
+        torch.testing.assert_close(
+            got.to(F64), expected[name], rtol=1e-4, atol=1e-5 * scale + bound,
+            msg=lambda m, name=name: f"{name}: {m}",
+        )  # fmt: skip
+
+    exp.main(args)
+    path = tmp_path / "r" / "checkpoint.pt"
+    saved = load_checkpoint(path)
+
+    # (a) the record rebuilds the learner.
+    assert saved["recipe"] == recipe.to_dict()
+    rebuilt, _ = load_learner(path, which="last")
+    fresh = seeded_learner(recipe)
+    assert type(rebuilt) is type(fresh) is LEARNERS[algorithm]
+    for argument in recipe.learner.arguments:  # kept as attributes; parameters: below
+        value = getattr(fresh, argument, None)
+        if value is not None and not isinstance(value, torch.Tensor):
+            assert getattr(rebuilt, argument) == value, argument
+    state = rebuilt.state_dict()
+    assert list(state) == list(fresh.state_dict()) == list(saved["learner"])
+    for k, v in saved["learner"].items():
+        assert torch.equal(state[k], v), k
+
+    # (c) curvature where the inner loop starts.
+    if curvature:
+        row = next(r for r in saved["history"] if "curv/support_top_eig" in r)
+        probe = load_samplers(recipe, "cpu")["train"].batch(
+            recipe.training.curvature_tasks, torch.Generator().manual_seed(PROBE_SEED)
+        )
+        tops = [dense_support_top(algorithm, rebuilt, task) for task in probe]
+        # Lanczos at the loop's budget (20 HVPs, tol 1e-3) on float32 weights.
+        assert row["curv/support_top_eig"] == pytest.approx(sum(tops) / len(tops), rel=2e-3)
+        assert math.isfinite(row["curv/meta_top_eig"])
+
+    # (d) deploy equals evaluate on the same tasks.
+    capsys.readouterr()
+    code = transfer_check.cli(["--checkpoint", str(path), "--tasks", "2", "--seed", "5"])
+    assert capsys.readouterr().out.strip().splitlines()[-1] == "deploy_matches_evaluate: true"
+    assert code == 0
+
+
+# --------------------------------------------------------------------------- the outer loop
+
+# Outer-loop settings (`metalearn.runs.outer_loop`), each run end to end on MAML: the
+# references' optimizers and schedules (MetaOptNet's SGD with Nesterov momentum and weight
+# decay; MAML++'s cosine to a minimum, stepped per epoch; ProtoNet's StepLR).
+OUTER_CELLS: dict[str, dict] = {
+    "sgd-nesterov+cosine": dict(outer_optimizer="sgd", outer_momentum=0.9, nesterov=True,
+                                weight_decay=5e-4, outer_lr=0.1, lr_schedule="cosine",
+                                eta_min=1e-3, schedule_every=2),
+    "adam+step": dict(weight_decay=1e-3, lr_schedule="step", step_size=1, gamma=0.5,
+                      schedule_every=2),
+}  # fmt: skip
+
+
+def torch_outer(learner, t) -> tuple[torch.optim.Optimizer, object]:
+    """torch's own optimizer and scheduler for the recipe's outer settings."""
+    if t.outer_optimizer == "sgd":
+        opt = torch.optim.SGD(learner.parameters(), lr=t.outer_lr, momentum=t.outer_momentum,
+                              nesterov=t.nesterov, weight_decay=t.weight_decay)  # fmt: skip
+    else:
+        opt = torch.optim.Adam(learner.parameters(), lr=t.outer_lr, weight_decay=t.weight_decay)
+    epochs = t.iterations // t.schedule_every
+    if t.lr_schedule == "cosine":
+        return opt, torch.optim.lr_scheduler.CosineAnnealingLR(opt, epochs, eta_min=t.eta_min)
+    return opt, torch.optim.lr_scheduler.StepLR(opt, t.step_size, gamma=t.gamma)
+
+
+@pytest.mark.parametrize("experiment", EXPERIMENTS)
+@pytest.mark.parametrize("cell", list(OUTER_CELLS))
+def test_seam_outer(cell, experiment, folder, tmp_path):
+    """The run's recorded step sizes are torch's scheduler's, and its weights are those of a
+    loop written with torch's optimizer and scheduler objects on the same task draws."""
+    outer = {**OUTER_CELLS[cell], "iterations": 4, "val_every": 4}  # best = last weights
+    exp, args = arguments(experiment, "maml", folder, tmp_path, **outer)
+    recipe = recipe_of(exp, args)
+    t = recipe.training
+    for name, value in outer.items():
+        assert getattr(t, name) == value, name
+
+    learner = seeded_learner(recipe)
+    sampler = load_samplers(recipe, "cpu")["train"]
+    gen = torch.Generator().manual_seed(t.seed)
+    opt, sched = torch_outer(learner, t)
+    lrs = []
+    for step in range(t.iterations):
+        lrs.append(opt.param_groups[0]["lr"])
+        opt.zero_grad(set_to_none=True)
+        learner.backward(my_tasks(sampler, t.meta_batch, gen))
+        opt.step()
+        if (step + 1) % t.schedule_every == 0:
+            sched.step()
+
+    exp.main(args)
+    saved = load_checkpoint(tmp_path / "r" / "checkpoint.pt")
+    assert saved["recipe"] == recipe.to_dict() and saved["args"]["lr_schedule"] == t.lr_schedule
+    recorded = [row["train/outer_lr"] for row in saved["history"] if "train/outer_lr" in row]
+    assert recorded == pytest.approx(lrs, rel=1e-12)
+    assert len(set(recorded)) > 1
+    # torch's cosine is a recurrence, metalearn's the closed form: lrs equal to float64
+    # rounding, so the weights to float32's.
+    for name, p in learner.named_parameters():
+        torch.testing.assert_close(saved["learner"][name], p.detach(), rtol=1e-5, atol=1e-7,
+                                   msg=lambda m, name=name: f"{name}: {m}")  # fmt: skip

@@ -1,0 +1,1 @@
+"""Tests of metalearn.models: backbones and their functional paths."""

@@ -1,0 +1,1 @@
+"""Tests of metalearn.optim: the differentiable inner optimizers."""

@@ -1,0 +1,1 @@
+"""Tests of metalearn.rl: environments and meta-RL estimators."""

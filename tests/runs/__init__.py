@@ -1,0 +1,1 @@
+"""Tests of metalearn.runs: recipes, records, tracking, locks, resumes, the outer loop."""

@@ -1,0 +1,138 @@
+"""Checkpoints written before runs carried a recipe still rebuild, evaluate, export and
+resume. The files in tests/fixtures/records/ were written by the experiments of commit 68e375d
+(flat ``args``, no ``recipe``): two Omniglot runs (MAML and Reptile, 4 filters, 2 steps) and
+a few-shot run on the image folder beside them (3-way, 16 px grayscale). Each holds the test
+accuracy that code measured, which its rebuilt learner must reproduce exactly."""
+
+from __future__ import annotations
+
+import re
+import shutil
+
+import pytest
+import torch
+
+from metalearn.algorithms import MetaOptNet, MetaOptNetLR, complete_arguments
+from metalearn.data import ImageFormat
+from metalearn.deploy import export_from_checkpoint, load_exported
+from metalearn.runs.lifecycle import UserError
+from metalearn.runs.recipe import build_learner, read_recipe
+from metalearn.tools import evaluate
+from tests.conftest import HAS_OMNIGLOT, NO_OMNIGLOT, OMNIGLOT, ROOT, needs_omniglot
+from tests.deploy.test_deploy import make_support_folder
+from tests.helpers.run_helpers import fs, om
+
+RECORDS = ROOT / "tests" / "fixtures" / "records"
+DATA = OMNIGLOT
+RESULT = re.compile(r"test/acc: (\d\.\d{4}) ± ")
+
+
+def saved(name: str) -> dict:
+    return torch.load(RECORDS / f"{name}.ckpt", weights_only=True)
+
+
+def test_old_records_have_no_recipe_and_read_as_one():
+    omniglot, reptile, folder = (saved(n) for n in ("omniglot-maml", "omniglot-reptile",
+                                                    "folder-maml"))  # fmt: skip
+    assert "recipe" not in omniglot and "dataset" not in omniglot["args"]
+    recipe = read_recipe(omniglot)
+    assert (recipe.experiment, recipe.data.dataset, recipe.data.split) == (
+        "omniglot_maml", "omniglot", "maml",
+    )  # fmt: skip
+    assert recipe.data.image == ImageFormat(28, 1, invert=True)
+    assert (recipe.model.backbone, recipe.model.pool, recipe.model.head) == ("conv4", "stride",
+                                                                             "mean")  # fmt: skip
+    assert recipe.learner.arguments["inner_lr"] == 0.4
+    # Reptile's outer step was constant then; the record says so, so a resume keeps it.
+    assert read_recipe(reptile).learner.arguments["anneal"] is False
+    recipe = read_recipe(folder)
+    assert (recipe.experiment, recipe.data.dataset) == ("fewshot_maml", "folder")
+    assert recipe.data.image == ImageFormat(16, 1)
+    assert (recipe.model.pool, recipe.model.head, recipe.model.image_size) == ("max", "flatten", 16)
+
+
+@pytest.mark.parametrize("name", ["omniglot-maml", "omniglot-reptile", "folder-maml"])
+def test_evaluate_reproduces_the_test_accuracy_the_old_code_measured(name, capsys):
+    if name.startswith("omniglot") and not HAS_OMNIGLOT:
+        pytest.skip(NO_OMNIGLOT)
+    record = saved(name)
+    argv = ["--checkpoint", str(RECORDS / f"{name}.ckpt"), "--no-track",
+            "--tasks", str(record["args"]["test_tasks"])]  # fmt: skip
+    if name == "folder-maml":
+        argv += ["--data-root", str(RECORDS / "folder")]  # the recorded folder was elsewhere
+    assert evaluate.main(argv) == 0
+    printed = RESULT.match(capsys.readouterr().out.strip().splitlines()[-1])
+    assert printed[1] == f"{record['results']['test/acc']:.4f}"
+
+
+@needs_omniglot
+def test_an_old_checkpoint_exports(tmp_path):
+    report = export_from_checkpoint(RECORDS / "omniglot-maml.ckpt", make_support_folder(tmp_path),
+                                    tmp_path / "old.pt2")  # fmt: skip
+    meta = load_exported(report.path)[1]
+    assert (meta["image_size"], meta["channels"], meta["invert"]) == (28, 1, True)
+    assert report.max_abs_diff <= 1e-5
+
+
+@needs_omniglot
+def test_an_old_run_resumes_and_then_carries_its_recipe(tmp_path):
+    (tmp_path / "omniglot-maml").mkdir()
+    shutil.copy(RECORDS / "omniglot-maml.ckpt", tmp_path / "omniglot-maml" / "checkpoint.pt")
+    args = om.parse_args(["--resume", "--run-name", "omniglot-maml", "--out-dir", str(tmp_path),
+                          "--iterations", "3", "--data-root", str(DATA)])  # fmt: skip
+    om.main(args)
+    resumed = torch.load(tmp_path / "omniglot-maml" / "checkpoint.pt", weights_only=True)
+    assert resumed["iteration"] == 3 and len(resumed["history"]) == 3
+    recipe, old = read_recipe(resumed), read_recipe(saved("omniglot-maml"))
+    assert "recipe" in resumed and recipe.training.iterations == 3
+    assert (recipe.learner, recipe.model, recipe.experiment) == (old.learner, old.model,
+                                                                 old.experiment)  # fmt: skip
+
+
+def test_another_experiments_checkpoint_is_refused_in_one_line(tmp_path):
+    (tmp_path / "r").mkdir()
+    shutil.copy(RECORDS / "omniglot-maml.ckpt", tmp_path / "r" / "checkpoint.pt")
+    with pytest.raises(UserError, match="is a run of experiments/omniglot_maml.py, not of "
+                                        "experiments/fewshot_maml.py") as err:  # fmt: skip
+        fs.main(fs.parse_args(["--resume", "--run-name", "r", "--out-dir", str(tmp_path),
+                               "--dataset", "omniglot"]))  # fmt: skip
+    assert "\n" not in str(err.value)
+
+
+@needs_omniglot
+def test_a_flag_the_old_record_predates_is_refused_on_resume_not_dropped(tmp_path):
+    (tmp_path / "omniglot-maml").mkdir()
+    shutil.copy(RECORDS / "omniglot-maml.ckpt", tmp_path / "omniglot-maml" / "checkpoint.pt")
+    args = om.parse_args(["--resume", "--run-name", "omniglot-maml", "--out-dir", str(tmp_path),
+                          "--iterations", "3", "--data-root", str(DATA),
+                          "--inner-optimizer", "adam"])  # fmt: skip
+    with pytest.raises(UserError, match="--inner-optimizer adam differs from the resumed run's "
+                                        "default") as err:  # fmt: skip
+        om.main(args)
+    assert "\n" not in str(err.value)
+
+
+# The learner arguments every `metaoptnet` run recorded while it was the logistic-regression
+# head (learner_arguments("metaoptnet") before the SVM took the name).
+LOGISTIC_METAOPTNET = {
+    "weight_decay": 1.0, "scale": 1.0, "newton_steps": 30, "cg_steps": 200, "tol": None,
+    "cg_tol": None, "head": "head", "loss_fn": "cross_entropy", "vectorize": "auto",
+    "on_nonfinite": "raise", "chunk_size": "auto",
+}  # fmt: skip
+
+
+def test_a_metaoptnet_record_of_the_logistic_head_reads_as_metaoptnet_lr():
+    """``metaoptnet`` names the SVM head now; a recipe written when it named the logistic
+    head rebuilds that head (`MetaOptNetLR`), holding the recorded state; one written since
+    stays the SVM."""
+    recipe = read_recipe(saved("folder-maml")).to_dict()
+    old = {**recipe, "learner": {"algorithm": "metaoptnet", "arguments": LOGISTIC_METAOPTNET}}
+    rebuilt = read_recipe({"recipe": old})
+    assert rebuilt.learner.algorithm == "metaoptnet-lr"
+    assert dict(rebuilt.learner.arguments) == LOGISTIC_METAOPTNET
+    learner = build_learner(rebuilt)
+    assert type(learner) is MetaOptNetLR
+    assert "log_scale" in learner.state_dict()  # the parameter a logistic run saved
+    svm = {**recipe, "learner": {"algorithm": "metaoptnet",
+                                 "arguments": complete_arguments("metaoptnet", {})}}  # fmt: skip
+    assert type(build_learner(read_recipe({"recipe": svm}))) is MetaOptNet

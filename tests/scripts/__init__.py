@@ -1,0 +1,1 @@
+"""Tests of scripts/: the benchmarks, transfer_check.py and gpu_check.sh."""

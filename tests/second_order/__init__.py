@@ -1,0 +1,1 @@
+"""Tests of metalearn.second_order: Hessians, HVPs, CG, eigenvalues, traces."""

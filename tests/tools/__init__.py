@@ -1,0 +1,1 @@
+"""Tests of metalearn.tools: the metalearn-* commands and how experiments are found."""
