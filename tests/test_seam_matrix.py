@@ -45,7 +45,8 @@ from metalearn.algorithms.curvature import PROBE_SEED
 from metalearn.algorithms.registry import LEARNERS
 from metalearn.checkpoint import load_checkpoint
 from metalearn.deploy import load_learner
-from metalearn.runs.run import load_samplers, my_tasks
+from metalearn.runs.outer_loop import my_tasks
+from metalearn.runs.run import load_samplers
 
 ROOT = Path(__file__).resolve().parents[1]
 transfer_check = script("transfer_check")
