@@ -6,17 +6,6 @@ The meta-step's side of `metalearn.distributed`: `info` (this rank's `DistInfo`,
 meta-batch's (`average_meta_step`), with the collective wrapper every module of the package
 calls (`_collective`: a dead or stalled peer becomes a `PeerError`).
 
-Why explicit collectives rather than ``DistributedDataParallel``: DDP's reducer hooks fire
-on ``loss.backward()`` of a module's parameters and assume one forward and one backward per
-step. Here the meta-gradient comes from ``torch.func`` transforms, and some algorithms never
-call ``backward`` on a loss (iMAML solves for it by conjugate gradient, Reptile writes a
-difference of weights into ``.grad``). One ``all_reduce`` of the filled ``.grad`` buffers
-after ``learner.backward`` is correct for every `MetaLearner`, needs no hooks, and sends
-what DDP's buckets would (one flat buffer per dtype and device). What it gives up, DDP's
-overlap of communication with the backward pass, is worth little here: a meta-step is
-hundreds of ms of compute against 0.4 ms for Conv4's 449 KB all_reduce (2 gloo processes
-on one machine, measured after a barrier).
-
 Each rank's meta-loss is a *mean* over its kept tasks, so the shares are weighted by their
 task counts: ``sum_r n_r * g_r / sum_r n_r`` equals the single-process mean over the union
 of the tasks in real arithmetic (``tests/test_distributed.py`` checks it to 1e-12 in
