@@ -394,7 +394,7 @@ def parse_args(
     # (a MAML run resumed with --inner-momentum is not the default preset's Proto-MAML).
     _check_run_folder(args.tracking.out_dir, args.tracking.run_name, resume=True)
     path = checkpoint_path(args)
-    if not path.is_file():  # start_from names it (or rank 0 holds it, under torchrun)
+    if not path.is_file():  # the run names it (start_from, PolicyRun; torchrun: rank 0 has it)
         return args
     flat = saved_args(exp, path)
     fields = flatten(exp.args_type())
