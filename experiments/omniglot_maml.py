@@ -78,9 +78,14 @@ from metalearn.runs.metrics import (
     curvature_probe,
     measure_curvature,
 )
-from metalearn.runs.outer_loop import build_outer_optimizer, scheduled_lr
+from metalearn.runs.outer_loop import (
+    build_outer_optimizer,
+    check_finite_gradient,
+    my_tasks,
+    scheduled_lr,
+)
 from metalearn.runs.recipe import Recipe, build_model
-from metalearn.runs.run import Run, check_finite_gradient, load_samplers, meta_gradient, my_tasks
+from metalearn.runs.run import Run, load_samplers, meta_gradient
 from metalearn.runs.seeding import seed_everything
 
 

@@ -60,11 +60,10 @@ from metalearn.rl import (  # noqa: E402
     policy_batch,
     rollout,
 )
-from metalearn.runs import arguments  # noqa: E402
+from metalearn.runs import arguments, experiment  # noqa: E402
 from metalearn.runs.experiment import Experiment  # noqa: E402
 from metalearn.runs.lifecycle import UserError, require, run_cli  # noqa: E402
-from metalearn.runs.policy_run import PolicyRun  # noqa: E402
-from metalearn.runs.policy_run import parse_args as parse_run_args  # noqa: E402
+from metalearn.runs.policy_run import PolicyRun, saved_args  # noqa: E402
 
 ENVS = ("2dnav", "halfcheetah-dir", "halfcheetah-vel", "ant-dir", "ant-vel")
 TRAIN_STREAM, TEST_STREAM = 0, 1  # seed paths: training tasks and the held-out tasks
@@ -234,7 +233,7 @@ EXPERIMENT = Experiment("rl_maml", Args, __doc__, PRESETS, check=check_args, res
 
 def parse_args(argv: Sequence[str] | None = None) -> Args:
     """The command line as `Args`; ``--resume --run-name NAME`` alone continues that run."""
-    return parse_run_args(EXPERIMENT, argv)
+    return experiment.parse_args(EXPERIMENT, argv, saved_args=saved_args)
 
 
 # --------------------------------------------------------------------------- environments

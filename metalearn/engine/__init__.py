@@ -1,9 +1,9 @@
 """The meta-learning engine: a task's inner loop and meta-loss, how a meta-batch is planned
 and run, and its meta-gradient accumulated chunk by chunk.
 
-Modules, bottom-up (each imports only those before it):
+Modules, bottom-up (each imports only those before it); what flows through them (`Task`,
+`TaskResult`, `MetaBatch`, the non-finite-loss errors) is `metalearn.task`, a floor below:
 
-* `task`: what flows through the engine (`Task`, `TaskResult`, `MetaBatch`, the errors);
 * `inner`: MAML's inner loop on a parameter dict (`InnerLoop`, `adapt`);
 * `plan`: the one place that decides a meta-batch's chunks and each chunk's mode;
 * `outer`: one task's meta-loss (`task_loss`, a `TaskFn` given a `TaskCall`) run over a
@@ -42,7 +42,7 @@ from metalearn.engine.plan import (
     plan,
     vmap_blockers,
 )
-from metalearn.engine.task import (
+from metalearn.task import (
     AllTasksSkippedError,
     MetaBatch,
     NonFiniteLossError,

@@ -18,8 +18,8 @@ import torch
 from torch import Tensor
 
 from metalearn.engine.plan import ChunkSize
-from metalearn.engine.task import AllTasksSkippedError, MetaBatch
 from metalearn.functional import accumulate_grad
+from metalearn.task import AllTasksSkippedError, MetaBatch
 
 __all__ = ["ChunkSize", "ChunkedMetaGradient"]
 

@@ -58,7 +58,7 @@ from metalearn.engine.outer import (
     vmap_buckets,
     vmapped_task_results,
 )
-from metalearn.engine.task import MetaBatch, Task, TaskResult
+from metalearn.task import MetaBatch, Task, TaskResult
 
 __all__ = ["CompiledChunkRunner"]
 

@@ -30,8 +30,8 @@ from torch import Tensor, nn
 from torch.func import functional_call, grad_and_value
 from torch.utils.checkpoint import checkpoint as torch_checkpoint
 
-from metalearn.engine.task import NonFiniteLossError, StopRule
 from metalearn.optim import SGD, Hyperparameter, InnerOptimizer, State, hyper_at
+from metalearn.task import NonFiniteLossError, StopRule
 
 __all__ = ["InnerLoop", "LossFn", "Regularizer", "adapt", "run_inner_loop"]
 

@@ -30,7 +30,7 @@ from torch.func import functional_call, vmap
 
 from metalearn.engine.inner import InnerLoop, Regularizer, run_inner_loop
 from metalearn.engine.plan import Mode, Vectorize, plan
-from metalearn.engine.task import (
+from metalearn.task import (
     AllTasksSkippedError,
     MetaBatch,
     NonFiniteLossError,

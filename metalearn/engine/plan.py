@@ -23,7 +23,7 @@ from typing import Literal, NamedTuple
 from torch import nn
 
 from metalearn.engine.inner import InnerLoop
-from metalearn.engine.task import Task
+from metalearn.task import Task
 
 __all__ = [
     "VMAP_CHUNK_EXAMPLES",

@@ -59,6 +59,7 @@ __all__ = [
     "parse_args",
     "resolve_args",
     "run_name",
+    "saved_run_args",
     "start_from",
 ]
 
@@ -359,9 +360,32 @@ def _taken(path: Path) -> str:
             f"{path.parent} first")  # fmt: skip
 
 
-def parse_args(exp: Experiment, argv: Sequence[str] | None = None) -> Any:
+SavedArgs = Callable[[Experiment, Path], Mapping[str, Any]]
+"""``saved_args(exp, path)``: a saved run's flat arguments, read from its checkpoint and
+checked to be a run of ``exp`` (a one-line `UserError` otherwise)."""
+
+
+def saved_run_args(exp: Experiment, path: Path) -> dict[str, Any]:
+    """A supervised run's saved flat arguments under today's flag names (`upgrade_args`),
+    refused unless its checkpoint holds a recipe ``exp`` wrote."""
+    saved = _read(path)
+    _saved_recipe(exp, path, saved)
+    return upgrade_args(saved["args"])
+
+
+def parse_args(
+    exp: Experiment, argv: Sequence[str] | None = None, *, saved_args: SavedArgs = saved_run_args
+) -> Any:
     """The command line as ``exp.args_type``; with ``--resume``, unspecified flags take the
-    saved run's values (so ``--resume --run-name NAME`` alone continues that run)."""
+    saved run's values (so ``--resume --run-name NAME`` alone continues that run).
+
+    Args:
+        exp: the experiment.
+        argv: the arguments (None: ``sys.argv``).
+        saved_args: reads and checks the resumed run's arguments: `saved_run_args` (a
+            supervised run, whose checkpoint holds its recipe), or a meta-RL run's
+            (`metalearn.runs.policy_run.saved_args`: no recipe to check).
+    """
     description = exp.description.split("\n\n")[0]
     args = parse_dataclass(exp.args_type, argv, description=description, presets=exp.presets)
     if not args.tracking.resume:
@@ -370,11 +394,10 @@ def parse_args(exp: Experiment, argv: Sequence[str] | None = None) -> Any:
     # (a MAML run resumed with --inner-momentum is not the default preset's Proto-MAML).
     _check_run_folder(args.tracking.out_dir, args.tracking.run_name, resume=True)
     path = checkpoint_path(args)
-    if not path.is_file():  # start_from names it (or rank 0 holds it, under torchrun)
+    if not path.is_file():  # the run names it (start_from, PolicyRun; torchrun: rank 0 has it)
         return args
-    saved = _read(path)
-    _saved_recipe(exp, path, saved)
+    flat = saved_args(exp, path)
     fields = flatten(exp.args_type())
-    flat = {k: v for k, v in upgrade_args(saved["args"]).items() if k in fields}
-    base = unflatten(exp.args_type, {**flat, "resume": True})
+    known = {k: v for k, v in flat.items() if k in fields}
+    base = unflatten(exp.args_type, {**known, "resume": True})
     return parse_dataclass(exp.args_type, argv, description=description, base=base)

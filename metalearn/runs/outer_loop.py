@@ -1,6 +1,10 @@
-"""The outer loop's optimizer and step-size schedule, as a run's recipe records them.
+"""The outer loop: its optimizer and step-size schedule, as a run's recipe records them, and
+the parts of a meta-step around ``learner.backward``.
 
-The experiments' ``meta_step`` sets the outer step size of meta-step ``t`` (0-based) to
+An experiment's ``meta_step`` draws this rank's share of the meta-batch (`my_tasks`), fills
+``.grad`` (``learner.backward``, averaged over the ranks by `metalearn.distributed`), checks
+it (`check_finite_gradient`) and steps the optimizer. It sets the outer step size of
+meta-step ``t`` (0-based) to
 
     lr_t = `scheduled_lr` (training, t) * learner.outer_lr_factor(t, iterations)
 
@@ -32,10 +36,13 @@ from typing import Any
 
 import torch
 
+from metalearn import distributed
 from metalearn.algorithms import MetaLearner
+from metalearn.data import EpisodicSampler
+from metalearn.runs.lifecycle import NonFiniteGradientError
 
-__all__ = ["OUTER_OPTIMIZERS", "SCHEDULES", "build_outer_optimizer", "check_outer_loop",
-           "scheduled_lr"]  # fmt: skip
+__all__ = ["OUTER_OPTIMIZERS", "SCHEDULES", "build_outer_optimizer", "check_finite_gradient",
+           "check_outer_loop", "my_tasks", "scheduled_lr"]  # fmt: skip
 
 OUTER_OPTIMIZERS = ("adam", "sgd")
 SCHEDULES = ("constant", "cosine", "step", "linear")
@@ -135,3 +142,30 @@ def check_outer_loop(a: Mapping[str, Any]) -> None:
     elif eta_min != 0:
         raise ValueError(f"--eta-min is the minimum of --lr-schedule cosine or linear; drop it "
                          f"for --lr-schedule {schedule}")  # fmt: skip
+
+
+# --------------------------------------------------------------------------- a meta-step's parts
+
+
+def my_tasks(sampler: EpisodicSampler, meta_batch: int, gen: torch.Generator) -> list:
+    """This rank's share of the global meta-batch (all of it in a single process).
+
+    Every rank draws the whole meta-batch's indices from the same generator (microseconds
+    per task) and builds only its own tasks, so N ranks train on exactly the tasks one
+    process would, and the generator state is the same on every rank (resume, any N).
+    With augmentation, each task's seed is drawn with its indices, as `EpisodicSampler.batch`
+    draws it, so a rank's tasks are augmented as one process would augment them.
+    """
+    classes, examples, seeds = sampler.draw(gen, meta_batch)  # seeds: None unless augmenting
+    part = distributed.shard_slice(meta_batch)
+    mine = None if seeds is None else seeds[part]
+    return sampler.tasks_from_indices(classes[part], examples[part], mine)
+
+
+def check_finite_gradient(learner: MetaLearner) -> None:
+    """Raise `NonFiniteGradientError` before the optimizer writes NaN into the weights:
+    finite losses can still give an overflowing meta-gradient (one sync for all tensors)."""
+    named = [(name, p.grad) for name, p in learner.named_parameters() if p.grad is not None]
+    if not named or bool(torch.stack([g.isfinite().all() for _, g in named]).all()):
+        return
+    raise NonFiniteGradientError([name for name, g in named if not g.isfinite().all()])

@@ -34,7 +34,7 @@ from typing import Any
 import torch
 
 from metalearn.checkpoint import load_checkpoint, save_checkpoint
-from metalearn.runs.cli import flatten, parse_dataclass, unflatten
+from metalearn.runs.cli import flatten, unflatten
 from metalearn.runs.experiment import (
     Experiment,
     _check_device,
@@ -54,7 +54,7 @@ from metalearn.runs.lifecycle import (
 from metalearn.runs.run import run_lock
 from metalearn.runs.tracking import graceful_shutdown, init_run, log_model
 
-__all__ = ["RESUMABLE", "PolicyRun", "parse_args"]
+__all__ = ["RESUMABLE", "PolicyRun", "saved_args"]
 
 RESUMABLE = (
     "iterations",
@@ -71,19 +71,11 @@ RESUMABLE = (
 """What ``--resume`` may change: how long, where and how fast the run goes on."""
 
 
-def parse_args(exp: Experiment, argv: Any = None) -> Any:
-    """The command line as ``exp.args_type``; with ``--resume``, the flags not given take the
-    saved run's values (so ``--resume --run-name NAME`` alone continues that run)."""
-    description = exp.description.split("\n\n")[0]
-    args = parse_dataclass(exp.args_type, argv, description=description, presets=exp.presets)
-    if not args.tracking.resume:
-        return args
-    _check_run_folder(args.tracking.out_dir, args.tracking.run_name, resume=True)
-    path = checkpoint_path(args)
-    if not path.is_file():
-        return args  # PolicyRun names it
-    base = unflatten(exp.args_type, {**_known(exp, _read(exp, path)["args"]), "resume": True})
-    return parse_dataclass(exp.args_type, argv, description=description, base=base)
+def saved_args(exp: Experiment, path: Path) -> dict[str, Any]:
+    """A meta-RL run's saved flat arguments, refused unless ``exp`` wrote its checkpoint:
+    what `metalearn.runs.experiment.parse_args` takes as ``saved_args`` to resume one (a
+    meta-RL checkpoint holds no recipe to check)."""
+    return _read(exp, path)["args"]
 
 
 def _known(exp: Experiment, flat: Mapping[str, Any]) -> dict[str, Any]:

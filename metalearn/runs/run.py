@@ -23,9 +23,11 @@ loss or gradient turned into one line naming the meta-step and the fix
 metric is lost across a kill and resume.
 
 Under ``torchrun`` each rank computes the meta-gradient of its share of every meta-batch
-(`my_tasks`, `metalearn.distributed`); every rank draws the same global meta-batch, so N
-processes train on exactly the tasks one process sees. Rank 0 alone logs, checkpoints and
-shows progress.
+(`metalearn.runs.outer_loop.my_tasks`, `metalearn.distributed`); every rank draws the same
+global meta-batch, so N processes train on exactly the tasks one process sees. Rank 0 alone
+logs, checkpoints and shows progress. The parts of a meta-step around ``learner.backward``
+(this rank's tasks, the checked gradient, the outer step size) are
+`metalearn.runs.outer_loop`'s: `Run` is the lifecycle around the loop, not on its path.
 """
 
 from __future__ import annotations
@@ -84,7 +86,7 @@ from metalearn.runs.tracking import (
     run_group,
 )
 
-__all__ = ["Run", "check_finite_gradient", "load_samplers", "meta_gradient", "my_tasks", "run_lock"]
+__all__ = ["Run", "load_samplers", "meta_gradient", "run_lock"]
 
 _DIVERGED = (NonFiniteLossError, AllTasksSkippedError, NonFiniteGradientError)
 
@@ -413,30 +415,6 @@ def meta_gradient(args: Any, learner: MetaLearner) -> Any:
         return CompiledMetaGradient(learner)
     except ValueError as err:
         raise UserError(f"--compile with --algorithm {args.learner.algorithm}: {err}") from None
-
-
-def my_tasks(sampler: EpisodicSampler, meta_batch: int, gen: torch.Generator) -> list:
-    """This rank's share of the global meta-batch (all of it in a single process).
-
-    Every rank draws the whole meta-batch's indices from the same generator (microseconds
-    per task) and builds only its own tasks, so N ranks train on exactly the tasks one
-    process would, and the generator state is the same on every rank (resume, any N).
-    With augmentation, each task's seed is drawn with its indices, as `EpisodicSampler.batch`
-    draws it, so a rank's tasks are augmented as one process would augment them.
-    """
-    classes, examples, seeds = sampler.draw(gen, meta_batch)  # seeds: None unless augmenting
-    part = distributed.shard_slice(meta_batch)
-    mine = None if seeds is None else seeds[part]
-    return sampler.tasks_from_indices(classes[part], examples[part], mine)
-
-
-def check_finite_gradient(learner: MetaLearner) -> None:
-    """Raise `NonFiniteGradientError` before the optimizer writes NaN into the weights:
-    finite losses can still give an overflowing meta-gradient (one sync for all tensors)."""
-    named = [(name, p.grad) for name, p in learner.named_parameters() if p.grad is not None]
-    if not named or bool(torch.stack([g.isfinite().all() for _, g in named]).all()):
-        return
-    raise NonFiniteGradientError([name for name, g in named if not g.isfinite().all()])
 
 
 def _cpu_state(learner: MetaLearner) -> dict[str, torch.Tensor]:

@@ -123,7 +123,7 @@ def test_experiment_refuses_the_protocol_on_mamls_split():
 @pytest.mark.parametrize("kind", ["episodic", "within-alphabet"])
 def test_the_experiments_training_tasks_are_augmented_as_batch_augments(kind):
     from metalearn.data import EpisodicSampler
-    from metalearn.runs.run import my_tasks as _my_tasks
+    from metalearn.runs.outer_loop import my_tasks as _my_tasks
 
     images = torch.rand(
         len(ALPHABETS), DRAWERS, 1, 8, 8, generator=torch.Generator().manual_seed(0)

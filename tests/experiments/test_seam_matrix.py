@@ -41,7 +41,8 @@ from metalearn.algorithms.curvature import PROBE_SEED
 from metalearn.algorithms.registry import LEARNERS
 from metalearn.checkpoint import load_checkpoint
 from metalearn.deploy import load_learner
-from metalearn.runs.run import load_samplers, my_tasks
+from metalearn.runs.outer_loop import my_tasks
+from metalearn.runs.run import load_samplers
 from tests.algorithms.test_heads import svm_query_loss
 from tests.conftest import HAS_OMNIGLOT, NO_OMNIGLOT, OMNIGLOT, script
 from tests.helpers.image_set_fixtures import write_folder
