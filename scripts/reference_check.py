@@ -54,6 +54,7 @@ docs/algorithms.md).
 from __future__ import annotations
 
 import contextlib
+import copy
 import importlib.util
 import io
 import json
@@ -72,11 +73,11 @@ import torch.nn.functional as F
 from benchtools import markdown_table, parse_args_as, usage_error
 from torch import Tensor, nn
 
-from metalearn.algorithms import MAML, R2D2, MAMLpp, MetaOptNet, ProtoNet
+from metalearn.algorithms import IMAML, MAML, R2D2, MAMLpp, MetaOptNet, ProtoNet
 from metalearn.engine import Task
 from metalearn.models import MetaBatchNorm
 
-Algorithm = Literal["mamlpp", "maml", "protonet", "r2d2", "metaoptnet", "r2d2-bertinetto"]
+Algorithm = Literal["mamlpp", "maml", "protonet", "r2d2", "metaoptnet", "r2d2-bertinetto", "imaml"]
 
 MARKER = {
     "mamlpp": ("few_shot_learning_system.py", "AntreasAntoniou/HowToTrainYourMAMLPytorch"),
@@ -85,6 +86,7 @@ MARKER = {
     "r2d2": ("models/classification_heads.py", "kjunelee/MetaOptNet"),
     "metaoptnet": ("models/classification_heads.py", "kjunelee/MetaOptNet"),
     "r2d2-bertinetto": ("fewshots/models/r2d2.py", "bertinetto/r2d2"),
+    "imaml": ("implicit_maml/learner_model.py", "aravindr93/imaml_dev"),
 }
 """Per algorithm: a file its reference checkout has, and the repository to fetch."""
 
@@ -694,6 +696,92 @@ def bertinetto_case(
     return [Row(name, what, relative(a, b, whole), ones) for what, a, b in pairs]
 
 
+# ---------------------------------------------------------------------------- iMAML
+
+
+@dataclass
+class ImamlCase:
+    name: str
+    steps: int
+    counted: bool
+
+
+IMAML_CASES = [
+    ImamlCase("0 inner steps (phi = theta): the implicit meta-gradient alone", 0, True),
+    ImamlCase("control: 5 inner steps (the inner loops differ)", 5, False),
+]
+IMAML_LAM, IMAML_DAMPING, IMAML_LAM_DAMPING, IMAML_CG, IMAML_LR = 2.0, 20.0, 10.0, 5, 0.005
+"""The Omniglot command's lam and cg_steps, ``matrix_evaluator``'s own ``lam_damping``
+default (its CG matrix is ``(1 + cg_damping) I + H / (lam + lam_damping)``), a
+``cg_damping`` of 20 instead of the command's 1 (at this start the support Hessian has
+eigenvalues below -24, which make ``2 I + H / 12`` indefinite: metalearn's CG refuses it),
+and an inner rate of 0.005 instead of 0.1 (the Hessian's largest eigenvalue is about 300:
+at 0.1 both inner loops diverge)."""
+
+
+def compare_imaml(root: Path, seed: int) -> list[Row]:
+    """The reference's per-task meta-gradient (``examples/omniglot_implicit_maml.py``'s
+    loop body: ``learn_task``, one step on ``regularization_loss``, the query gradient,
+    ``cg_solve`` on ``matrix_evaluator``) against `IMAML` on a copy of the same network
+    (``make_conv_network``), with ``lam = 2 + 10`` and ``cg_damping = 1`` so that both solve
+    ``(1 + 1) I + H / 12``. Its inner loop (plain gradient descent on the support loss, then
+    one step on the proximal term alone) is not metalearn's (descent on their sum), so only
+    the case with no inner step is held to the tolerance."""
+    learner_model = load_module("implicit_maml", root / "implicit_maml")
+    learner_model = load_module("implicit_maml.learner_model",
+                                root / "implicit_maml/learner_model.py")  # fmt: skip
+    utils = sys.modules["implicit_maml.utils"]
+    torch.manual_seed(seed)
+    with reference_environment():
+        net = learner_model.make_conv_network(in_channels=1, out_dim=5)
+    rows = []
+    for case in IMAML_CASES:
+        rows += imaml_case(learner_model, utils, net, case, seed)
+    return rows
+
+
+def imaml_case(
+    learner_model: ModuleType, utils: ModuleType, net: nn.Module, case: ImamlCase, seed: int
+) -> list[Row]:
+    draw = torch.Generator().manual_seed(seed + 4)
+    tasks = []
+    for _ in range(3):
+        # Omniglot-like binary images (its Hessian at this start is then positive enough)
+        xs = (torch.rand((5, 1, 28, 28), generator=draw) < 0.2).to(torch.float64)
+        xq = (torch.rand((10, 1, 28, 28), generator=draw) < 0.2).to(torch.float64)
+        tasks.append({"x_train": xs, "y_train": torch.arange(5),
+                      "x_val": xq, "y_val": torch.arange(5).repeat_interleave(2)})  # fmt: skip
+    fast = learner_model.Learner(model=copy.deepcopy(net), loss_function=nn.CrossEntropyLoss(),
+                                 inner_lr=IMAML_LR, GPU=False)  # fmt: skip
+    w_k = fast.get_params()
+    lam = torch.tensor(IMAML_LAM)
+    meta_grad = 0.0
+    with reference_environment():
+        for task in tasks:  # the example script's per-task body, through the Learner's API
+            fast.set_params(w_k.clone())
+            fast.learn_task(task, num_steps=case.steps)
+            fast.inner_opt.zero_grad()
+            fast.regularization_loss(w_k, lam).backward()
+            fast.inner_opt.step()
+            valid_loss = fast.get_loss(task["x_val"], task["y_val"])
+            valid_grad = torch.autograd.grad(valid_loss, fast.model.parameters())
+            flat_grad = torch.cat([g.contiguous().view(-1) for g in valid_grad])
+            evaluator = fast.matrix_evaluator(task, lam, IMAML_DAMPING)
+            meta_grad += utils.cg_solve(evaluator, flat_grad, IMAML_CG, x_init=None) / len(tasks)
+    ours = copy.deepcopy(net)
+    learner = IMAML(ours, lam=IMAML_LAM + IMAML_LAM_DAMPING, inner_lr=IMAML_LR,
+                    inner_steps=case.steps, cg_steps=IMAML_CG, cg_tol=1e-300,
+                    cg_damping=IMAML_DAMPING)  # fmt: skip
+    learner.backward([Task((t["x_train"], t["y_train"]), (t["x_val"], t["y_val"])) for t in tasks])
+    offset, rows = 0, []
+    for name, p in ours.named_parameters():
+        ref = meta_grad[offset : offset + p.numel()].view_as(p)
+        offset += p.numel()
+        rows.append(Row(case.name, f"meta-gradient: {name}", relative(p.grad, ref,
+                        float(meta_grad.norm())), case.counted))  # fmt: skip
+    return rows
+
+
 # ---------------------------------------------------------------------------- main
 
 
@@ -726,6 +814,7 @@ COMPARE: dict[str, Callable[[Path, int], list[Row]]] = {
     "r2d2": compare_r2d2,
     "metaoptnet": compare_metaoptnet,
     "r2d2-bertinetto": compare_r2d2_bertinetto,
+    "imaml": compare_imaml,
 }
 
 
