@@ -24,8 +24,14 @@ Algorithms and references:
   ``MetaOptNetHead_SVM_CS``) against `prototype_classifier`, the `R2D2` learner's head and the
   `MetaOptNet` learner's head, on the same random embeddings. ``metaoptnet`` needs ``qpth``
   (which pins numpy < 2: run this script from an environment that has it).
-* ``r2d2-bertinetto``: ``bertinetto/r2d2`` (``fewshots/models/r2d2.RRNet.loss``) with an
-  identity encoder, so its input rows are the embeddings.
+* ``r2d2-bertinetto``: ``bertinetto/r2d2`` (``fewshots/models/r2d2.RRNet.loss``) with a
+  table of embeddings as its encoder, against `R2D2` on the embeddings with a column of
+  ones appended and lambda ``50 N K`` (RRNet's ones column and its division of X and Y by
+  ``sqrt(N K)``).
+* ``imaml``: ``aravindr93/imaml_dev`` (``implicit_maml``'s ``Learner``, ``cg_solve`` and
+  ``make_conv_network``, called as ``examples/omniglot_implicit_maml.py`` calls them per
+  task) against `IMAML` on a copy of the same network (needs scipy and matplotlib, which
+  ``implicit_maml/utils.py`` imports).
 
 Adapted around the references (never their maths): float64 as torch's default dtype while
 they build and run (their ``torch.Tensor(...)``/``torch.ones(...)`` then make float64;
@@ -45,10 +51,13 @@ Command (a reference checked out at the commit given in docs/algorithms.md)::
     python scripts/reference_check.py --reference ../MetaOptNet --algorithm r2d2
     python scripts/reference_check.py --reference ../MetaOptNet --algorithm metaoptnet
     python scripts/reference_check.py --reference ../r2d2 --algorithm r2d2-bertinetto
+    python scripts/reference_check.py --reference ../imaml_dev --algorithm imaml
 
-Expected: a markdown table per algorithm, then ``max_relative_difference: X`` (about 1e-15
-where metalearn computes the reference's function; the measured values are in
-docs/algorithms.md).
+Expected: a markdown table, then ``max_relative_difference: X`` (1e-16 to 1e-13 where
+metalearn computes the reference's function: the MAML family's five second-order steps
+gather the most rounding); rows marked ``(control)`` set metalearn up differently from the
+reference on purpose and show that the comparison sees it. The measured values are in
+docs/algorithms.md.
 """
 
 from __future__ import annotations
