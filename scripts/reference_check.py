@@ -681,6 +681,7 @@ def bertinetto_case(
         xs, xq = ids[: n * k].reshape(n, k, 1, 1, 1), ids[n * k :].reshape(n, q, 1, 1, 1)
         captured = {}
         net.L.register_forward_hook(lambda m, i, out: captured.update(loss=out, logits=i[0]))
+        torch.manual_seed(seed)  # its query shuffle (torch.randperm)
         with contextlib.suppress(IndexError):  # `.data[0]` of the 0-dim loss, after the maths
             net.loss({"xs": xs, "xq": xq})
         captured["loss"].backward()
