@@ -140,9 +140,9 @@ def load_module(name: str, path: Path) -> ModuleType:
 @contextlib.contextmanager
 def reference_environment() -> Iterator[None]:
     """What the references need from a 2018 PyTorch on a CUDA machine, around their calls:
-    ``.cuda()`` as the identity, ``torch.gesv(B, A)`` as ``torch.linalg.solve(A, B)``, and
-    ``.float()`` keeping float64 (float64 is the point of the check). Their prints are
-    silenced."""
+    ``.cuda()`` as the identity, ``torch.gesv(B, A)`` as ``torch.linalg.solve(A, B)``,
+    ``narrow(dimension=...)`` as ``narrow(dim, ...)``, and ``.float()`` keeping float64
+    (float64 is the point of the check). Their prints and warnings are silenced."""
     saved = torch.Tensor.cuda, torch.Tensor.float, getattr(torch, "gesv", None)
     narrow = torch.Tensor.narrow
     torch.Tensor.narrow = lambda self, *a, dimension=None, **k: (  # type: ignore[method-assign]
@@ -453,7 +453,6 @@ def head_rows(
     reference: Callable[[Tensor, Tensor, Tensor], Tensor],
     ours: Callable[[Tensor, Tensor, Tensor], Tensor],
     label: str,
-    counted: bool = True,
     extra: Callable[[], list[tuple[str, Tensor | None, Tensor | None]]] | None = None,
 ) -> list[Row]:
     """Both heads on the same embeddings: the query log-probabilities (the softmax of the
@@ -482,7 +481,7 @@ def head_rows(
     ]
     whole = norm_of([b for _, _, b in pairs[2:]])
     name = f"{label}, {case.name}"
-    return [Row(name, what, relative(a, b, whole), counted) for what, a, b in pairs]
+    return [Row(name, what, relative(a, b, whole)) for what, a, b in pairs]
 
 
 def metaoptnet_heads(root: Path) -> ModuleType:
