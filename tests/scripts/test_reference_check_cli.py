@@ -6,14 +6,14 @@ is what the reference's ``VGGReLUNormNetwork`` names and computes."""
 from __future__ import annotations
 
 import re
-from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import script as load_script
 
-ROOT = Path(__file__).resolve().parents[1]
+from tests.conftest import ROOT
+from tests.conftest import script as load_script
+
 COMMAND = re.compile(r"scripts/reference_check\.py((?:[ \t]+--[\w-]+[ \t]+[\w./-]+)*)")
 
 
