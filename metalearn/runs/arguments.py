@@ -99,7 +99,7 @@ class LearnerArgs:
     inner_optimizer: Literal["sgd", "momentum", "nesterov", "adam", "rmsprop"] | None = None
     """maml, fomaml, anil: the inner loop's differentiable optimizer (metalearn.optim), its
     step size --inner-lr (Adam and RMSprop move each entry by about that much: try 0.01);
-    none: the learner's (sgd: MAML's update)."""
+    none: the learner's (sgd: MAML's update). reptile: adam (its default, beta1 0) or sgd."""
     inner_momentum: float | None = None
     """--inner-optimizer momentum or nesterov: the momentum; none: the learner's."""
     inner_beta1: float | None = None
@@ -113,6 +113,21 @@ class LearnerArgs:
     label_smoothing: float | None = None
     """metaoptnet only: label smoothing of its training query loss, in [0, 1) (never at
     evaluation); none: the learner's (0.1, the paper's SVM command)."""
+    inner_batch: int | None = None
+    """reptile only: examples per inner mini-batch in training; none: the learner's (10, the
+    reference's --inner-batch)."""
+    eval_inner_batch: int | None = None
+    """reptile only: examples per inner mini-batch at validation and test; none: the
+    learner's (5, the reference's --eval-batch)."""
+    ridge_form: Literal["rrnet", "plain"] | None = None
+    """r2d2 only: rrnet (Bertinetto et al.'s head: a ones column, X and Y divided by
+    sqrt(N K)) or plain (MetaOptNet's R2D2Head formula, lambda and scale log-parameterised);
+    none: the learner's (rrnet)."""
+    lam: float | None = None
+    """r2d2 only: the ridge penalty (fixed unless learned); none: the learner's (50)."""
+    scale: float | None = None
+    """r2d2, metaoptnet, metaoptnet-lr: the logits' learned scale at the start; none: the
+    learner's (r2d2: 10, the reference's Omniglot value; its mini-ImageNet value is 1e-4)."""
     learn_inner_hyperparameters: Literal["none", "tensor", "step"] | None = None
     """maml, fomaml, anil: meta-learn the inner step size and the optimizer's decay rates,
     one per parameter tensor (tensor) or per tensor and inner step (step); none: fixed."""

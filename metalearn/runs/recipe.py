@@ -91,13 +91,15 @@ LEARNER_FLAGS = (
     "gradient_checkpointing", "cg_damping", "lora_rank", "msl_steps", "first_order_steps",
     "inner_optimizer", "inner_momentum", "inner_beta1", "inner_beta2", "inner_eps",
     "inner_alpha", "learn_inner_hyperparameters", "on_nonfinite", "label_smoothing",
+    "inner_batch", "eval_inner_batch", "ridge_form", "lam", "scale",
 )  # fmt: skip
 # The inner optimizer's flags (`metalearn.algorithms.inner_optimizer`), for the refusals.
 _OPTIMIZER_FLAGS = ("inner_optimizer", "inner_momentum", "inner_beta1", "inner_beta2",
                     "inner_eps", "inner_alpha", "learn_inner_hyperparameters")  # fmt: skip
 # Flags that belong to the algorithms whose learner takes them (`algorithms_taking`): recorded
 # resolved for those, refused for the others.
-_OWN_FLAGS = ("cg_damping", "lora_rank", "msl_steps", "first_order_steps", "label_smoothing")
+_OWN_FLAGS = ("cg_damping", "lora_rank", "msl_steps", "first_order_steps", "label_smoothing",
+              "inner_batch", "eval_inner_batch", "ridge_form", "lam", "scale")  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -329,6 +331,9 @@ def _check_optimizer_flags(algorithm: str, args: Mapping[str, Any], own: Mapping
     name = args.get("inner_optimizer") or own["inner_optimizer"]
     reads = optimizer_hyperparameters(name)
     for flag in given:
+        if flag not in own:  # Reptile's inner optimizer is fixed, never learned
+            raise ValueError(f"--{flag.replace('_', '-')} is not a setting of {algorithm}; "
+                             "drop it")  # fmt: skip
         if flag.startswith("inner_") and flag != "inner_optimizer" and flag not in reads:
             raise ValueError(f"--{flag.replace('_', '-')} is not a hyperparameter of "
                              f"--inner-optimizer {name}; drop it")  # fmt: skip
@@ -398,9 +403,10 @@ def read_recipe(saved: Mapping[str, Any]) -> Recipe:
     """The recipe of a checkpoint: its ``recipe``, or one made from the flat ``args`` of a
     checkpoint written before recipes existed.
 
-    Old records differ from new ones in two learner settings, which the recipe then
-    records: Reptile's outer step was constant (``anneal=False``), and MAML++'s schedule
-    (its loss weights and derivative order) was not driven by the training loop.
+    Old records differ from new ones in learner settings, which the recipe then records:
+    Reptile's outer step was constant (``anneal=False``) and its inner loop full-batch
+    gradient descent, R2D2's head the plain one with lambda learned from 1, and MAML++'s
+    schedule (its loss weights and derivative order) was not driven by the training loop.
 
     Raises:
         ValueError: a malformed or unknown recipe, or old arguments without the keys every
@@ -418,10 +424,12 @@ def read_recipe(saved: Mapping[str, Any]) -> Recipe:
     except KeyError as err:
         raise ValueError(f"the checkpoint's arguments lack {err}; it was not written by "
                          "metalearn's experiments") from None  # fmt: skip
-    if recipe.learner.algorithm == "reptile":
-        arguments = {**recipe.learner.arguments, "anneal": False}
-        recipe = dataclasses.replace(recipe, learner=LearnerRecipe("reptile", arguments))
-    return recipe
+    algorithm = recipe.learner.algorithm
+    # no flag set these then: the run had the values of that time
+    arguments = {**recipe.learner.arguments, **LEARNERS[algorithm].arguments_before}
+    if algorithm == "reptile":
+        arguments["anneal"] = False
+    return dataclasses.replace(recipe, learner=LearnerRecipe(algorithm, arguments))
 
 
 _RENAMED = {"checkpoint": "gradient_checkpointing"}
@@ -449,11 +457,15 @@ def upgrade_args(args: Mapping[str, Any]) -> dict[str, Any]:
 
 def _upgrade_learner(learner: LearnerRecipe) -> LearnerRecipe:
     """A recorded learner under today's names: its arguments renamed (`_RENAMED_ARGUMENTS`),
-    and ``metaoptnet`` with the logistic head's arguments (``newton_steps``) read as
-    ``metaoptnet-lr`` (it was the logistic-regression head before it became the SVM)."""
+    ``metaoptnet`` with the logistic head's arguments (``newton_steps``) read as
+    ``metaoptnet-lr`` (it was the logistic-regression head before it became the SVM), and
+    the arguments added since at the values the run had (the learner's
+    `MetaLearner.arguments_before`, for the ones the record lacks)."""
     arguments = {_RENAMED_ARGUMENTS.get(k, k): v for k, v in learner.arguments.items()}
     if learner.algorithm == "metaoptnet" and "newton_steps" in arguments:
         return LearnerRecipe("metaoptnet-lr", arguments)
+    if learner.algorithm in LEARNERS:
+        arguments = {**LEARNERS[learner.algorithm].arguments_before, **arguments}
     return LearnerRecipe(learner.algorithm, arguments)
 
 
