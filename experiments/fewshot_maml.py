@@ -116,9 +116,12 @@ class Args(ExperimentArgs):
     """Arguments of the few-shot experiment (each is a --flag, also as --flag_name=VALUE)."""
 
     preset: Literal["cpu", "paper-miniimagenet-5w1s", "paper-miniimagenet-5w5s",
-                    "paper-miniimagenet-5w1s-fo", "paper-miniimagenet-5w5s-fo"] = "cpu"  # fmt: skip
-    """Named configuration: cpu (the defaults: a short run) or the MAML paper's
-    mini-ImageNet settings (-fo: first order)."""
+                    "paper-miniimagenet-5w1s-fo", "paper-miniimagenet-5w5s-fo",
+                    "reptile-miniimagenet-5w1s", "reptile-miniimagenet-5w5s",
+                    "r2d2-miniimagenet", "metaoptnet-miniimagenet"] = "cpu"  # fmt: skip
+    """Named configuration: cpu (the defaults: a short run), the MAML paper's
+    mini-ImageNet settings (-fo: first order), or another algorithm's reference commands
+    (docs/algorithms.md)."""
     data: FewshotData = field(default_factory=lambda: FewshotData(query=15))
     """Data options."""
     model: FewshotModel = field(default_factory=lambda: FewshotModel(hidden=32))
@@ -145,12 +148,45 @@ PAPER = dict(dataset="mini-imagenet", backbone="conv4", hidden=32, head="flatten
              iterations=60_000, query=15, eval_query=15, inner_lr=0.01, inner_steps=5,
              eval_inner_steps=10, outer_lr=1e-3, val_every=1000, checkpoint_every=1000,
              val_tasks=600, test_tasks=600, ways=5)  # fmt: skip
+# Reptile's mini-ImageNet commands (openai/supervised-reptile, README.md): MAML's network
+# (32 filters, max-pool), --train-shots 15 examples a class trained on together (the shots
+# plus --query), 8 Adam iterations at 1e-3 on mini-batches of 10, meta-batch 5, meta-step 1
+# annealed to 0 over 100,000 steps, 50 evaluation iterations, 10,000 test tasks.
+REPTILE = dict(dataset="mini-imagenet", backbone="conv4", hidden=32, head="flatten", pool="max",
+               algorithm="reptile", train_on_query=True, inner_lr=1e-3, inner_steps=8,
+               inner_batch=10, meta_batch=5, outer_lr=1.0, iterations=100_000,
+               eval_inner_steps=50, val_every=1000, checkpoint_every=1000, val_tasks=600,
+               test_tasks=10_000, ways=5)  # fmt: skip
 PRESETS: dict[str, dict[str, Any]] = {
     "cpu": {},  # the defaults of Args
     "paper-miniimagenet-5w1s": {**PAPER, "shots": 1, "meta_batch": 4},
     "paper-miniimagenet-5w5s": {**PAPER, "shots": 5, "meta_batch": 2},
     "paper-miniimagenet-5w1s-fo": {**PAPER, "shots": 1, "meta_batch": 4, "algorithm": "fomaml"},
     "paper-miniimagenet-5w5s-fo": {**PAPER, "shots": 5, "meta_batch": 2, "algorithm": "fomaml"},
+    "reptile-miniimagenet-5w1s": {**REPTILE, "shots": 1, "query": 14, "eval_inner_batch": 5},
+    "reptile-miniimagenet-5w5s": {**REPTILE, "shots": 5, "query": 10, "eval_inner_batch": 15},
+    # bertinetto/r2d2, scripts/train/experiments.sh (mini_r2d2) and conf/fewshots.yaml:
+    # 16-way episodes of 15 examples a class, the output scale from 1e-4, Adam 5e-3 halved
+    # every 20 epochs of 100 episodes (40,000 steps: see omniglot_maml.py's R2D2)
+    "r2d2-miniimagenet": {"dataset": "mini-imagenet", "algorithm": "r2d2", "ways": 5,
+                          "train_ways": 16, "shots": 5, "query": 10, "eval_query": 15,
+                          "scale": 1e-4, "meta_batch": 1, "outer_lr": 5e-3,
+                          "lr_schedule": "step", "step_size": 20, "gamma": 0.5,
+                          "schedule_every": 100, "iterations": 40_000, "val_every": 100,
+                          "checkpoint_every": 1000, "val_tasks": 200, "test_tasks": 10_000},
+    # kjunelee/MetaOptNet, README.md (the SVM command) and train.py: ResNet-12, 8 episodes
+    # of 6 queries a class per step, SGD 0.1 with Nesterov momentum 0.9 and weight decay
+    # 5e-4, 60 epochs of 1,000 steps, 2,000 validation episodes; the SVM head's defaults
+    # (label smoothing 0.1). Its step decays (x0.06 at epoch 20, x0.012 at 40, x0.0024 at 50)
+    # are no --lr-schedule here, and it trains 15-shot: docs/algorithms.md.
+    "metaoptnet-miniimagenet": {"dataset": "mini-imagenet", "algorithm": "metaoptnet",
+                                "backbone": "resnet12", "hidden": 64, "ways": 5, "shots": 5,
+                                "query": 6,
+                                "eval_query": 15, "meta_batch": 8, "outer_optimizer": "sgd",
+                                "outer_lr": 0.1, "outer_momentum": 0.9, "nesterov": True,
+                                "weight_decay": 5e-4, "iterations": 60_000, "val_every": 1000,
+                                "checkpoint_every": 1000, "val_tasks": 2000,
+                                "test_tasks": 1000},
 }  # fmt: skip
 
 

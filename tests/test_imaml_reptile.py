@@ -21,7 +21,7 @@ from torch.profiler import ProfilerActivity, profile
 from metalearn.algorithms.base import StepMetrics
 from metalearn.algorithms.imaml import IMAML, implicit_meta_gradient
 from metalearn.algorithms.maml import FOMAML, MAML
-from metalearn.algorithms.reptile import Reptile
+from metalearn.algorithms.reptile import EVAL_SEED, Reptile
 from metalearn.engine import InnerLoop, NonFiniteLossError, Task, TaskCall, task_loss
 from metalearn.models import MLP
 from metalearn.models.norm import MetaBatchNorm
@@ -419,24 +419,21 @@ def _reference_batches(n: int, batch: int, count: int) -> list[list[int]]:
                 return batches
 
 
-def _adam_reference(
-    model: nn.Module,
-    data: tuple[Tensor, Tensor],
-    steps: int,
-    batch: int,
-    lr: float,
-    beta1: float,
-    beta2: float,
-    eps: float,
-) -> dict[str, Tensor]:
+def _adam_reference(model: nn.Module, data: tuple[Tensor, Tensor], steps: int, batch: int,
+                    lr: float, beta1: float, beta2: float, eps: float,
+                    slots: dict | None = None) -> tuple[dict[str, Tensor], dict]:  # fmt: skip
     """TensorFlow's AdamOptimizer (its documented update: ``lr_t = lr sqrt(1 - beta2^t) /
-    (1 - beta1^t)``, ``p -= lr_t m_t / (sqrt(v_t) + eps)``) on a copy of the model, its slots
-    created at zero for the task, one step per mini-batch of `_reference_batches`."""
+    (1 - beta1^t)``, ``p -= lr_t m_t / (sqrt(v_t) + eps)``) on a copy of the model, one step
+    per mini-batch of `_reference_batches`, from the slots ``slots`` (None: zero, t = 0).
+    Returns the weights and the slots after."""
     clone = copy.deepcopy(model)
     params = dict(clone.named_parameters())
-    m = {n: torch.zeros_like(p) for n, p in params.items()}
-    v = {n: torch.zeros_like(p) for n, p in params.items()}
-    for t, rows in enumerate(_reference_batches(len(data[0]), batch, steps), start=1):
+    if slots is None:
+        slots = {"t": 0, "m": {n: torch.zeros_like(p) for n, p in params.items()},
+                 "v": {n: torch.zeros_like(p) for n, p in params.items()}}  # fmt: skip
+    t, m, v = slots["t"], dict(slots["m"]), dict(slots["v"])
+    for rows in _reference_batches(len(data[0]), batch, steps):
+        t += 1
         clone.zero_grad()
         F.cross_entropy(clone(data[0][rows]), data[1][rows]).backward()
         lr_t = lr * math.sqrt(1 - beta2**t) / (1 - beta1**t)
@@ -445,52 +442,78 @@ def _adam_reference(
                 m[n] = beta1 * m[n] + (1 - beta1) * p.grad
                 v[n] = beta2 * v[n] + (1 - beta2) * p.grad**2
                 p -= lr_t * m[n] / (v[n].sqrt() + eps)
-    return {n: p.detach() for n, p in clone.named_parameters()}
+    weights = {n: p.detach() for n, p in clone.named_parameters()}
+    return weights, {"t": t, "m": m, "v": v}
 
 
-@pytest.mark.parametrize(("batch", "train_on_query"), [(3, False), (5, True), (11, False)])
-def test_reptile_inner_loop_is_the_reference_adam_on_minibatches(batch, train_on_query) -> None:
-    """The defaults' inner loop (Adam, beta1 = 0, 1e-3; mini-batches) equals the reference's
-    written out, task after task from one random stream, Adam's slots reset per task; a
-    mini-batch larger than the data (11 of 8) spans two shuffles, as the reference's does."""
+@pytest.mark.parametrize(("batch", "train_on_query", "state"),
+                         [(3, False, "carried"), (5, True, "carried"), (11, False, "carried"),
+                          (3, False, "task")])  # fmt: skip
+def test_reptile_inner_loop_is_the_reference_adam_on_minibatches(batch, train_on_query, state):
+    """The defaults' inner loop (Adam, beta1 = 0; mini-batches) equals the reference's
+    written out over two meta-steps, task after task from one random stream: Adam's slots
+    carried from task to task and step to step as the reference's TensorFlow variables are
+    (``inner_state="task"``: reset per task). A mini-batch larger than the data (11 of 8)
+    spans two shuffles, as the reference's does."""
     torch.manual_seed(12)
     model = MLP(3, [6], 4, activation=nn.Tanh).double()
-    tasks = _classification_tasks(torch.Generator().manual_seed(12), 3)
+    gen = torch.Generator().manual_seed(12)
+    batches = [_classification_tasks(gen, 3), _classification_tasks(gen, 2)]
     learner = Reptile(model, inner_lr=0.05, inner_steps=6, inner_batch=batch,
-                      train_on_query=train_on_query)  # fmt: skip
+                      train_on_query=train_on_query, inner_state=state)  # fmt: skip
     assert (learner.inner_optimizer, learner.adam) == ("adam", (0.0, 0.999, 1e-8))
+    slots, expected = None, []
+    torch.manual_seed(99)
     theta = {n: p.detach().clone() for n, p in model.named_parameters()}
+    for tasks in batches:
+        directions = []
+        for t in tasks:
+            data = t.support
+            if train_on_query:
+                data = (torch.cat([t.support[0], t.query[0]]),
+                        torch.cat([t.support[1], t.query[1]]))  # fmt: skip
+            phi, after = _adam_reference(model, data, 6, batch, 0.05, 0.0, 0.999, 1e-8, slots)
+            slots = after if state == "carried" else None
+            directions.append({n: theta[n] - phi[n] for n in theta})
+        expected.append({n: torch.stack([d[n] for d in directions]).mean(0) for n in theta})
     torch.manual_seed(99)
-    directions = []
-    for t in tasks:
-        data = t.support
-        if train_on_query:
-            data = (torch.cat([t.support[0], t.query[0]]), torch.cat([t.support[1], t.query[1]]))
-        phi = _adam_reference(model, data, 6, batch, 0.05, 0.0, 0.999, 1e-8)
-        directions.append({n: theta[n] - phi[n] for n in theta})
-    torch.manual_seed(99)
-    learner.backward(tasks)
-    for n, p in model.named_parameters():
-        expected = torch.stack([d[n] for d in directions]).mean(0)
-        torch.testing.assert_close(p.grad, expected, rtol=0, atol=1e-13, msg=n)
+    for tasks, grads in zip(batches, expected, strict=True):
+        model.zero_grad()
+        learner.backward(tasks)
+        for n, p in model.named_parameters():
+            torch.testing.assert_close(p.grad, grads[n], rtol=0, atol=1e-13, msg=n)
+    if state == "carried":
+        assert int(learner.adam_slots.steps) == slots["t"] == 5 * 6
+        assert "adam_slots.steps" in learner.state_dict()  # a checkpoint holds it
+    else:
+        assert not hasattr(learner, "adam_slots")
 
 
-def test_reptile_evaluation_uses_its_own_batch_and_seed() -> None:
-    """evaluate and adapt draw their mini-batches (``eval_inner_batch``) from a fixed seed:
-    the same numbers twice, whatever the global stream, and adapt's weights score as
-    evaluate does."""
+def test_reptile_evaluation_uses_its_own_batch_and_seed_from_the_carried_state() -> None:
+    """evaluate and adapt draw their mini-batches (``eval_inner_batch``) from a fixed seed
+    and start Adam from the carried state, which they leave as it was: the same numbers
+    twice, whatever the global stream; adapt's weights score as evaluate does."""
     torch.manual_seed(13)
     model = MLP(3, [6], 4, activation=nn.Tanh).double()
     tasks = _classification_tasks(torch.Generator().manual_seed(13), 2)
     learner = Reptile(model, inner_lr=0.05, eval_inner_batch=3)
+    learner.backward(tasks)  # carries a state
+    model.zero_grad()
+    carried = {k: b.clone() for k, b in learner.adam_slots.named_buffers()}
     first = learner.evaluate(tasks, steps=7)
     torch.manual_seed(1)
     second = learner.evaluate(tasks, steps=7)
     torch.testing.assert_close(first, second, rtol=0, atol=0)
+    for k, b in learner.adam_slots.named_buffers():
+        assert torch.equal(b, carried[k]), k
     fast = learner.adapt(tasks[0], steps=7)
-    torch.manual_seed(13)
-    phi = _adam_reference(model, tasks[0].support, 7, 3, 0.05, 0.0, 0.999, 1e-8)
-    assert any((fast[n] - phi[n]).abs().max() > 0 for n in phi)  # not the global stream
+    torch.manual_seed(EVAL_SEED)  # the reference from the carried slots, same batch order
+    steps, m, v = learner.adam_slots.read()
+    slots = {"t": steps, "m": {k.removeprefix("model."): x for k, x in m.items()},
+             "v": {k.removeprefix("model."): x for k, x in v.items()}}  # fmt: skip
+    phi, _ = _adam_reference(model, tasks[0].support, 7, 3, 0.05, 0.0, 0.999, 1e-8, slots)
+    for n in phi:
+        torch.testing.assert_close(fast[n], phi[n], rtol=0, atol=1e-13, msg=n)
     clone = copy.deepcopy(model)
     clone.load_state_dict(fast)
     loss = F.cross_entropy(clone(tasks[0].query[0]), tasks[0].query[1])

@@ -16,8 +16,13 @@ construction.
 The inner loop is the reference code's (``openai/supervised-reptile``, ``reptile.py``,
 ``models.py``): each step trains on a mini-batch of ``inner_batch`` examples of the task's
 training data (`minibatch_indices`: consecutive slices of a stream of random permutations),
-with TensorFlow's Adam at ``beta1 = 0`` (`tf_adam_update`), its moments started at zero for
-each task; evaluation adapts with mini-batches of ``eval_inner_batch``.
+with TensorFlow's Adam at ``beta1 = 0`` (`tf_adam_update`); evaluation adapts with
+mini-batches of ``eval_inner_batch``. The reference's Adam slots (its moments and step count)
+are TensorFlow variables that its Reptile never restores in training (``VariableState``
+holds the trainable variables only): they carry on from task to task and from meta-step to
+meta-step, and evaluation starts from them and discards what it changed. ``inner_state``
+``"carried"`` does the same (`AdamSlots`, saved with the learner's state); ``"task"`` starts
+each task from zero moments.
 """
 
 from __future__ import annotations
@@ -38,14 +43,20 @@ from metalearn.algorithms.base import (
     check_loop_only,
     support_start,
 )
+from metalearn.algorithms.metasgd import keyed_names
 from metalearn.engine import AllTasksSkippedError, NonFiniteLossError, Task, accuracy
 from metalearn.functional import detached
 from metalearn.optim import check_hyperparameter
 
-__all__ = ["EVAL_SEED", "Reptile", "minibatch_indices", "tf_adam_update"]
+__all__ = ["EVAL_SEED", "AdamSlots", "Reptile", "minibatch_indices", "tf_adam_update"]
+
+Slots = tuple[int, dict[str, Tensor], dict[str, Tensor]]
+"""Adam's state: the steps taken, and the first and second moments by parameter name."""
 
 INNER_OPTIMIZERS = ("adam", "sgd")
 """Reptile's inner optimizers (``inner_optimizer``)."""
+INNER_STATES = ("carried", "task")
+"""Where the inner Adam's state starts (``inner_state``)."""
 EVAL_SEED = 0
 """Seed of the mini-batch order of `Reptile.evaluate` and `Reptile.adapt` (a function of the
 tasks alone, so validation does not move training's random stream)."""
@@ -92,6 +103,38 @@ def tf_adam_update(
     return p - rate * m / (v.sqrt() + eps), m, v
 
 
+class AdamSlots(nn.Module):
+    """The inner Adam's state carried from task to task, as buffers (so a checkpoint holds it
+    and a resumed run continues it): ``m`` and ``v`` of each adapted parameter, and the
+    number of steps taken.
+
+    Args:
+        params: the adapted parameters, name -> tensor (the slots take their shapes).
+    """
+
+    def __init__(self, params: Mapping[str, Tensor]) -> None:
+        super().__init__()
+        self.keys = keyed_names(params)
+        for name, key in self.keys.items():
+            self.register_buffer(f"m_{key}", torch.zeros_like(params[name]))
+            self.register_buffer(f"v_{key}", torch.zeros_like(params[name]))
+        self.register_buffer("steps", torch.zeros((), dtype=torch.long))
+
+    def read(self) -> Slots:
+        """A copy of the state."""
+        m = {n: self.get_buffer(f"m_{k}").clone() for n, k in self.keys.items()}
+        v = {n: self.get_buffer(f"v_{k}").clone() for n, k in self.keys.items()}
+        return int(self.steps), m, v
+
+    def write(self, slots: Slots) -> None:
+        """Store ``slots`` (the state after a meta-batch)."""
+        steps, m, v = slots
+        self.steps.fill_(steps)
+        for n, k in self.keys.items():
+            self.get_buffer(f"m_{k}").copy_(m[n])
+            self.get_buffer(f"v_{k}").copy_(v[n])
+
+
 class Reptile(MetaLearner):
     """Reptile: theta moves toward each task's adapted weights.
 
@@ -111,8 +154,11 @@ class Reptile(MetaLearner):
         inner_lr: the inner optimizer's step size (``--learning-rate``).
         inner_steps: k, the inner iterations per task (``--inner-iters``). Per-task
             ``Task.steps`` and ``Task.stop`` apply.
-        inner_optimizer: ``"adam"`` (the reference's ``AdamOptimizer(beta1=0)``, moments
-            from zero for each task) or ``"sgd"`` (plain gradient descent, ``--sgd``).
+        inner_optimizer: ``"adam"`` (the reference's ``AdamOptimizer(beta1=0)``) or
+            ``"sgd"`` (plain gradient descent, ``--sgd``).
+        inner_state: ``"carried"`` (Adam's state carries on across tasks and meta-steps, as
+            in the reference's TensorFlow graph; evaluation starts from it and discards its
+            changes) or ``"task"`` (zero moments at each task's start).
         inner_beta1, inner_beta2, inner_eps: Adam's (TensorFlow's form, `tf_adam_update`).
         inner_batch: examples per inner mini-batch in training (``--inner-batch``); None:
             the whole training data at every step.
@@ -138,6 +184,7 @@ class Reptile(MetaLearner):
         inner_lr: float = 1e-3,
         inner_steps: int = 5,
         inner_optimizer: Literal["adam", "sgd"] = "adam",
+        inner_state: Literal["carried", "task"] = "carried",
         inner_beta1: float = 0.0,
         inner_beta2: float = 0.999,
         inner_eps: float = 1e-8,
@@ -160,13 +207,21 @@ class Reptile(MetaLearner):
         if inner_optimizer not in INNER_OPTIMIZERS:
             raise ValueError(f"Reptile's inner_optimizer {inner_optimizer!r}; choose one of "
                              f"{', '.join(INNER_OPTIMIZERS)}")  # fmt: skip
+        if inner_state not in INNER_STATES:
+            raise ValueError(f"inner_state {inner_state!r}; choose one of "
+                             f"{', '.join(INNER_STATES)}")  # fmt: skip
         for name, value in (("beta1", inner_beta1), ("beta2", inner_beta2), ("eps", inner_eps)):
             check_hyperparameter(name, value, f"inner_{name}")
         for name, value in (("inner_batch", inner_batch), ("eval_inner_batch", eval_inner_batch)):
             if value is not None and value < 1:
                 raise ValueError(f"{name} must be >= 1 (or None: the whole set), got {value}")
         self.inner_optimizer = inner_optimizer
+        self.inner_state = inner_state
         self.adam = (inner_beta1, inner_beta2, inner_eps)
+        if self.carries_state:
+            theta = self.theta()
+            keys = list(theta) if self.adapt_keys is None else self.adapt_keys
+            self.adam_slots = AdamSlots({k: theta[k].detach() for k in keys})
         self.inner_batch = inner_batch
         self.eval_inner_batch = eval_inner_batch
         self.transductive = transductive
@@ -175,10 +230,23 @@ class Reptile(MetaLearner):
 
     fixed_arguments = ("first_order",)
     # before the reference's inner loop: full-batch gradient descent, one query batch
-    arguments_before = {"inner_optimizer": "sgd", "inner_batch": None, "eval_inner_batch": None,
-                        "transductive": True}  # fmt: skip
+    arguments_before = {"inner_optimizer": "sgd", "inner_state": "task", "inner_batch": None,
+                        "eval_inner_batch": None, "transductive": True}  # fmt: skip
     default_outer_lr = 1.0  # the reference's --meta-step 1 (every README command)
     default_outer_optimizer = "sgd"  # plain SGD: exactly Alg. 2's update
+
+    @property
+    def carries_state(self) -> bool:
+        """Whether the inner Adam's state carries on from task to task (`AdamSlots`)."""
+        return self.inner_optimizer == "adam" and self.inner_state == "carried"
+
+    def _slots(self) -> Slots:
+        """Where a task's inner Adam starts: the carried state, or zero moments."""
+        if self.carries_state:
+            return self.adam_slots.read()
+        keys = list(self.theta()) if self.adapt_keys is None else self.adapt_keys
+        zeros = {k: torch.zeros_like(self.theta()[k]).detach() for k in keys}
+        return 0, zeros, {k: z.clone() for k, z in zeros.items()}
 
     def outer_optimizer(self, lr: float | None = None) -> torch.optim.Optimizer:
         """Plain SGD with step epsilon (None: 1.0): exactly Alg. 2's update on `backward`'s
@@ -194,7 +262,9 @@ class Reptile(MetaLearner):
         """Accumulate ``mean_i (theta - phi_i)`` into ``.grad`` of theta.
 
         Training mini-batches are drawn from torch's global random stream (a run saves and
-        restores it, so a resumed run draws what an uninterrupted one would).
+        restores it, so a resumed run draws what an uninterrupted one would). The tasks run
+        one after another; with a carried inner state, each starts from the state the
+        previous one left (a skipped task leaves none), and the last one's is kept.
 
         Args:
             tasks: the meta-batch (T tasks).
@@ -207,16 +277,18 @@ class Reptile(MetaLearner):
         theta = self.theta()
         start = detached(theta)
         directions, losses, accs, skipped = [], [], [], 0
+        slots = self._slots()
         for i, task in enumerate(tasks):
             try:
-                fast = self._train(start, task, self._train_data(task), None, self.inner_batch,
-                                   None, i)  # fmt: skip
+                fast, after = self._train(start, task, self._train_data(task), None,
+                                          self.inner_batch, None, i, slots)  # fmt: skip
                 loss, acc = self._query(fast, task, i)
             except NonFiniteLossError:
                 if self.on_nonfinite == "raise":
                     raise
                 skipped += 1
                 continue
+            slots = after if self.carries_state else self._slots()
             # Alg. 2: the direction is theta - phi_i, so a descent step moves toward phi_i.
             directions.append({k: start[k] - fast[k] for k in start})
             losses.append(loss)
@@ -225,6 +297,8 @@ class Reptile(MetaLearner):
             raise AllTasksSkippedError(len(tasks))
         mean = {k: torch.stack([d[k] for d in directions]).mean(0) for k in start}
         accumulate_grad(theta, mean)
+        if self.carries_state:
+            self.adam_slots.write(slots)
         return StepMetrics(
             float(torch.stack(losses).mean()), float(torch.stack(accs).mean()), skipped, 0
         )
@@ -234,7 +308,7 @@ class Reptile(MetaLearner):
         set with mini-batches of ``eval_inner_batch`` (their order seeded by `EVAL_SEED`)."""
         gen = torch.Generator().manual_seed(EVAL_SEED)
         return self._train(detached(self.theta()), task, task.support, steps,
-                           self.eval_inner_batch, gen, None)  # fmt: skip
+                           self.eval_inner_batch, gen, None, self._slots())[0]  # fmt: skip
 
     def evaluate(self, tasks: Sequence[Task], steps: int | None = None) -> tuple[Tensor, Tensor]:
         """Query loss and accuracy per task after `adapt` with ``steps`` inner steps:
@@ -246,7 +320,7 @@ class Reptile(MetaLearner):
         for i, task in enumerate(tasks):
             try:
                 fast = self._train(theta, task, task.support, steps, self.eval_inner_batch,
-                                   gen, i)  # fmt: skip
+                                   gen, i, self._slots())[0]  # fmt: skip
                 loss, acc = self._query(fast, task, i)
             except NonFiniteLossError:
                 if self.on_nonfinite == "raise":
@@ -277,9 +351,11 @@ class Reptile(MetaLearner):
         batch: int | None,
         generator: torch.Generator | None,
         index: int | None,
-    ) -> dict[str, Tensor]:
+        slots: Slots,
+    ) -> tuple[dict[str, Tensor], Slots]:
         """phi: ``steps`` (None: the task's, else ``inner_steps``) inner iterations from
-        ``theta`` on mini-batches of ``data``, without a graph.
+        ``theta`` on mini-batches of ``data``, without a graph, and Adam's state after them
+        (from ``slots``; unchanged for SGD).
 
         Raises:
             NonFiniteLossError: a support loss that is not finite (naming task and step).
@@ -296,7 +372,7 @@ class Reptile(MetaLearner):
             out = functional_call(self.model, {**buffers, **fast, **adapted}, (xb,), kwargs)
             return self.loss_fn(out, yb)
 
-        moments = {k: (torch.zeros_like(fast[k]), torch.zeros_like(fast[k])) for k in keys}
+        taken, m, v = slots[0], dict(slots[1]), dict(slots[2])
         beta1, beta2, eps = self.adam
         for step, rows in enumerate(minibatch_indices(x.shape[0], batch, count, generator)):
             rows = rows.to(x.device)
@@ -306,16 +382,15 @@ class Reptile(MetaLearner):
                 raise NonFiniteLossError("support", index, step, value)
             if task.stop is not None and task.stop(step, value):
                 break
+            if self.inner_optimizer == "sgd":
+                fast.update({k: fast[k] - self.inner_lr * grads[k] for k in keys})
+                continue
+            taken += 1
             for k in keys:
-                if self.inner_optimizer == "sgd":
-                    fast[k] = fast[k] - self.inner_lr * grads[k]
-                    continue
-                m, v = moments[k]
-                fast[k], m, v = tf_adam_update(fast[k], grads[k], m, v, t=step + 1,
-                                               lr=self.inner_lr, beta1=beta1, beta2=beta2,
-                                               eps=eps)  # fmt: skip
-                moments[k] = (m, v)
-        return fast
+                fast[k], m[k], v[k] = tf_adam_update(fast[k], grads[k], m[k], v[k], t=taken,
+                                                     lr=self.inner_lr, beta1=beta1,
+                                                     beta2=beta2, eps=eps)  # fmt: skip
+        return fast, (taken, m, v)
 
     def _query(self, fast: Mapping[str, Tensor], task: Task, index: int | None
                ) -> tuple[Tensor, Tensor]:  # fmt: skip

@@ -113,6 +113,15 @@ class LearnerArgs:
     label_smoothing: float | None = None
     """metaoptnet only: label smoothing of its training query loss, in [0, 1) (never at
     evaluation); none: the learner's (0.1, the paper's SVM command)."""
+    inner_state: Literal["carried", "task"] | None = None
+    """reptile only: its inner Adam's state carried on across tasks (the reference's
+    TensorFlow slots) or reset per task; none: the learner's (carried)."""
+    transductive: bool | None = None
+    """reptile only: score a task's query set as one batch (shared batch-norm statistics);
+    none: the learner's (False: each query beside the support set, the reference's default)."""
+    train_on_query: bool | None = None
+    """reptile only: the inner loop trains on support + query (the reference's --train-shots
+    examples per class: --query = train-shots - shots); none: the learner's (support only)."""
     inner_batch: int | None = None
     """reptile only: examples per inner mini-batch in training; none: the learner's (10, the
     reference's --inner-batch)."""

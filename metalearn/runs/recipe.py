@@ -91,7 +91,8 @@ LEARNER_FLAGS = (
     "gradient_checkpointing", "cg_damping", "lora_rank", "msl_steps", "first_order_steps",
     "inner_optimizer", "inner_momentum", "inner_beta1", "inner_beta2", "inner_eps",
     "inner_alpha", "learn_inner_hyperparameters", "on_nonfinite", "label_smoothing",
-    "inner_batch", "eval_inner_batch", "ridge_form", "lam", "scale",
+    "inner_batch", "eval_inner_batch", "ridge_form", "lam", "scale", "inner_state",
+    "transductive", "train_on_query",
 )  # fmt: skip
 # The inner optimizer's flags (`metalearn.algorithms.inner_optimizer`), for the refusals.
 _OPTIMIZER_FLAGS = ("inner_optimizer", "inner_momentum", "inner_beta1", "inner_beta2",
@@ -99,7 +100,8 @@ _OPTIMIZER_FLAGS = ("inner_optimizer", "inner_momentum", "inner_beta1", "inner_b
 # Flags that belong to the algorithms whose learner takes them (`algorithms_taking`): recorded
 # resolved for those, refused for the others.
 _OWN_FLAGS = ("cg_damping", "lora_rank", "msl_steps", "first_order_steps", "label_smoothing",
-              "inner_batch", "eval_inner_batch", "ridge_form", "lam", "scale")  # fmt: skip
+              "inner_batch", "eval_inner_batch", "ridge_form", "lam", "scale", "inner_state",
+              "transductive", "train_on_query")  # fmt: skip
 
 
 @dataclass(frozen=True)
