@@ -105,8 +105,8 @@ def test_two_meta_steps_log_to_wandb_and_report_test_accuracy(tmp_path, capsys):
 
 @pytest.mark.parametrize(
     ("algorithm", "cls", "expected"),
-    [("imaml", IMAML, {"inner_steps": 5, "inner_lr": 0.1, "cg_damping": 10.0}),
-     ("reptile", Reptile, {"inner_steps": 5, "inner_lr": 0.4, "cg_damping": None})],
+    [("imaml", IMAML, {"inner_steps": 16, "inner_lr": 0.1, "cg_damping": 11.0}),
+     ("reptile", Reptile, {"inner_steps": 5, "inner_lr": 1e-3, "cg_damping": None})],
 )  # fmt: skip
 def test_what_runs_is_what_is_recorded(tmp_path, monkeypatch, algorithm, cls, expected):
     built, build = [], om.make_learner  # keep what the experiment builds

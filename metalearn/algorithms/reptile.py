@@ -58,8 +58,9 @@ INNER_OPTIMIZERS = ("adam", "sgd")
 INNER_STATES = ("carried", "task")
 """Where the inner Adam's state starts (``inner_state``)."""
 EVAL_SEED = 0
-"""Seed of the mini-batch order of `Reptile.evaluate` and `Reptile.adapt` (a function of the
-tasks alone, so validation does not move training's random stream)."""
+"""Seed of each task's mini-batch order in `Reptile.evaluate` and `Reptile.adapt` (so a
+task's numbers are a function of the task alone, and validation does not move training's
+random stream)."""
 
 
 def minibatch_indices(
@@ -313,12 +314,13 @@ class Reptile(MetaLearner):
     def evaluate(self, tasks: Sequence[Task], steps: int | None = None) -> tuple[Tensor, Tensor]:
         """Query loss and accuracy per task after `adapt` with ``steps`` inner steps:
         ``([T], [T])``; NaN for a task whose loss is not finite under
-        ``on_nonfinite="skip"``. Each call draws its mini-batches from `EVAL_SEED`."""
-        gen = torch.Generator().manual_seed(EVAL_SEED)
+        ``on_nonfinite="skip"``. Each task draws its mini-batches from `EVAL_SEED`, as
+        `adapt` does, so a task's numbers do not depend on the tasks beside it."""
         theta = detached(self.theta())
         losses, accs = [], []
         for i, task in enumerate(tasks):
             try:
+                gen = torch.Generator().manual_seed(EVAL_SEED)
                 fast = self._train(theta, task, task.support, steps, self.eval_inner_batch,
                                    gen, i, self._slots())[0]  # fmt: skip
                 loss, acc = self._query(fast, task, i)

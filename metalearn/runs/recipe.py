@@ -427,8 +427,10 @@ def read_recipe(saved: Mapping[str, Any]) -> Recipe:
         raise ValueError(f"the checkpoint's arguments lack {err}; it was not written by "
                          "metalearn's experiments") from None  # fmt: skip
     algorithm = recipe.learner.algorithm
-    # no flag set these then: the run had the values of that time
-    arguments = {**recipe.learner.arguments, **LEARNERS[algorithm].arguments_before}
+    # what the record left open (or no flag set then) had the values of that time
+    before = LEARNERS[algorithm].arguments_before
+    arguments = {**recipe.learner.arguments,
+                 **{k: v for k, v in before.items() if args.get(k) is None}}  # fmt: skip
     if algorithm == "reptile":
         arguments["anneal"] = False
     return dataclasses.replace(recipe, learner=LearnerRecipe(algorithm, arguments))
