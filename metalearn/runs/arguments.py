@@ -133,7 +133,8 @@ class LearnerArgs:
     sqrt(N K)) or plain (MetaOptNet's R2D2Head formula, lambda and scale log-parameterised);
     none: the learner's (rrnet)."""
     lam: float | None = None
-    """r2d2 only: the ridge penalty (fixed unless learned); none: the learner's (50)."""
+    """r2d2: the ridge penalty (fixed unless learned); imaml: the proximal strength; none:
+    the learner's (r2d2 50, imaml 2)."""
     scale: float | None = None
     """r2d2, metaoptnet, metaoptnet-lr: the logits' learned scale at the start; none: the
     learner's (r2d2: 10, the reference's Omniglot value; its mini-ImageNet value is 1e-4)."""
