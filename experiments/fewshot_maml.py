@@ -177,14 +177,18 @@ PRESETS: dict[str, dict[str, Any]] = {
     # kjunelee/MetaOptNet, README.md (the SVM command) and train.py: ResNet-12, 8 episodes
     # of 6 queries a class per step, SGD 0.1 with Nesterov momentum 0.9 and weight decay
     # 5e-4, 60 epochs of 1,000 steps, 2,000 validation episodes; the SVM head's defaults
-    # (label smoothing 0.1). Its step decays (x0.06 at epoch 20, x0.012 at 40, x0.0024 at 50)
-    # are no --lr-schedule here, and it trains 15-shot: docs/algorithms.md.
+    # (label smoothing 0.1). Its LambdaLR, stepped at each epoch's start, gives factors 1,
+    # 0.06, 0.012, 0.0024 from 0-based epochs 0, 19, 39, 49. It trains 15-shot: one shot
+    # count here for training and test (docs/algorithms.md).
     "metaoptnet-miniimagenet": {"dataset": "mini-imagenet", "algorithm": "metaoptnet",
                                 "backbone": "resnet12", "hidden": 64, "ways": 5, "shots": 5,
                                 "query": 6,
                                 "eval_query": 15, "meta_batch": 8, "outer_optimizer": "sgd",
                                 "outer_lr": 0.1, "outer_momentum": 0.9, "nesterov": True,
-                                "weight_decay": 5e-4, "iterations": 60_000, "val_every": 1000,
+                                "weight_decay": 5e-4, "lr_schedule": "piecewise",
+                                "lr_milestones": (19, 39, 49),
+                                "lr_factors": (1.0, 0.06, 0.012, 0.0024),
+                                "schedule_every": 1000, "iterations": 60_000, "val_every": 1000,
                                 "checkpoint_every": 1000, "val_tasks": 2000,
                                 "test_tasks": 1000},
 }  # fmt: skip

@@ -12,6 +12,7 @@ import pytest
 from run_helpers import fs, om, recipe_of
 
 from metalearn.algorithms import make_learner
+from metalearn.runs.outer_loop import scheduled_lr
 from metalearn.runs.recipe import build_model
 
 # Reptile: preset -> (--classes, --shots, --train-shots, --inner-batch, --inner-iters,
@@ -90,6 +91,12 @@ def test_metaoptnet_preset_is_its_svm_command():
     assert (t.outer_optimizer, t.outer_lr, t.outer_momentum, t.nesterov, t.weight_decay) == (
         "sgd", 0.1, 0.9, True, 5e-4)  # fmt: skip
     assert t.iterations == 60 * 1000  # --num-epoch 60 of episodes_per_batch * 1000 episodes
+    # train.py: LambdaLR(lambda e: 1.0 if e < 20 else (0.06 if e < 40 else 0.012 if e < 50
+    # else 0.0024)), stepped at the start of epochs 1..60
+    lam = lambda e: 1.0 if e < 20 else (0.06 if e < 40 else 0.012 if e < 50 else 0.0024)  # noqa: E731
+    expected = [0.1 * lam(epoch) for epoch in range(1, 61)]
+    assert [scheduled_lr(t, 1000 * k) for k in range(60)] == pytest.approx(expected, rel=1e-15)
+    assert scheduled_lr(t, 1000 * 19 - 1) == 0.1 and scheduled_lr(t, 1000 * 19) == 0.1 * 0.06
 
 
 def test_imaml_presets_are_its_command_and_a_cpu_run():

@@ -175,11 +175,16 @@ class TrainingArgs:
     """--outer-optimizer sgd: Nesterov momentum (needs --outer-momentum)."""
     weight_decay: float = 0.0
     """The outer optimizer's weight decay (L2 on the meta-parameters; MetaOptNet's 5e-4)."""
-    lr_schedule: Literal["constant", "cosine", "step", "linear"] = "constant"
+    lr_schedule: Literal["constant", "cosine", "step", "linear", "piecewise"] = "constant"
     """Outer step-size schedule, as torch's schedulers (metalearn.runs.outer_loop): cosine
     (CosineAnnealingLR to --eta-min over the run; MAML++), step (StepLR: x --gamma every
-    --step-size; ProtoNet), linear (LinearLR to --eta-min over the run). Reptile's own
-    annealing multiplies it."""
+    --step-size; ProtoNet), linear (LinearLR to --eta-min over the run), piecewise (x
+    --lr-factors between --lr-milestones; MetaOptNet's LambdaLR). Reptile's own annealing
+    multiplies it."""
+    lr_milestones: tuple[int, ...] = ()
+    """--lr-schedule piecewise: the scheduler steps at which the next factor starts."""
+    lr_factors: tuple[float, ...] = ()
+    """--lr-schedule piecewise: the step size's factors, one more than --lr-milestones."""
     eta_min: float = 0.0
     """--lr-schedule cosine or linear: the step size it anneals to (MAML++'s 1e-5)."""
     step_size: int | None = None

@@ -82,7 +82,8 @@ EXPERIMENTS = ("omniglot_maml", "fewshot_maml")
 
 # The outer loop's fields of `TrainingRecipe`, each set by the flag of its name.
 _OUTER_FIELDS = ("outer_optimizer", "outer_momentum", "nesterov", "weight_decay", "lr_schedule",
-                 "eta_min", "step_size", "gamma", "schedule_every")  # fmt: skip
+                 "eta_min", "step_size", "gamma", "schedule_every", "lr_milestones",
+                 "lr_factors")  # fmt: skip
 # The flags that set a learner argument, each named after the argument it sets. A switch
 # (bool) that is off and a value left at None set nothing: the learner's default stands (and
 # is recorded).
@@ -182,6 +183,13 @@ class TrainingRecipe:
     step_size: int | None = None
     gamma: float = 0.1
     schedule_every: int = 1
+    lr_milestones: tuple[int, ...] = ()
+    lr_factors: tuple[float, ...] = ()
+
+    def __post_init__(self) -> None:
+        # a W&B config or a JSON record holds lists: the same recipe either way
+        object.__setattr__(self, "lr_milestones", tuple(self.lr_milestones))
+        object.__setattr__(self, "lr_factors", tuple(self.lr_factors))
 
 
 @dataclass(frozen=True)
