@@ -43,7 +43,7 @@ import torch
 
 from metalearn import distributed
 from metalearn.algorithms import MetaLearner, StepMetrics
-from metalearn.algorithms.registry import can, make_learner
+from metalearn.algorithms.registry import can, complete_arguments, make_learner
 from metalearn.data import EpisodicSampler
 from metalearn.data.benchmarks import image_options, image_shape
 from metalearn.runs import experiment
@@ -213,11 +213,14 @@ def check_data(args: Args) -> None:
 
 def with_open_values(args: Args) -> Args:
     """``args`` with open ``channels`` and ``image_size`` set to the data set's, and, for a
-    learner with an inner loop, open ``inner_lr`` and ``inner_steps`` set to the MAML
-    paper's mini-ImageNet values (0.01, 5); the rest is the learner's own (its constructor)."""
+    learner whose inner loop is gradient descent by default (MAML's family, iMAML), open
+    ``inner_lr`` and ``inner_steps`` set to the MAML paper's mini-ImageNet values (0.01, 5);
+    the rest is the learner's own (its constructor: Reptile's Adam at 1e-3, whose
+    mini-ImageNet commands are the ``reptile-miniimagenet-*`` presets)."""
     channels, side = image_shape(args.data.dataset, args.data.image_size, args.data.channels)
     inner = {}
-    if can(args.learner.algorithm, "inner_loop"):
+    own = complete_arguments(args.learner.algorithm, {})
+    if can(args.learner.algorithm, "inner_loop") and own.get("inner_optimizer", "sgd") == "sgd":
         lr, steps = args.learner.inner_lr, args.learner.inner_steps
         inner = {"inner_lr": 0.01 if lr is None else lr, "inner_steps": steps or 5}
     return replace_flat(args, channels=channels, image_size=side, **inner)
