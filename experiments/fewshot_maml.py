@@ -43,7 +43,7 @@ import torch
 
 from metalearn import distributed
 from metalearn.algorithms import MetaLearner, StepMetrics
-from metalearn.algorithms.registry import can, make_learner
+from metalearn.algorithms.registry import can, complete_arguments, make_learner
 from metalearn.data import EpisodicSampler
 from metalearn.data.benchmarks import image_options, image_shape
 from metalearn.runs import experiment
@@ -121,9 +121,12 @@ class Args(ExperimentArgs):
     """Arguments of the few-shot experiment (each is a --flag, also as --flag_name=VALUE)."""
 
     preset: Literal["cpu", "paper-miniimagenet-5w1s", "paper-miniimagenet-5w5s",
-                    "paper-miniimagenet-5w1s-fo", "paper-miniimagenet-5w5s-fo"] = "cpu"  # fmt: skip
-    """Named configuration: cpu (the defaults: a short run) or the MAML paper's
-    mini-ImageNet settings (-fo: first order)."""
+                    "paper-miniimagenet-5w1s-fo", "paper-miniimagenet-5w5s-fo",
+                    "reptile-miniimagenet-5w1s", "reptile-miniimagenet-5w5s",
+                    "r2d2-miniimagenet", "metaoptnet-miniimagenet"] = "cpu"  # fmt: skip
+    """Named configuration: cpu (the defaults: a short run), the MAML paper's
+    mini-ImageNet settings (-fo: first order), or another algorithm's reference commands
+    (docs/algorithms.md)."""
     data: FewshotData = field(default_factory=lambda: FewshotData(query=15))
     """Data options."""
     model: FewshotModel = field(default_factory=lambda: FewshotModel(hidden=32))
@@ -150,12 +153,49 @@ PAPER = dict(dataset="mini-imagenet", backbone="conv4", hidden=32, head="flatten
              iterations=60_000, query=15, eval_query=15, inner_lr=0.01, inner_steps=5,
              eval_inner_steps=10, outer_lr=1e-3, val_every=1000, checkpoint_every=1000,
              val_tasks=600, test_tasks=600, ways=5)  # fmt: skip
+# Reptile's mini-ImageNet commands (openai/supervised-reptile, README.md): MAML's network
+# (32 filters, max-pool), --train-shots 15 examples a class trained on together (the shots
+# plus --query), 8 Adam iterations at 1e-3 on mini-batches of 10, meta-batch 5, meta-step 1
+# annealed to 0 over 100,000 steps, 50 evaluation iterations, 10,000 test tasks.
+REPTILE = dict(dataset="mini-imagenet", backbone="conv4", hidden=32, head="flatten", pool="max",
+               algorithm="reptile", train_on_query=True, inner_lr=1e-3, inner_steps=8,
+               inner_batch=10, meta_batch=5, outer_lr=1.0, iterations=100_000,
+               eval_inner_steps=50, val_every=1000, checkpoint_every=1000, val_tasks=600,
+               test_tasks=10_000, ways=5)  # fmt: skip
 PRESETS: dict[str, dict[str, Any]] = {
     "cpu": {},  # the defaults of Args
     "paper-miniimagenet-5w1s": {**PAPER, "shots": 1, "meta_batch": 4},
     "paper-miniimagenet-5w5s": {**PAPER, "shots": 5, "meta_batch": 2},
     "paper-miniimagenet-5w1s-fo": {**PAPER, "shots": 1, "meta_batch": 4, "algorithm": "fomaml"},
     "paper-miniimagenet-5w5s-fo": {**PAPER, "shots": 5, "meta_batch": 2, "algorithm": "fomaml"},
+    "reptile-miniimagenet-5w1s": {**REPTILE, "shots": 1, "query": 14, "eval_inner_batch": 5},
+    "reptile-miniimagenet-5w5s": {**REPTILE, "shots": 5, "query": 10, "eval_inner_batch": 15},
+    # bertinetto/r2d2, scripts/train/experiments.sh (mini_r2d2) and conf/fewshots.yaml:
+    # 16-way episodes of 15 examples a class, the output scale from 1e-4, Adam 5e-3 halved
+    # every 20 epochs of 100 episodes (40,000 steps: see omniglot_maml.py's R2D2)
+    "r2d2-miniimagenet": {"dataset": "mini-imagenet", "algorithm": "r2d2", "ways": 5,
+                          "train_ways": 16, "shots": 5, "query": 10, "eval_query": 15,
+                          "scale": 1e-4, "meta_batch": 1, "outer_lr": 5e-3,
+                          "lr_schedule": "step", "step_size": 20, "gamma": 0.5,
+                          "schedule_every": 100, "iterations": 40_000, "val_every": 100,
+                          "checkpoint_every": 1000, "val_tasks": 200, "test_tasks": 10_000},
+    # kjunelee/MetaOptNet, README.md (the SVM command) and train.py: ResNet-12, 8 episodes
+    # of 6 queries a class per step, SGD 0.1 with Nesterov momentum 0.9 and weight decay
+    # 5e-4, 60 epochs of 1,000 steps, 2,000 validation episodes; the SVM head's defaults
+    # (label smoothing 0.1). Its LambdaLR, stepped at each epoch's start, gives factors 1,
+    # 0.06, 0.012, 0.0024 from 0-based epochs 0, 19, 39, 49. It trains 15-shot: one shot
+    # count here for training and test (docs/algorithms.md).
+    "metaoptnet-miniimagenet": {"dataset": "mini-imagenet", "algorithm": "metaoptnet",
+                                "backbone": "resnet12", "hidden": 64, "ways": 5, "shots": 5,
+                                "query": 6,
+                                "eval_query": 15, "meta_batch": 8, "outer_optimizer": "sgd",
+                                "outer_lr": 0.1, "outer_momentum": 0.9, "nesterov": True,
+                                "weight_decay": 5e-4, "lr_schedule": "piecewise",
+                                "lr_milestones": (19, 39, 49),
+                                "lr_factors": (1.0, 0.06, 0.012, 0.0024),
+                                "schedule_every": 1000, "iterations": 60_000, "val_every": 1000,
+                                "checkpoint_every": 1000, "val_tasks": 2000,
+                                "test_tasks": 1000},
 }  # fmt: skip
 
 
@@ -178,11 +218,14 @@ def check_data(args: Args) -> None:
 
 def with_open_values(args: Args) -> Args:
     """``args`` with open ``channels`` and ``image_size`` set to the data set's, and, for a
-    learner with an inner loop, open ``inner_lr`` and ``inner_steps`` set to the MAML
-    paper's mini-ImageNet values (0.01, 5); the rest is the learner's own (its constructor)."""
+    learner whose inner loop is gradient descent by default (MAML's family, iMAML), open
+    ``inner_lr`` and ``inner_steps`` set to the MAML paper's mini-ImageNet values (0.01, 5);
+    the rest is the learner's own (its constructor: Reptile's Adam at 1e-3, whose
+    mini-ImageNet commands are the ``reptile-miniimagenet-*`` presets)."""
     channels, side = image_shape(args.data.dataset, args.data.image_size, args.data.channels)
     inner = {}
-    if can(args.learner.algorithm, "inner_loop"):
+    own = complete_arguments(args.learner.algorithm, {})
+    if can(args.learner.algorithm, "inner_loop") and own.get("inner_optimizer", "sgd") == "sgd":
         lr, steps = args.learner.inner_lr, args.learner.inner_steps
         inner = {"inner_lr": 0.01 if lr is None else lr, "inner_steps": steps or 5}
     return replace_flat(args, channels=channels, image_size=side, **inner)

@@ -108,11 +108,16 @@ class Args(ExperimentArgs):
     """Arguments of the Omniglot experiment (each is a --flag, also as --flag_name=VALUE)."""
 
     preset: Literal[
-        "cpu", "cpu-20w1s", "gpu-20w1s", "paper-5w1s", "paper-5w5s", "paper-20w1s", "paper-20w5s"
-    ] = "cpu"
+        "cpu", "cpu-20w1s", "gpu-20w1s", "paper-5w1s", "paper-5w5s", "paper-20w1s", "paper-20w5s",
+        "reptile-5w1s", "reptile-5w5s", "reptile-20w1s", "reptile-20w5s", "reptile-cpu",
+        "protonet-5w-paper", "protonet-20w-paper", "r2d2-5w-paper", "r2d2-20w-paper",
+        "imaml-5w1s", "imaml-cpu",
+    ] = "cpu"  # fmt: skip
     """Named configuration: cpu (the defaults: 5-way 1-shot Proto-MAML, about 15 min on 2
     cores), cpu-20w1s (Lake et al.'s within-alphabet 20-way 1-shot, under an hour on 2
-    cores), gpu-20w1s (the same recipe, longer), or the MAML paper's settings."""
+    cores), gpu-20w1s (the same recipe, longer), the MAML paper's settings, or another
+    algorithm's reference commands (reptile-*, protonet-*-paper, r2d2-*-paper, imaml-5w1s;
+    docs/algorithms.md; reptile-cpu and imaml-cpu: CPU-sized runs of those recipes)."""
     data: OmniglotData = field(default_factory=OmniglotData)
     """Data options."""
 
@@ -128,6 +133,31 @@ PAPER = dict(iterations=60_000, query=1, eval_query=1, inner_steps=1, eval_inner
 LAKE = dict(algorithm="protonet", ways=20, train_ways=60, shots=1, split="alphabet",
             augment=True, eval_protocol="within-alphabet", train_tasks="episodic",
             query=3)  # fmt: skip
+# Reptile's Omniglot commands (openai/supervised-reptile, README.md, "to match latest version
+# of the paper"): --train-shots 10 examples per class in the inner loop (the shots plus
+# --query, trained on together), --meta-batch 5, --meta-step 1 annealed to 0
+# (--meta-step-final 0), --eval-iters 50, 10,000 test tasks; the learner's defaults are its
+# 5-way values (Adam 1e-3 with beta1 0, 5 iterations on mini-batches of 10, evaluation
+# mini-batches of 5, non-transductive).
+REPTILE = dict(algorithm="reptile", train_on_query=True, meta_batch=5, eval_inner_steps=50,
+               outer_lr=1.0, val_every=1000, checkpoint_every=1000, val_tasks=600,
+               test_tasks=10_000)  # fmt: skip
+REPTILE_20W = dict(ways=20, inner_lr=5e-4, inner_steps=10, inner_batch=20, eval_inner_batch=10,
+                   iterations=200_000)  # fmt: skip
+# ProtoNet's and R2-D2's Omniglot training: 60-way episodes of 5 queries (R2-D2: 10 examples
+# a class), one a step, Adam halved every 20 epochs of 100 episodes, validated every epoch
+# (jakesnell/prototypical-networks, scripts/train/few_shot/run_train.py; bertinetto/r2d2,
+# scripts/train/experiments.sh and conf/fewshots.yaml). Both stop when validation has not
+# improved for 200 epochs; 40,000 steps here, where the step is 2^-20 of its start and
+# later steps move nothing (metalearn tests the best-validation weights).
+PROTONET = dict(algorithm="protonet", train_ways=60, shots=5, query=5, eval_query=15,
+                meta_batch=1, outer_lr=1e-3, lr_schedule="step", step_size=20, gamma=0.5,
+                schedule_every=100, iterations=40_000, val_every=100, checkpoint_every=1000,
+                val_tasks=100, test_tasks=1000)  # fmt: skip
+R2D2 = dict(algorithm="r2d2", train_ways=60, shots=5, query=5, eval_query=15, meta_batch=1,
+            outer_lr=5e-3, lr_schedule="step", step_size=20, gamma=0.5, schedule_every=100,
+            iterations=40_000, val_every=100, checkpoint_every=1000, val_tasks=200,
+            test_tasks=10_000)  # fmt: skip
 PRESETS: dict[str, dict[str, Any]] = {
     "cpu": {},  # the defaults of Args
     "cpu-20w1s": {**LAKE, "meta_batch": 8, "iterations": 3000, "val_every": 500},
@@ -139,6 +169,27 @@ PRESETS: dict[str, dict[str, Any]] = {
                     "inner_steps": 5},
     "paper-20w5s": {**PAPER, "ways": 20, "shots": 5, "meta_batch": 16, "inner_lr": 0.1,
                     "inner_steps": 5},
+    "reptile-5w1s": {**REPTILE, "ways": 5, "shots": 1, "query": 9, "iterations": 100_000},
+    "reptile-5w5s": {**REPTILE, "ways": 5, "shots": 5, "query": 5, "iterations": 100_000},
+    "reptile-20w1s": {**REPTILE, **REPTILE_20W, "shots": 1, "query": 9},
+    "reptile-20w5s": {**REPTILE, **REPTILE_20W, "shots": 5, "query": 5},
+    # reptile-5w1s at a 2-core budget: fewer meta-steps (the step still annealed to 0 over
+    # them) and fewer evaluation tasks
+    "reptile-cpu": {**REPTILE, "ways": 5, "shots": 1, "query": 9, "iterations": 1000,
+                    "val_every": 250, "checkpoint_every": 250, "val_tasks": 50,
+                    "test_tasks": 300},
+    # aravindr93/imaml_dev, examples/README.md (the Omniglot 5-way 1-shot command): 16 steps
+    # at 0.1, lam 2, 5 CG steps, meta-batch 32, 500 meta-steps of Adam 1e-3; evaluated
+    # with 16 steps on 600 tasks (measure_accuracy.py). The learner's defaults are its values.
+    "imaml-5w1s": {"algorithm": "imaml", "ways": 5, "shots": 1, "meta_batch": 32,
+                   "outer_lr": 1e-3, "iterations": 500, "eval_inner_steps": 16,
+                   "val_every": 100, "test_tasks": 600},
+    # iMAML on the default CPU run: 5 inner steps, about a third of the inner loop's cost
+    "imaml-cpu": {"algorithm": "imaml", "inner_steps": 5},
+    "protonet-5w-paper": {**PROTONET, "ways": 5},
+    "protonet-20w-paper": {**PROTONET, "ways": 20},
+    "r2d2-5w-paper": {**R2D2, "ways": 5},
+    "r2d2-20w-paper": {**R2D2, "ways": 20},
 }  # fmt: skip
 
 

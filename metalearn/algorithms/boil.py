@@ -33,6 +33,8 @@ class BOIL(InnerOptimizerLearner):
         model: the network.
         head: the prefix of the head's parameter names (``"head"`` for `Conv4`): these stay
             at theta in the inner loop.
+        inner_lr: the body's inner step size; 0.5, the reference's ``--extractor-step-size``
+            (``run_4conv.sh``).
         **kwargs: as for `metalearn.algorithms.inner_optimizer.InnerOptimizerLearner` (an
             inner optimizer other than SGD included).
 
@@ -42,8 +44,11 @@ class BOIL(InnerOptimizerLearner):
     """
 
     fixed_arguments = ("adapt_keys",)
+    arguments_before = {"inner_lr": 0.4}  # MAML's Omniglot rate, before the reference's
 
-    def __init__(self, model: nn.Module, head: str = "head", **kwargs: Any) -> None:
+    def __init__(
+        self, model: nn.Module, head: str = "head", *, inner_lr: float = 0.5, **kwargs: Any
+    ) -> None:
         names = [n for n, _ in model.named_parameters()]
         body = [n for n in names if not (n == head or n.startswith(head + "."))]
         if len(body) == len(names):
@@ -56,5 +61,5 @@ class BOIL(InnerOptimizerLearner):
                 f"every parameter of the model is in the head {head!r}: BOIL has no body to "
                 "adapt; pass head= the classifier's prefix"
             )
-        super().__init__(model, adapt_keys=body, **kwargs)
+        super().__init__(model, adapt_keys=body, inner_lr=inner_lr, **kwargs)
         self.head = head

@@ -99,7 +99,7 @@ class LearnerArgs:
     inner_optimizer: Literal["sgd", "momentum", "nesterov", "adam", "rmsprop"] | None = None
     """maml, fomaml, anil: the inner loop's differentiable optimizer (metalearn.optim), its
     step size --inner-lr (Adam and RMSprop move each entry by about that much: try 0.01);
-    none: the learner's (sgd: MAML's update)."""
+    none: the learner's (sgd: MAML's update). reptile: adam (its default, beta1 0) or sgd."""
     inner_momentum: float | None = None
     """--inner-optimizer momentum or nesterov: the momentum; none: the learner's."""
     inner_beta1: float | None = None
@@ -113,6 +113,31 @@ class LearnerArgs:
     label_smoothing: float | None = None
     """metaoptnet only: label smoothing of its training query loss, in [0, 1) (never at
     evaluation); none: the learner's (0.1, the paper's SVM command)."""
+    inner_state: Literal["carried", "task"] | None = None
+    """reptile only: its inner Adam's state carried on across tasks (the reference's
+    TensorFlow slots) or reset per task; none: the learner's (carried)."""
+    transductive: bool | None = None
+    """reptile only: score a task's query set as one batch (shared batch-norm statistics);
+    none: the learner's (False: each query beside the support set, the reference's default)."""
+    train_on_query: bool | None = None
+    """reptile only: the inner loop trains on support + query (the reference's --train-shots
+    examples per class: --query = train-shots - shots); none: the learner's (support only)."""
+    inner_batch: int | None = None
+    """reptile only: examples per inner mini-batch in training; none: the learner's (10, the
+    reference's --inner-batch)."""
+    eval_inner_batch: int | None = None
+    """reptile only: examples per inner mini-batch at validation and test; none: the
+    learner's (5, the reference's --eval-batch)."""
+    ridge_form: Literal["rrnet", "plain"] | None = None
+    """r2d2 only: rrnet (Bertinetto et al.'s head: a ones column, X and Y divided by
+    sqrt(N K)) or plain (MetaOptNet's R2D2Head formula, lambda and scale log-parameterised);
+    none: the learner's (rrnet)."""
+    lam: float | None = None
+    """r2d2: the ridge penalty (fixed unless learned); imaml: the proximal strength; none:
+    the learner's (r2d2 50, imaml 2)."""
+    scale: float | None = None
+    """r2d2, metaoptnet, metaoptnet-lr: the logits' learned scale at the start; none: the
+    learner's (r2d2: 10, the reference's Omniglot value; its mini-ImageNet value is 1e-4)."""
     learn_inner_hyperparameters: Literal["none", "tensor", "step"] | None = None
     """maml, fomaml, anil: meta-learn the inner step size and the optimizer's decay rates,
     one per parameter tensor (tensor) or per tensor and inner step (step); none: fixed."""
@@ -150,11 +175,16 @@ class TrainingArgs:
     """--outer-optimizer sgd: Nesterov momentum (needs --outer-momentum)."""
     weight_decay: float = 0.0
     """The outer optimizer's weight decay (L2 on the meta-parameters; MetaOptNet's 5e-4)."""
-    lr_schedule: Literal["constant", "cosine", "step", "linear"] = "constant"
+    lr_schedule: Literal["constant", "cosine", "step", "linear", "piecewise"] = "constant"
     """Outer step-size schedule, as torch's schedulers (metalearn.runs.outer_loop): cosine
     (CosineAnnealingLR to --eta-min over the run; MAML++), step (StepLR: x --gamma every
-    --step-size; ProtoNet), linear (LinearLR to --eta-min over the run). Reptile's own
-    annealing multiplies it."""
+    --step-size; ProtoNet), linear (LinearLR to --eta-min over the run), piecewise (x
+    --lr-factors between --lr-milestones; MetaOptNet's LambdaLR). Reptile's own annealing
+    multiplies it."""
+    lr_milestones: tuple[int, ...] = ()
+    """--lr-schedule piecewise: the scheduler steps at which the next factor starts."""
+    lr_factors: tuple[float, ...] = ()
+    """--lr-schedule piecewise: the step size's factors, one more than --lr-milestones."""
     eta_min: float = 0.0
     """--lr-schedule cosine or linear: the step size it anneals to (MAML++'s 1e-5)."""
     step_size: int | None = None

@@ -25,11 +25,15 @@ scheduler steps taken and ``K = iterations // schedule_every``:
   eta_min) (MAML++: eta_min 1e-5 over its epochs);
 * ``step``: ``lr gamma^floor(k / step_size)``, StepLR(step_size, gamma) (ProtoNet: every 20
   epochs, gamma 0.5);
-* ``linear``: ``lr + (eta_min - lr) k / K``, LinearLR(1, eta_min / lr, total_iters=K).
+* ``linear``: ``lr + (eta_min - lr) k / K``, LinearLR(1, eta_min / lr, total_iters=K);
+* ``piecewise``: ``lr * lr_factors[i]`` with ``i`` the number of ``lr_milestones`` at or
+  below ``k``, LambdaLR of that function (MetaOptNet: its ``LambdaLR`` stepped at each
+  epoch's start, factors 1, 0.06, 0.012, 0.0024 from 0-based epochs 0, 19, 39, 49).
 """
 
 from __future__ import annotations
 
+import bisect
 import math
 from collections.abc import Mapping
 from typing import Any
@@ -45,7 +49,7 @@ __all__ = ["OUTER_OPTIMIZERS", "SCHEDULES", "build_outer_optimizer", "check_fini
            "check_outer_loop", "my_tasks", "scheduled_lr"]  # fmt: skip
 
 OUTER_OPTIMIZERS = ("adam", "sgd")
-SCHEDULES = ("constant", "cosine", "step", "linear")
+SCHEDULES = ("constant", "cosine", "step", "linear", "piecewise")
 
 
 def scheduled_lr(training: Any, step: int) -> float:
@@ -68,6 +72,8 @@ def scheduled_lr(training: Any, step: int) -> float:
         return lr * training.gamma ** (k // training.step_size)
     if kind == "linear":
         return lr + (training.eta_min - lr) * min(k, total) / total
+    if kind == "piecewise":
+        return lr * training.lr_factors[bisect.bisect_right(training.lr_milestones, k)]
     raise ValueError(f"unknown lr_schedule {kind!r}; choose one of {', '.join(SCHEDULES)}")
 
 
@@ -132,6 +138,8 @@ def check_outer_loop(a: Mapping[str, Any]) -> None:
     elif a["step_size"] is not None:
         raise ValueError(f"--step-size is a setting of --lr-schedule step; drop it for "
                          f"--lr-schedule {schedule}")  # fmt: skip
+    _check_piecewise(schedule, tuple(a.get("lr_milestones", ())),
+                     tuple(a.get("lr_factors", ())), steps)  # fmt: skip
     eta_min, lr = a["eta_min"], a["outer_lr"]
     if schedule in ("cosine", "linear"):
         if not (math.isfinite(eta_min) and eta_min >= 0):
@@ -142,6 +150,25 @@ def check_outer_loop(a: Mapping[str, Any]) -> None:
     elif eta_min != 0:
         raise ValueError(f"--eta-min is the minimum of --lr-schedule cosine or linear; drop it "
                          f"for --lr-schedule {schedule}")  # fmt: skip
+
+
+def _check_piecewise(schedule: str, milestones: tuple, factors: tuple, steps: int) -> None:
+    """Refuse piecewise settings that make no sense, or given to another schedule."""
+    if schedule != "piecewise":
+        if milestones or factors:
+            raise ValueError(f"--lr-milestones and --lr-factors are settings of --lr-schedule "
+                             f"piecewise; drop them for --lr-schedule {schedule}")  # fmt: skip
+        return
+    if len(factors) != len(milestones) + 1:
+        raise ValueError(f"--lr-factors has {len(factors)} values for {len(milestones)} "
+                         "--lr-milestones; give one more factor than milestones (the first "
+                         "holds from step 0)")  # fmt: skip
+    if list(milestones) != sorted(set(milestones)) or not all(1 <= m <= steps for m in milestones):
+        raise ValueError(f"--lr-milestones {' '.join(map(str, milestones))}: must increase "
+                         f"within [1, {steps}] (scheduler steps in the run)")  # fmt: skip
+    if not all(math.isfinite(f) and f > 0 for f in factors):
+        raise ValueError(f"--lr-factors {' '.join(map(str, factors))}: must be positive and "
+                         "finite")  # fmt: skip
 
 
 # --------------------------------------------------------------------------- a meta-step's parts

@@ -82,7 +82,8 @@ EXPERIMENTS = ("omniglot_maml", "fewshot_maml")
 
 # The outer loop's fields of `TrainingRecipe`, each set by the flag of its name.
 _OUTER_FIELDS = ("outer_optimizer", "outer_momentum", "nesterov", "weight_decay", "lr_schedule",
-                 "eta_min", "step_size", "gamma", "schedule_every")  # fmt: skip
+                 "eta_min", "step_size", "gamma", "schedule_every", "lr_milestones",
+                 "lr_factors")  # fmt: skip
 # The flags that set a learner argument, each named after the argument it sets. A switch
 # (bool) that is off and a value left at None set nothing: the learner's default stands (and
 # is recorded).
@@ -91,13 +92,17 @@ LEARNER_FLAGS = (
     "gradient_checkpointing", "cg_damping", "lora_rank", "msl_steps", "first_order_steps",
     "inner_optimizer", "inner_momentum", "inner_beta1", "inner_beta2", "inner_eps",
     "inner_alpha", "learn_inner_hyperparameters", "on_nonfinite", "label_smoothing",
+    "inner_batch", "eval_inner_batch", "ridge_form", "lam", "scale", "inner_state",
+    "transductive", "train_on_query",
 )  # fmt: skip
 # The inner optimizer's flags (`metalearn.algorithms.inner_optimizer`), for the refusals.
 _OPTIMIZER_FLAGS = ("inner_optimizer", "inner_momentum", "inner_beta1", "inner_beta2",
                     "inner_eps", "inner_alpha", "learn_inner_hyperparameters")  # fmt: skip
 # Flags that belong to the algorithms whose learner takes them (`algorithms_taking`): recorded
 # resolved for those, refused for the others.
-_OWN_FLAGS = ("cg_damping", "lora_rank", "msl_steps", "first_order_steps", "label_smoothing")
+_OWN_FLAGS = ("cg_damping", "lora_rank", "msl_steps", "first_order_steps", "label_smoothing",
+              "inner_batch", "eval_inner_batch", "ridge_form", "lam", "scale", "inner_state",
+              "transductive", "train_on_query")  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -178,6 +183,13 @@ class TrainingRecipe:
     step_size: int | None = None
     gamma: float = 0.1
     schedule_every: int = 1
+    lr_milestones: tuple[int, ...] = ()
+    lr_factors: tuple[float, ...] = ()
+
+    def __post_init__(self) -> None:
+        # a W&B config or a JSON record holds lists: the same recipe either way
+        object.__setattr__(self, "lr_milestones", tuple(self.lr_milestones))
+        object.__setattr__(self, "lr_factors", tuple(self.lr_factors))
 
 
 @dataclass(frozen=True)
@@ -329,6 +341,9 @@ def _check_optimizer_flags(algorithm: str, args: Mapping[str, Any], own: Mapping
     name = args.get("inner_optimizer") or own["inner_optimizer"]
     reads = optimizer_hyperparameters(name)
     for flag in given:
+        if flag not in own:  # Reptile's inner optimizer is fixed, never learned
+            raise ValueError(f"--{flag.replace('_', '-')} is not a setting of {algorithm}; "
+                             "drop it")  # fmt: skip
         if flag.startswith("inner_") and flag != "inner_optimizer" and flag not in reads:
             raise ValueError(f"--{flag.replace('_', '-')} is not a hyperparameter of "
                              f"--inner-optimizer {name}; drop it")  # fmt: skip
@@ -398,9 +413,10 @@ def read_recipe(saved: Mapping[str, Any]) -> Recipe:
     """The recipe of a checkpoint: its ``recipe``, or one made from the flat ``args`` of a
     checkpoint written before recipes existed.
 
-    Old records differ from new ones in two learner settings, which the recipe then
-    records: Reptile's outer step was constant (``anneal=False``), and MAML++'s schedule
-    (its loss weights and derivative order) was not driven by the training loop.
+    Old records differ from new ones in learner settings, which the recipe then records:
+    Reptile's outer step was constant (``anneal=False``) and its inner loop full-batch
+    gradient descent, R2D2's head the plain one with lambda learned from 1, and MAML++'s
+    schedule (its loss weights and derivative order) was not driven by the training loop.
 
     Raises:
         ValueError: a malformed or unknown recipe, or old arguments without the keys every
@@ -418,10 +434,14 @@ def read_recipe(saved: Mapping[str, Any]) -> Recipe:
     except KeyError as err:
         raise ValueError(f"the checkpoint's arguments lack {err}; it was not written by "
                          "metalearn's experiments") from None  # fmt: skip
-    if recipe.learner.algorithm == "reptile":
-        arguments = {**recipe.learner.arguments, "anneal": False}
-        recipe = dataclasses.replace(recipe, learner=LearnerRecipe("reptile", arguments))
-    return recipe
+    algorithm = recipe.learner.algorithm
+    # what the record left open (or no flag set then) had the values of that time
+    before = LEARNERS[algorithm].arguments_before
+    arguments = {**recipe.learner.arguments,
+                 **{k: v for k, v in before.items() if args.get(k) is None}}  # fmt: skip
+    if algorithm == "reptile":
+        arguments["anneal"] = False
+    return dataclasses.replace(recipe, learner=LearnerRecipe(algorithm, arguments))
 
 
 _RENAMED = {"checkpoint": "gradient_checkpointing"}
@@ -449,11 +469,15 @@ def upgrade_args(args: Mapping[str, Any]) -> dict[str, Any]:
 
 def _upgrade_learner(learner: LearnerRecipe) -> LearnerRecipe:
     """A recorded learner under today's names: its arguments renamed (`_RENAMED_ARGUMENTS`),
-    and ``metaoptnet`` with the logistic head's arguments (``newton_steps``) read as
-    ``metaoptnet-lr`` (it was the logistic-regression head before it became the SVM)."""
+    ``metaoptnet`` with the logistic head's arguments (``newton_steps``) read as
+    ``metaoptnet-lr`` (it was the logistic-regression head before it became the SVM), and
+    the arguments added since at the values the run had (the learner's
+    `MetaLearner.arguments_before`, for the ones the record lacks)."""
     arguments = {_RENAMED_ARGUMENTS.get(k, k): v for k, v in learner.arguments.items()}
     if learner.algorithm == "metaoptnet" and "newton_steps" in arguments:
         return LearnerRecipe("metaoptnet-lr", arguments)
+    if learner.algorithm in LEARNERS:
+        arguments = {**LEARNERS[learner.algorithm].arguments_before, **arguments}
     return LearnerRecipe(learner.algorithm, arguments)
 
 

@@ -18,6 +18,7 @@ from metalearn.algorithms.registry import (
     can,
     learner_arguments,
 )
+from metalearn.algorithms.reptile import Reptile
 from metalearn.runs.recipe import resolve_learner_args
 from tests.conftest import ROOT
 
@@ -31,7 +32,9 @@ def test_each_capability_agrees_with_what_the_learner_takes_and_is(name):
     cls = LEARNERS[name]
     assert can(name, "inner_loop") == ("inner_lr" in takes and "inner_steps" in takes)
     assert can(name, "inner_optimizer") == ("inner_optimizer" in takes)
-    assert can(name, "inner_optimizer") == issubclass(cls, InnerOptimizerLearner)
+    # Reptile chooses its own (Adam or SGD, the reference's two), outside MAML's family
+    assert can(name, "inner_optimizer") == (issubclass(cls, InnerOptimizerLearner) or
+                                            cls is Reptile)  # fmt: skip
     # Curvature needs a meta-loss to differentiate and a support loss where an inner loop
     # starts (metalearn.algorithms.curvature).
     assert can(name, "curvature") == (issubclass(cls, MetaLossLearner) and can(name, "inner_loop"))
@@ -39,7 +42,7 @@ def test_each_capability_agrees_with_what_the_learner_takes_and_is(name):
 
 
 def test_the_lists_follow_the_registry():
-    assert algorithms_that("inner_optimizer") == ("maml", "fomaml", "anil", "boil")
+    assert algorithms_that("inner_optimizer") == ("maml", "fomaml", "anil", "reptile", "boil")
     assert set(algorithms_that("inner_loop")) == set(LEARNERS) - set(
         algorithms_that("head_sized_per_task")
     )

@@ -88,8 +88,28 @@ def protonet_reference(learner: ProtoNet, tasks_: list[Task]) -> dict[str, Tenso
 
 
 def r2d2_reference(learner: R2D2, tasks_: list[Task]) -> dict[str, Tensor]:
-    """Bertinetto et al. (2019): ridge regression onto one-hot targets in the primal form
-    ``W = (X^T X + lam I_D)^{-1} X^T Y``, logits ``scale X_q W + bias``."""
+    """Bertinetto et al. (2019), as ``RRNet`` computes it: ridge regression of ``X = [Z, 1] /
+    sqrt(S)`` onto ``Y = onehot / sqrt(S)`` in the primal form
+    ``[W; b] = (X^T X + lam I_{D+1})^{-1} X^T Y``, logits ``scale (Z_q W + b) + bias``."""
+    lam, scale, bias = learner.lam, learner.scale, learner.bias
+    total = 0.0
+    for task in tasks_:
+        (xs, ys), (xq, yq) = task.support, task.query
+        fs, fq = embed(learner, xs), embed(learner, xq)
+        n = fs.shape[0]
+        x = torch.cat([fs, torch.ones(n, 1, dtype=F64)], 1) / math.sqrt(n)
+        y = F.one_hot(ys).to(F64) / math.sqrt(n)
+        wb = torch.linalg.solve(x.T @ x + lam * torch.eye(x.shape[1], dtype=F64), x.T @ y)
+        total = total + F.cross_entropy(scale * (fq @ wb[:-1] + wb[-1]) + bias, yq)
+    extra = {"lam": learner.lam, "scale": learner.scale, "bias": learner.bias}
+    learned = {k: v for k, v in extra.items() if v.requires_grad}  # lam: unless learn_lambda
+    return meta_gradient(learner, total / len(tasks_), learned)
+
+
+def r2d2_plain_reference(learner: R2D2, tasks_: list[Task]) -> dict[str, Tensor]:
+    """The ``plain`` head (MetaOptNet's ``R2D2Head`` formula): ridge regression onto one-hot
+    targets in the primal form ``W = (X^T X + lam I_D)^{-1} X^T Y``, logits
+    ``scale X_q W + bias``, with ``lam`` and ``scale`` log-parameterised."""
     lam, scale = learner.log_lam.exp(), learner.log_scale.exp()
     bias = learner.bias
     total = 0.0
@@ -197,17 +217,28 @@ def svm_reference(learner: MetaOptNet, tasks_: list[Task]) -> dict[str, Tensor]:
 
 
 REFERENCES = {"protonet": protonet_reference, "r2d2": r2d2_reference,
-              "metaoptnet": svm_reference, "metaoptnet-lr": metaoptnet_lr_reference}  # fmt: skip
+              "r2d2-plain": r2d2_plain_reference, "metaoptnet": svm_reference,
+              "metaoptnet-lr": metaoptnet_lr_reference}  # fmt: skip
 SETTINGS = {
     "protonet": {},
-    "r2d2": {"lam": 0.5, "scale": 3.0, "bias": 0.2},
+    # lambda learned here, so its meta-gradient is checked too (the default holds it fixed)
+    "r2d2": {"lam": 0.5, "scale": 3.0, "bias": 0.2, "learn_lambda": True},
+    "r2d2-plain": {
+        "ridge_form": "plain",
+        "lam": 0.5,
+        "scale": 3.0,
+        "bias": 0.2,
+        "learn_lambda": True,
+    },
     "metaoptnet": {"scale": 2.0, "c_reg": 0.5},
     "metaoptnet-lr": {"weight_decay": 0.5, "scale": 2.0, "tol": 1e-12, "cg_tol": 1e-13},
 }
 
 
 def learner_of(algorithm: str, **kwargs) -> HeadLearner:
-    return make_learner(algorithm, conv(), {**SETTINGS[algorithm], **kwargs})
+    """The learner of ``algorithm`` (``r2d2-plain``: R2D2's plain ridge_form) at `SETTINGS`."""
+    name = algorithm.removesuffix("-plain")
+    return make_learner(name, conv(), {**SETTINGS[algorithm], **kwargs})
 
 
 def grads_of(learner: HeadLearner) -> dict[str, Tensor]:
@@ -230,7 +261,7 @@ def test_meta_gradient_equals_the_papers_formula(algorithm: str) -> None:
     assert metrics.vectorized == (0 if algorithm.startswith("metaoptnet") else len(batch))
 
 
-@pytest.mark.parametrize("algorithm", ["protonet", "r2d2"])
+@pytest.mark.parametrize("algorithm", ["protonet", "r2d2", "r2d2-plain"])
 def test_vmap_equals_the_loop(algorithm: str) -> None:
     batch = tasks((5, 5, 5, 3, 3))
     results = {}
@@ -246,11 +277,30 @@ def test_vmap_equals_the_loop(algorithm: str) -> None:
     torch.testing.assert_close(ev, el, rtol=0, atol=1e-12)
 
 
-def test_r2d2_bias_cancels_in_the_softmax() -> None:
-    learner = learner_of("r2d2")
+@pytest.mark.parametrize("algorithm", ["r2d2", "r2d2-plain"])
+def test_r2d2_bias_cancels_in_the_softmax(algorithm: str) -> None:
+    learner = learner_of(algorithm)
     learner.backward(tasks())
     assert abs(float(learner.bias.grad)) < 1e-14
-    assert float(learner.log_lam.grad.abs()) > 1e-6 and float(learner.log_scale.grad.abs()) > 1e-6
+    lam, scale = ("lam", "scale") if algorithm == "r2d2" else ("log_lam", "log_scale")
+    for name in (lam, scale):
+        assert float(learner.get_parameter(name).grad.abs()) > 1e-6, name
+
+
+def test_r2d2_defaults_are_the_references_and_hold_lambda_fixed() -> None:
+    """``bertinetto/r2d2``: ``init_lambda: 50``, ``learn_lambda: False`` (fewshots.yaml), the
+    Omniglot scripts' ``--base_learner.init_adj_scale 10``, ``AdjustLayer``'s bias 0."""
+    learner = R2D2(conv())
+    values = [float(v.detach()) for v in (learner.lam, learner.scale, learner.bias)]
+    assert (learner.ridge_form, *values) == (
+        "rrnet", 50.0, 10.0, 0.0)  # fmt: skip
+    assert "lam" not in dict(learner.named_parameters())  # a buffer: no meta-gradient
+    learner.backward(tasks())
+    assert float(learner.scale.grad.abs()) > 1e-6
+    expected = r2d2_reference(learner, tasks())
+    for name, p in learner.named_parameters():
+        if p.grad is not None:
+            torch.testing.assert_close(p.grad, expected[name], rtol=0, atol=EXACT, msg=name)
 
 
 # --------------------------------------------------------------------------- adapt, evaluate
@@ -296,6 +346,8 @@ def test_heads_refuse_inner_loop_settings_and_a_model_without_a_linear_head() ->
         MetaOptNet(conv(), vectorize="vmap")
     with pytest.raises(ValueError, match="lam and scale must be > 0"):
         R2D2(conv(), lam=0.0)
+    with pytest.raises(ValueError, match="ridge_form 'ridge'; choose one of rrnet, plain"):
+        R2D2(conv(), ridge_form="ridge")
 
 
 def test_metaoptnet_lr_names_an_inner_solve_that_did_not_converge() -> None:

@@ -2,7 +2,9 @@
 
 iMAML: the closed-form implicit gradient of a linear-regression inner problem, the unrolled
 second-order gradient through a converged proximal inner loop, and memory that does not grow
-with the inner steps. Reptile: a plain torch.optim.SGD loop on a copy of the model.
+with the inner steps. Reptile: a plain torch.optim.SGD loop on a copy of the model, and the
+reference code's inner loop (``openai/supervised-reptile``: TensorFlow's Adam with beta1 = 0
+on mini-batches cut from a stream of shuffles) written out on a copy of the model.
 """
 
 from __future__ import annotations
@@ -19,9 +21,10 @@ from torch.profiler import ProfilerActivity, profile
 from metalearn.algorithms.base import StepMetrics
 from metalearn.algorithms.imaml import IMAML, implicit_meta_gradient
 from metalearn.algorithms.maml import FOMAML, MAML
-from metalearn.algorithms.reptile import Reptile
+from metalearn.algorithms.reptile import EVAL_SEED, Reptile
 from metalearn.engine import InnerLoop, NonFiniteLossError, Task, TaskCall, task_loss
 from metalearn.models import MLP
+from metalearn.models.norm import MetaBatchNorm
 from metalearn.second_order import HVP_METHODS
 
 F64 = torch.float64
@@ -264,6 +267,14 @@ def test_imaml_names_the_task_when_cg_meets_negative_curvature() -> None:
 
 # --------------------------------------------------------------------------- Reptile
 
+# Reptile as plain full-batch gradient descent (the inner loop before Adam and mini-batches).
+PLAIN = {
+    "inner_optimizer": "sgd",
+    "inner_batch": None,
+    "eval_inner_batch": None,
+    "transductive": True,
+}
+
 
 def _sgd_reference(
     model: nn.Module, data: tuple[Tensor, Tensor], steps: int, lr: float, names: list[str] | None
@@ -297,7 +308,7 @@ def test_reptile_grad_is_theta_minus_sgd_weights(train_on_query: bool) -> None:
         clone = copy.deepcopy(model)
         clone.load_state_dict(phi)
         query_losses.append(F.cross_entropy(clone(t.query[0]), t.query[1]).detach())
-    learner = Reptile(model, inner_lr=lr, inner_steps=k, train_on_query=train_on_query)
+    learner = Reptile(model, inner_lr=lr, inner_steps=k, train_on_query=train_on_query, **PLAIN)
     metrics = learner.backward(tasks)
     for n, p in model.named_parameters():
         expected = torch.stack([d[n] for d in directions]).mean(0)
@@ -309,7 +320,7 @@ def test_reptile_sgd_step_is_the_batched_update_and_grads_accumulate() -> None:
     torch.manual_seed(8)
     model = MLP(3, [6], 4, activation=nn.Tanh).double()
     tasks = _classification_tasks(torch.Generator().manual_seed(8), 2)
-    learner = Reptile(model, inner_lr=0.3, inner_steps=4)
+    learner = Reptile(model, inner_lr=0.3, inner_steps=4, **PLAIN)
     theta = _flat(model)
     phis = [torch.cat([v.reshape(-1) for v in learner.adapt(t).values()]) for t in tasks]
     eps = 0.25
@@ -334,7 +345,7 @@ def test_reptile_one_step_is_joint_training() -> None:
     model = MLP(3, [6], 4, activation=nn.Tanh).double()
     tasks = _classification_tasks(torch.Generator().manual_seed(9), 3)
     alpha = 0.3
-    Reptile(model, inner_lr=alpha, inner_steps=1).backward(tasks)
+    Reptile(model, inner_lr=alpha, inner_steps=1, **PLAIN).backward(tasks)
     reptile = _flat_grad(model).clone()
     model.zero_grad()
     joint = [Task(t.support, t.support) for t in tasks]
@@ -347,7 +358,7 @@ def test_reptile_adapt_keys_move_only_those_parameters() -> None:
     model = MLP(3, [6], 4, activation=nn.Tanh).double()
     task = _classification_tasks(torch.Generator().manual_seed(10), 1)[0]
     head = ["head.weight", "head.bias"]
-    Reptile(model, inner_lr=0.3, inner_steps=3, adapt_keys=head).backward([task])
+    Reptile(model, inner_lr=0.3, inner_steps=3, adapt_keys=head, **PLAIN).backward([task])
     phi = _sgd_reference(model, task.support, 3, 0.3, head)
     for n, p in model.named_parameters():
         torch.testing.assert_close(p.grad, p.detach() - phi[n], rtol=0, atol=1e-12)
@@ -359,7 +370,7 @@ def test_reptile_metrics_match_evaluate_and_nonfinite_tasks_skip() -> None:
     torch.manual_seed(11)
     model = MLP(3, [6], 4, activation=nn.Tanh).double()
     tasks = _classification_tasks(torch.Generator().manual_seed(11), 3)
-    learner = Reptile(model, inner_lr=0.3, inner_steps=4, on_nonfinite="skip")
+    learner = Reptile(model, inner_lr=0.3, inner_steps=4, on_nonfinite="skip", **PLAIN)
     metrics = learner.backward(tasks)
     losses, accs = learner.evaluate(tasks)
     assert metrics.loss == pytest.approx(float(losses.mean()), abs=1e-12)
@@ -382,3 +393,145 @@ def test_reptile_rejects_bad_settings() -> None:
     assert not hasattr(Reptile(model), "meta_loss")  # its meta-gradient is no loss's gradient
     with pytest.raises(ValueError, match="meta-batch is empty"):
         Reptile(model).backward([])
+    with pytest.raises(ValueError, match="Reptile's inner_optimizer 'rmsprop'; choose one of"):
+        Reptile(model, inner_optimizer="rmsprop")
+    with pytest.raises(
+        ValueError, match=r"inner_beta1=1.0 is out of range: it must be in \[0, 1\)"
+    ):
+        Reptile(model, inner_beta1=1.0)
+    with pytest.raises(ValueError, match="inner_batch must be >= 1"):
+        Reptile(model, inner_batch=0)
+
+
+def _reference_batches(n: int, batch: int, count: int) -> list[list[int]]:
+    """``supervised_reptile.reptile._mini_batches`` without replacement, written out: shuffle
+    the examples, append them one by one, yield a batch whenever it is full, reshuffle when
+    they run out (a batch may span two shuffles). The shuffle is torch.randperm's."""
+    batches, current = [], []
+    while True:
+        for i in torch.randperm(n).tolist():
+            current.append(i)
+            if len(current) < batch:
+                continue
+            batches.append(current)
+            current = []
+            if len(batches) == count:
+                return batches
+
+
+def _adam_reference(model: nn.Module, data: tuple[Tensor, Tensor], steps: int, batch: int,
+                    lr: float, beta1: float, beta2: float, eps: float,
+                    slots: dict | None = None) -> tuple[dict[str, Tensor], dict]:  # fmt: skip
+    """TensorFlow's AdamOptimizer (its documented update: ``lr_t = lr sqrt(1 - beta2^t) /
+    (1 - beta1^t)``, ``p -= lr_t m_t / (sqrt(v_t) + eps)``) on a copy of the model, one step
+    per mini-batch of `_reference_batches`, from the slots ``slots`` (None: zero, t = 0).
+    Returns the weights and the slots after."""
+    clone = copy.deepcopy(model)
+    params = dict(clone.named_parameters())
+    if slots is None:
+        slots = {"t": 0, "m": {n: torch.zeros_like(p) for n, p in params.items()},
+                 "v": {n: torch.zeros_like(p) for n, p in params.items()}}  # fmt: skip
+    t, m, v = slots["t"], dict(slots["m"]), dict(slots["v"])
+    for rows in _reference_batches(len(data[0]), batch, steps):
+        t += 1
+        clone.zero_grad()
+        F.cross_entropy(clone(data[0][rows]), data[1][rows]).backward()
+        lr_t = lr * math.sqrt(1 - beta2**t) / (1 - beta1**t)
+        with torch.no_grad():
+            for n, p in params.items():
+                m[n] = beta1 * m[n] + (1 - beta1) * p.grad
+                v[n] = beta2 * v[n] + (1 - beta2) * p.grad**2
+                p -= lr_t * m[n] / (v[n].sqrt() + eps)
+    weights = {n: p.detach() for n, p in clone.named_parameters()}
+    return weights, {"t": t, "m": m, "v": v}
+
+
+@pytest.mark.parametrize(("batch", "train_on_query", "state"),
+                         [(3, False, "carried"), (5, True, "carried"), (11, False, "carried"),
+                          (3, False, "task")])  # fmt: skip
+def test_reptile_inner_loop_is_the_reference_adam_on_minibatches(batch, train_on_query, state):
+    """The defaults' inner loop (Adam, beta1 = 0; mini-batches) equals the reference's
+    written out over two meta-steps, task after task from one random stream: Adam's slots
+    carried from task to task and step to step as the reference's TensorFlow variables are
+    (``inner_state="task"``: reset per task). A mini-batch larger than the data (11 of 8)
+    spans two shuffles, as the reference's does."""
+    torch.manual_seed(12)
+    model = MLP(3, [6], 4, activation=nn.Tanh).double()
+    gen = torch.Generator().manual_seed(12)
+    batches = [_classification_tasks(gen, 3), _classification_tasks(gen, 2)]
+    learner = Reptile(model, inner_lr=0.05, inner_steps=6, inner_batch=batch,
+                      train_on_query=train_on_query, inner_state=state)  # fmt: skip
+    assert (learner.inner_optimizer, learner.adam) == ("adam", (0.0, 0.999, 1e-8))
+    slots, expected = None, []
+    torch.manual_seed(99)
+    theta = {n: p.detach().clone() for n, p in model.named_parameters()}
+    for tasks in batches:
+        directions = []
+        for t in tasks:
+            data = t.support
+            if train_on_query:
+                data = (torch.cat([t.support[0], t.query[0]]),
+                        torch.cat([t.support[1], t.query[1]]))  # fmt: skip
+            phi, after = _adam_reference(model, data, 6, batch, 0.05, 0.0, 0.999, 1e-8, slots)
+            slots = after if state == "carried" else None
+            directions.append({n: theta[n] - phi[n] for n in theta})
+        expected.append({n: torch.stack([d[n] for d in directions]).mean(0) for n in theta})
+    torch.manual_seed(99)
+    for tasks, grads in zip(batches, expected, strict=True):
+        model.zero_grad()
+        learner.backward(tasks)
+        for n, p in model.named_parameters():
+            torch.testing.assert_close(p.grad, grads[n], rtol=0, atol=1e-13, msg=n)
+    if state == "carried":
+        assert int(learner.adam_slots.steps) == slots["t"] == 5 * 6
+        assert "adam_slots.steps" in learner.state_dict()  # a checkpoint holds it
+    else:
+        assert not hasattr(learner, "adam_slots")
+
+
+def test_reptile_evaluation_uses_its_own_batch_and_seed_from_the_carried_state() -> None:
+    """evaluate and adapt draw their mini-batches (``eval_inner_batch``) from a fixed seed
+    and start Adam from the carried state, which they leave as it was: the same numbers
+    twice, whatever the global stream; adapt's weights score as evaluate does."""
+    torch.manual_seed(13)
+    model = MLP(3, [6], 4, activation=nn.Tanh).double()
+    tasks = _classification_tasks(torch.Generator().manual_seed(13), 2)
+    learner = Reptile(model, inner_lr=0.05, eval_inner_batch=3)
+    learner.backward(tasks)  # carries a state
+    model.zero_grad()
+    carried = {k: b.clone() for k, b in learner.adam_slots.named_buffers()}
+    first = learner.evaluate(tasks, steps=7)
+    torch.manual_seed(1)
+    second = learner.evaluate(tasks, steps=7)
+    torch.testing.assert_close(first, second, rtol=0, atol=0)
+    for k, b in learner.adam_slots.named_buffers():
+        assert torch.equal(b, carried[k]), k
+    fast = learner.adapt(tasks[0], steps=7)
+    torch.manual_seed(EVAL_SEED)  # the reference from the carried slots, same batch order
+    steps, m, v = learner.adam_slots.read()
+    slots = {"t": steps, "m": {k.removeprefix("model."): x for k, x in m.items()},
+             "v": {k.removeprefix("model."): x for k, x in v.items()}}  # fmt: skip
+    phi, _ = _adam_reference(model, tasks[0].support, 7, 3, 0.05, 0.0, 0.999, 1e-8, slots)
+    for n in phi:
+        torch.testing.assert_close(fast[n], phi[n], rtol=0, atol=1e-13, msg=n)
+    clone = copy.deepcopy(model)
+    clone.load_state_dict(fast)
+    loss = F.cross_entropy(clone(tasks[0].query[0]), tasks[0].query[1])
+    assert float(loss.detach()) == pytest.approx(float(first[0][0]), abs=1e-12)
+
+
+def test_reptile_scores_each_query_beside_the_support_set_unless_transductive() -> None:
+    """With batch norm, a query example's logits depend on its batch: non-transductive
+    scoring (the reference's default) gives each example the logits of the support set plus
+    that example, last row; transductive scoring the query batch's."""
+    torch.manual_seed(14)
+    model = nn.Sequential(nn.Linear(3, 5), MetaBatchNorm(5), nn.Tanh(), nn.Linear(5, 4)).double()
+    task = _classification_tasks(torch.Generator().manual_seed(14), 1)[0]
+    xs, (xq, yq) = task.support[0], task.query
+    per_example = torch.stack([model(torch.cat([xs, x[None]]))[-1] for x in xq]).detach()
+    for transductive, expected in ((False, per_example), (True, model(xq).detach())):
+        learner = Reptile(model, inner_steps=0, transductive=transductive)
+        losses, accs = learner.evaluate([task])
+        torch.testing.assert_close(losses[0], F.cross_entropy(expected, yq), rtol=0, atol=1e-12)
+        assert accs[0] == (expected.argmax(1) == yq).double().mean()
+    assert (per_example - model(xq)).abs().max() > 1e-3  # the two differ here

@@ -31,11 +31,21 @@ def make_model(seed: int) -> MLP:
 
 
 def make_learners(seed: int) -> dict[str, MetaLearner]:
-    """The learners compared: MAML both ways (second order) and Reptile (its own .grad)."""
+    """The learners compared: MAML both ways (second order) and Reptile (its own .grad),
+    with full-batch gradient descent: its default inner loop runs the tasks in sequence
+    (mini-batches from one random stream, Adam's state carried from task to task), which
+    processes that split the meta-batch do not reproduce (docs/distributed.md)."""
     return {
         "maml-vmap": MAML(make_model(seed), inner_lr=0.3, inner_steps=2, vectorize="vmap"),
         "maml-loop": MAML(make_model(seed), inner_lr=0.3, inner_steps=2, vectorize="loop"),
-        "reptile": Reptile(make_model(seed), inner_lr=0.3, inner_steps=3),
+        "reptile": Reptile(
+            make_model(seed),
+            inner_lr=0.3,
+            inner_steps=3,
+            inner_optimizer="sgd",
+            inner_batch=None,
+            eval_inner_batch=None,
+        ),
     }
 
 

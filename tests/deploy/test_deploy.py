@@ -64,16 +64,16 @@ def make_support_folder(path: Path, shots: int = 2, ways: int = 5, offset: int =
 @pytest.mark.parametrize(
     ("algorithm", "cls", "steps", "lr"),
     [("maml", MAML, 1, 0.4), ("fomaml", FOMAML, 1, 0.4), ("anil", ANIL, 1, 0.4),
-     ("metasgd", MetaSGD, 1, 0.4), ("mamlpp", MAMLpp, 1, 0.4), ("imaml", IMAML, 5, 0.1),
-     ("reptile", Reptile, 5, 0.4)],
+     ("metasgd", MetaSGD, 1, 0.4), ("mamlpp", MAMLpp, 1, 0.4), ("imaml", IMAML, 16, 0.1),
+     ("reptile", Reptile, 5, 1e-3)],
 )  # fmt: skip
 def test_build_learner_builds_what_the_experiment_trains(algorithm, cls, steps, lr) -> None:
     args = _args(algorithm=algorithm)
     learner = build_learner(recipe_of(om, args))
     assert type(learner) is cls
-    assert (learner.inner_lr, learner.inner_steps) == (lr, steps)  # iMAML/Reptile: 5 steps
+    assert (learner.inner_lr, learner.inner_steps) == (lr, steps)  # their references' steps
     if cls is IMAML:
-        assert learner.cg_damping == 10.0
+        assert learner.cg_damping == 11.0
     # A state the experiment trained (its learner, seeded) loads strictly.
     learner.load_state_dict(learner_of(om, args).state_dict())
 

@@ -395,7 +395,12 @@ def test_the_run_records_the_inner_optimizer_and_refuses_what_makes_no_sense():
     assert learner_recipe(resolve_learner_args({"algorithm": "maml"})).arguments[
         "inner_optimizer"
     ] == "sgd"  # fmt: skip
-    with pytest.raises(ValueError, match="--inner-optimizer is a setting .* drop it for reptile"):
-        resolve_learner_args({"algorithm": "reptile", "inner_optimizer": "adam"})
+    with pytest.raises(ValueError, match="--inner-optimizer is a setting .* drop it for imaml"):
+        resolve_learner_args({"algorithm": "imaml", "inner_optimizer": "adam"})
+    # Reptile chooses between its reference's two (Adam, SGD); it learns none of them
+    assert resolve_learner_args({"algorithm": "reptile", "inner_optimizer": "sgd"})
+    with pytest.raises(ValueError, match="--learn-inner-hyperparameters is not a setting of "
+                                         "reptile"):  # fmt: skip
+        resolve_learner_args({"algorithm": "reptile", "learn_inner_hyperparameters": "step"})
     with pytest.raises(ValueError, match="--inner-alpha is not a hyperparameter of .* adam"):
         resolve_learner_args({"algorithm": "maml", "inner_optimizer": "adam", "inner_alpha": 0.9})

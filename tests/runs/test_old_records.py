@@ -136,3 +136,43 @@ def test_a_metaoptnet_record_of_the_logistic_head_reads_as_metaoptnet_lr():
     svm = {**recipe, "learner": {"algorithm": "metaoptnet",
                                  "arguments": complete_arguments("metaoptnet", {})}}  # fmt: skip
     assert type(build_learner(read_recipe({"recipe": svm}))) is MetaOptNet
+
+
+# The learner arguments every `reptile` and `r2d2` run recorded before their reference
+# recipes became the defaults (learner_arguments(...) then).
+PLAIN_REPTILE = {
+    "inner_lr": 0.4, "inner_steps": 5, "train_on_query": False, "anneal": True,
+    "adapt_keys": None, "loss_fn": "cross_entropy", "vectorize": "auto",
+    "gradient_checkpointing": False, "on_nonfinite": "raise", "chunk_size": "auto",
+}  # fmt: skip
+PLAIN_R2D2 = {
+    "lam": 1.0, "scale": 10.0, "bias": 0.0, "head": "head", "loss_fn": "cross_entropy",
+    "vectorize": "auto", "on_nonfinite": "raise", "chunk_size": "auto",
+}  # fmt: skip
+
+
+def test_reptile_and_r2d2_records_before_their_reference_recipes_rebuild_what_they_ran():
+    """A recipe written before Reptile's inner Adam and mini-batches reads as full-batch
+    gradient descent scoring the query set as one batch; one written before R2D2's reference
+    head reads as the plain head with lambda learned (the state it saved loads). Flat records
+    (no recipe) likewise."""
+    recipe = read_recipe(saved("folder-maml")).to_dict()
+    old = {"algorithm": "reptile", "arguments": PLAIN_REPTILE}
+    reptile = read_recipe({"recipe": {**recipe, "learner": old}})
+    learner = build_learner(reptile)
+    assert (learner.inner_optimizer, learner.inner_batch, learner.eval_inner_batch,
+            learner.transductive, learner.inner_lr) == ("sgd", None, None, True, 0.4)  # fmt: skip
+    flat = read_recipe(saved("omniglot-reptile")).learner.arguments
+    assert (flat["inner_optimizer"], flat["inner_batch"], flat["transductive"]) == (
+        "sgd", None, True)  # fmt: skip
+    r2d2 = read_recipe(
+        {"recipe": {**recipe, "learner": {"algorithm": "r2d2", "arguments": PLAIN_R2D2}}}
+    )
+    learner = build_learner(r2d2)
+    assert (learner.ridge_form, float(learner.log_lam.detach().exp())) == ("plain", 1.0)
+    assert {"log_lam", "log_scale", "bias"} <= {n for n, _ in learner.named_parameters()}
+    learner.load_state_dict(learner.state_dict())  # the keys an old run saved
+    today = {"algorithm": "r2d2", "arguments": complete_arguments("r2d2", {})}
+    assert build_learner(read_recipe({"recipe": {**recipe, "learner": today}})).ridge_form == (
+        "rrnet"
+    )  # a record written today: the reference's head

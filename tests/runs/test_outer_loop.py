@@ -4,6 +4,7 @@ the settings, and a run resumed mid-schedule."""
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -68,6 +69,46 @@ def test_every_steps_lr_equals_torchs_scheduler(schedule, every):
     # torch's cosine is a recurrence: it meets the closed form to float64 rounding.
     assert ours == pytest.approx(torch_lrs(t), rel=1e-12, abs=1e-18)
     assert len(set(ours)) > 1  # the schedule moves
+
+
+@pytest.mark.parametrize("every", [1, 3])
+def test_piecewise_equals_torchs_lambdalr(every):
+    """--lr-schedule piecewise is LambdaLR of the step function its milestones and factors
+    give, stepped every ``schedule_every`` meta-steps."""
+    t = training(lr_schedule="piecewise", lr_milestones=(2, 5, 9), schedule_every=every,
+                 lr_factors=(1.0, 0.06, 0.012, 0.0024), iterations=36)  # fmt: skip
+    opt = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=t.outer_lr)
+
+    def factor(k: int) -> float:
+        return 1.0 if k < 2 else 0.06 if k < 5 else 0.012 if k < 9 else 0.0024
+
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, factor)
+    expected = []
+    for step in range(t.iterations):
+        expected.append(opt.param_groups[0]["lr"])
+        opt.step()
+        if (step + 1) % every == 0:
+            sched.step()
+    ours = [scheduled_lr(t, s) for s in range(t.iterations)]
+    assert ours == pytest.approx(expected, rel=1e-15)
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [(["--lr-schedule", "piecewise", "--lr-milestones", "2", "4", "--lr-factors", "1", "0.5"],
+      "--lr-factors has 2 values for 2 --lr-milestones"),
+     (["--lr-schedule", "piecewise", "--lr-milestones", "4", "2", "--lr-factors", "1", "0.5",
+       "0.1"], "--lr-milestones 4 2: must increase within [1, 10]"),
+     (["--lr-schedule", "piecewise", "--lr-milestones", "2", "--lr-factors", "1", "-0.5"],
+      "--lr-factors 1.0 -0.5: must be positive"),
+     (["--lr-milestones", "2", "--lr-factors", "1", "0.5"],
+      "--lr-milestones and --lr-factors are settings of --lr-schedule piecewise")],
+)  # fmt: skip
+def test_bad_piecewise_settings_are_one_line(flags, message):
+    args = om.parse_args(["--iterations", "10", "--no-track", *flags])
+    with pytest.raises(UserError, match=re.escape(message)) as err:
+        om.resolve_args(args)
+    assert "\n" not in str(err.value)
 
 
 def test_constant_is_the_outer_lr_itself():

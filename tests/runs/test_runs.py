@@ -72,8 +72,8 @@ def test_seed_everything_repeats_python_numpy_and_torch():
 
 @pytest.mark.parametrize(
     ("algorithm", "cls", "lr", "steps", "damping"),
-    [("fomaml", FOMAML, 0.4, 1, None), ("imaml", IMAML, 0.1, 5, 10.0),
-     ("reptile", Reptile, 0.4, 5, None)],
+    [("fomaml", FOMAML, 0.4, 1, None), ("imaml", IMAML, 0.1, 16, 11.0),
+     ("reptile", Reptile, 1e-3, 5, None)],
 )  # fmt: skip
 def test_open_values_come_from_the_constructor_and_are_built_as_resolved(
     algorithm, cls, lr, steps, damping

@@ -1,0 +1,107 @@
+"""The presets of the algorithms' reference commands record those commands' values.
+
+Each expected value below is read off the reference repository named beside it (commits
+in docs/algorithms.md), not off the preset: openai/supervised-reptile's README commands,
+bertinetto/r2d2's scripts/train/experiments.sh and conf/fewshots.yaml,
+jakesnell/prototypical-networks' run_train.py, kjunelee/MetaOptNet's README and train.py,
+aravindr93/imaml_dev's examples/README.md."""
+
+from __future__ import annotations
+
+import pytest
+
+from metalearn.algorithms import make_learner
+from metalearn.runs.outer_loop import scheduled_lr
+from metalearn.runs.recipe import build_model
+from tests.helpers.run_helpers import fs, om, recipe_of
+
+# Reptile: preset -> (--classes, --shots, --train-shots, --inner-batch, --inner-iters,
+# --learning-rate, --eval-batch, --meta-iters)
+REPTILE = {
+    (om, "reptile-5w1s"): (5, 1, 10, 10, 5, 1e-3, 5, 100_000),
+    (om, "reptile-5w5s"): (5, 5, 10, 10, 5, 1e-3, 5, 100_000),
+    (om, "reptile-20w1s"): (20, 1, 10, 20, 10, 5e-4, 10, 200_000),
+    (om, "reptile-20w5s"): (20, 5, 10, 20, 10, 5e-4, 10, 200_000),
+    (fs, "reptile-miniimagenet-5w1s"): (5, 1, 15, 10, 8, 1e-3, 5, 100_000),
+    (fs, "reptile-miniimagenet-5w5s"): (5, 5, 15, 10, 8, 1e-3, 15, 100_000),
+}
+
+
+def preset(experiment, name: str, *extra: str):
+    root = ["--data-root", "."] if experiment is fs else []
+    return recipe_of(experiment, experiment.parse_args(["--preset", name, *root, *extra]))
+
+
+@pytest.mark.parametrize(("experiment", "name"), list(REPTILE))
+def test_reptile_presets_are_its_readme_commands(experiment, name):
+    ways, shots, train_shots, batch, iters, lr, eval_batch, meta_iters = REPTILE[experiment, name]
+    recipe = preset(experiment, name)
+    d, t, a = recipe.data, recipe.training, recipe.learner.arguments
+    assert recipe.learner.algorithm == "reptile"
+    assert (d.ways, d.shots, d.shots + d.query) == (ways, shots, train_shots)
+    assert a["train_on_query"] is True  # all --train-shots examples are trained on
+    assert (a["inner_batch"], a["inner_steps"], a["inner_lr"]) == (batch, iters, lr)
+    assert (a["inner_optimizer"], a["inner_beta1"], a["inner_state"]) == ("adam", 0.0, "carried")
+    assert (a["eval_inner_batch"], t.eval_inner_steps, a["transductive"]) == (eval_batch, 50,
+                                                                              False)  # fmt: skip
+    assert (t.meta_batch, t.iterations, t.outer_lr, a["anneal"]) == (5, meta_iters, 1.0, True)
+    assert t.test_tasks == 10_000  # --eval-samples
+
+
+def test_reptile_cpu_preset_is_the_5w1s_recipe_shorter():
+    full, cpu = preset(om, "reptile-5w1s"), preset(om, "reptile-cpu")
+    assert cpu.learner == full.learner and cpu.data == full.data
+    assert (cpu.training.iterations, cpu.training.meta_batch) == (1000, 5)
+
+
+@pytest.mark.parametrize(
+    ("experiment", "name", "train_ways", "episode", "scale"),
+    [(om, "r2d2-5w-paper", 60, 600, 10.0), (om, "r2d2-20w-paper", 60, 600, 10.0),
+     (fs, "r2d2-miniimagenet", 16, 240, 1e-4)],
+)  # fmt: skip
+def test_r2d2_presets_are_its_scripts(experiment, name, train_ways, episode, scale):
+    recipe = preset(experiment, name)
+    d, t, a = recipe.data, recipe.training, recipe.learner.arguments
+    assert (a["ridge_form"], a["lam"], a["learn_lambda"], a["scale"]) == ("rrnet", 50.0, False,
+                                                                          scale)  # fmt: skip
+    # data.way, data.batch_size 600 (Omniglot) or 240 (mini-ImageNet) examples an episode
+    assert (d.train_ways, d.train_ways * (d.shots + d.query)) == (train_ways, episode)
+    assert (t.outer_optimizer, t.outer_lr, t.lr_schedule) == ("adam", 5e-3, "step")
+    assert (t.step_size, t.gamma, t.schedule_every, t.meta_batch) == (20, 0.5, 100, 1)
+    learner = make_learner("r2d2", build_model(recipe), a)
+    assert float(learner.scale.detach()) == pytest.approx(scale)
+
+
+@pytest.mark.parametrize("name", ["protonet-5w-paper", "protonet-20w-paper"])
+def test_protonet_presets_are_run_train_defaults(name):
+    recipe = preset(om, name)
+    d, t = recipe.data, recipe.training
+    assert recipe.learner.algorithm == "protonet"
+    assert (d.train_ways, d.shots, d.query, d.eval_query) == (60, 5, 5, 15)
+    assert (t.outer_optimizer, t.outer_lr, t.weight_decay) == ("adam", 1e-3, 0.0)
+    assert (t.lr_schedule, t.step_size, t.gamma, t.schedule_every) == ("step", 20, 0.5, 100)
+
+
+def test_metaoptnet_preset_is_its_svm_command():
+    recipe = preset(fs, "metaoptnet-miniimagenet")
+    d, t, a, m = recipe.data, recipe.training, recipe.learner.arguments, recipe.model
+    assert (recipe.learner.algorithm, m.backbone, m.hidden) == ("metaoptnet", "resnet12", 64)
+    assert (a["c_reg"], a["ipm_steps"], a["label_smoothing"]) == (0.1, 15, 0.1)  # --eps 0.1
+    assert (d.query, t.meta_batch, t.val_tasks) == (6, 8, 2000)  # --train-query, episodes
+    assert (t.outer_optimizer, t.outer_lr, t.outer_momentum, t.nesterov, t.weight_decay) == (
+        "sgd", 0.1, 0.9, True, 5e-4)  # fmt: skip
+    assert t.iterations == 60 * 1000  # --num-epoch 60 of episodes_per_batch * 1000 episodes
+    # train.py: LambdaLR(lambda e: 1.0 if e < 20 else (0.06 if e < 40 else 0.012 if e < 50
+    # else 0.0024)), stepped at the start of epochs 1..60
+    lam = lambda e: 1.0 if e < 20 else (0.06 if e < 40 else 0.012 if e < 50 else 0.0024)  # noqa: E731
+    expected = [0.1 * lam(epoch) for epoch in range(1, 61)]
+    assert [scheduled_lr(t, 1000 * k) for k in range(60)] == pytest.approx(expected, rel=1e-15)
+    assert scheduled_lr(t, 1000 * 19 - 1) == 0.1 and scheduled_lr(t, 1000 * 19) == 0.1 * 0.06
+
+
+def test_imaml_presets_are_its_command_and_a_cpu_run():
+    recipe = preset(om, "imaml-5w1s")
+    a, t = recipe.learner.arguments, recipe.training
+    assert (a["inner_lr"], a["inner_steps"], a["lam"], a["cg_steps"]) == (0.1, 16, 2.0, 5)
+    assert (t.meta_batch, t.outer_lr, t.eval_inner_steps, t.test_tasks) == (32, 1e-3, 16, 600)
+    assert preset(om, "imaml-cpu").learner.arguments["inner_steps"] == 5
