@@ -112,7 +112,8 @@ def test_a_head_learns_above_chance(tmp_path, algorithm):
     the bar tests/experiments/test_omniglot_experiment.py sets the other algorithms
     (measured: ProtoNet 0.47, MetaOptNet 0.32). R2D2 runs 5-way 5-shot with 5 queries
     (R2-D2's reference trains with 1 to 9 shots, 10 examples a class; measured 0.35): its
-    penalty acts as N K lam, 250 at 1-shot, on this net's small features, and 30 steps leave it at 0.25."""
+    penalty acts as N K lam, 250 at 1-shot, on this net's small features, and 30 steps
+    leave it at 0.25."""
     shape = {"shots": 5, "query": 5} if algorithm == "r2d2" else {}
     results = om.main(tiny(tmp_path, algorithm=algorithm, iterations=30, hidden=16,
                            val_every=30, test_tasks=50, **shape))  # fmt: skip
