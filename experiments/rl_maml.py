@@ -15,10 +15,12 @@ Command:
     python experiments/rl_maml.py --preset paper-2dnav      # maml_rl's point-robot settings
     python experiments/rl_maml.py --preset paper-halfcheetah-vel   # needs metalearn[rl]
     python experiments/rl_maml.py --env ant-dir --outer ppo --iterations 50
+    python experiments/rl_maml.py --pretrain    # the paper's pretrained baseline (Figure 4)
     python experiments/rl_maml.py --resume --run-name NAME   # continue a stopped run
 
 MuJoCo tasks need the optional extra: ``pip install "metalearn[rl]"``. The last line printed
-is the post-adaptation return on the held-out tasks, e.g. ``test/return_post: -12.3 ± 1.2``.
+is the post-adaptation return on the held-out tasks, e.g. ``test/return_post: -12.3 ± 1.2``;
+``scripts/rl_adaptation.py`` compares saved runs and a random start after 0-3 steps.
 Defaults and where each comes from: docs/algorithms.md ("Meta-RL").
 
 The file reads top to bottom: the arguments and presets; the loop's steps (`sample`,
