@@ -86,14 +86,12 @@ def saved_run(path: str) -> tuple[Any, dict]:
 
 def evaluation_args(base: Any, args: Args) -> Any:
     """The first run's arguments with the command line's evaluation settings, on the CPU."""
-    t = base.training
-    training = replace(
-        t,
-        eval_tasks=args.eval_tasks or t.eval_tasks,
-        eval_inner_steps=args.eval_inner_steps,
-        eval_later_lr_factor=args.eval_later_lr_factor or t.eval_later_lr_factor,
-        fast_batch=args.fast_batch or t.fast_batch,
-    )
+    given = {
+        name: getattr(args, name)
+        for name in ("eval_tasks", "eval_inner_steps", "eval_later_lr_factor", "fast_batch")
+        if getattr(args, name) is not None
+    }
+    training = replace(base.training, **given)
     a = replace(base, training=training, system=replace(base.system, device="cpu"))
     try:
         rl_maml.check_args(a)
