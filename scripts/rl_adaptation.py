@@ -64,6 +64,9 @@ def parse_args(argv: Sequence[str] | None = None) -> Args:
         if not label or not path:
             usage_error(f"--checkpoints: each is LABEL=PATH, e.g. maml=runs/A/checkpoint.pt; "
                         f"got {item!r}")  # fmt: skip
+    labels = [item.partition("=")[0] for item in args.checkpoints] + ["random"] * args.random
+    if len(set(labels)) < len(labels):
+        usage_error(f"--checkpoints: the labels {labels} repeat one; give each policy its own")
     if args.threads < 1:
         usage_error(f"--threads {args.threads}: must be at least 1")
     return args
