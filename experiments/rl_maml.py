@@ -15,10 +15,12 @@ Command:
     python experiments/rl_maml.py --preset paper-2dnav      # maml_rl's point-robot settings
     python experiments/rl_maml.py --preset paper-halfcheetah-vel   # needs metalearn[rl]
     python experiments/rl_maml.py --env ant-dir --outer ppo --iterations 50
+    python experiments/rl_maml.py --pretrain    # the paper's pretrained baseline (Figure 4)
     python experiments/rl_maml.py --resume --run-name NAME   # continue a stopped run
 
 MuJoCo tasks need the optional extra: ``pip install "metalearn[rl]"``. The last line printed
-is the post-adaptation return on the held-out tasks, e.g. ``test/return_post: -12.3 ± 1.2``.
+is the post-adaptation return on the held-out tasks, e.g. ``test/return_post: -12.3 ± 1.2``;
+``scripts/rl_adaptation.py`` compares saved runs and a random start after 0-3 steps.
 Defaults and where each comes from: docs/algorithms.md ("Meta-RL").
 
 The file reads top to bottom: the arguments and presets; the loop's steps (`sample`,
@@ -96,6 +98,11 @@ class TrainingArgs:
     """Inner steps while training (maml_rl's num_grad_updates: 1)."""
     first_order: bool = False
     """FOMAML: no gradient through the inner step's gradient."""
+    pretrain: bool = False
+    """Train the MAML paper's "pretrained" baseline instead (Finn et al., 2017, Sec. 5.3):
+    TRPO on the policy's own return over the task distribution, no inner step in training
+    (maml_rl's cluster_trpo_cheetah.py on the random-task env); evaluation adapts it as
+    MAML's policy."""
     outer: Literal["trpo", "ppo"] = "trpo"
     """Outer step: trpo (the paper's) or ppo (clipped first-order epochs, Adam)."""
     max_kl: float = 0.01
@@ -120,6 +127,9 @@ class TrainingArgs:
     """Held-out tasks at the end."""
     eval_inner_steps: int = 3
     """Adaptation steps evaluated (the paper's Figure 4 shows 1 to 3)."""
+    eval_later_lr_factor: float = 0.5
+    """Evaluation's steps after the first take this times --inner-lr (maml_rl's test
+    scripts: the first step at the fast rate, the later ones at half of it)."""
     checkpoint_every: int = 1
     """Iterations between checkpoints."""
     seed: int = 0
@@ -205,7 +215,7 @@ def check_args(args: Args) -> None:
         args.env.env == "2dnav" or horizon is None or horizon <= 1000,
         f"--horizon {horizon}: gymnasium's MuJoCo episodes end at 1000 steps; pass at most 1000",
     )
-    for name in ("inner_lr", "max_kl", "ppo_lr", "discount", "ppo_clip"):
+    for name in ("inner_lr", "max_kl", "ppo_lr", "discount", "ppo_clip", "eval_later_lr_factor"):
         value = getattr(t, name)
         require(
             value is None or (math.isfinite(value) and value > 0),
@@ -320,10 +330,13 @@ def processed(t: TrainingArgs, episodes: Any, iteration: int, phase: str) -> Any
 
 def adapted_episodes(t: TrainingArgs, sample: Sampler, objective: MetaObjective,
                      params: dict, goals: torch.Tensor, stream: int, iteration: int,
-                     steps: int, where: str = "") -> tuple:  # fmt: skip
-    """Episodes with theta and after each of ``steps`` inner steps: ``(batches, returns)``,
-    the `PolicyBatch` of each phase before the last and each phase's ``[K]`` returns."""
+                     steps: int, where: str = "",
+                     later_lr_factor: float = 1.0) -> tuple:  # fmt: skip
+    """Episodes with theta and after each of ``steps`` inner steps (the 2nd and later at
+    ``later_lr_factor`` times the rate): ``(batches, returns, last episodes)``, the
+    `PolicyBatch` of each phase before the last and each phase's ``[K]`` returns."""
     batches, returns, phis, per_task = [], [], params, False
+    later = replace(objective, lr=objective.lr * later_lr_factor)
     for phase in range(steps + 1):
         episodes = sample(phis, goals, (stream, iteration, phase), t.fast_batch, per_task)
         returns.append(undiscounted(episodes))
@@ -331,7 +344,8 @@ def adapted_episodes(t: TrainingArgs, sample: Sampler, objective: MetaObjective,
             return batches, returns, episodes
         batch = processed(t, episodes, iteration, f"{where}inner step {phase}")
         batches.append(batch)
-        phis = objective.adapt_tasks(sample.policy, phis, batch, per_task=per_task)
+        step = objective if phase == 0 else later
+        phis = step.adapt_tasks(sample.policy, phis, batch, per_task=per_task)
         per_task = True
     raise AssertionError("unreachable")  # the loop returns at phase == steps
 
@@ -339,12 +353,14 @@ def adapted_episodes(t: TrainingArgs, sample: Sampler, objective: MetaObjective,
 def meta_iteration(t: TrainingArgs, sample: Sampler, objective: MetaObjective,
                    policy: torch.nn.Module, opt: Any, iteration: int) -> dict:  # fmt: skip
     """One MAML-TRPO iteration (Finn et al., 2017, Algorithm 3) on a fresh meta-batch; its
-    metrics. The policy's parameters are updated in place."""
+    metrics. The policy's parameters are updated in place. ``--pretrain``: no inner step,
+    so the outer step is plain TRPO on the tasks' episodes with theta."""
     start, steps_before, seconds_before = time.perf_counter(), sample.steps, sample.seconds
     goals = sample.goals(TRAIN_STREAM, iteration, t.meta_batch)
     theta = {k: v.detach() for k, v in policy.named_parameters()}
+    inner_steps = 0 if t.pretrain else t.inner_steps
     inner, returns, outer_episodes = adapted_episodes(
-        t, sample, objective, theta, goals, TRAIN_STREAM, iteration, t.inner_steps
+        t, sample, objective, theta, goals, TRAIN_STREAM, iteration, inner_steps
     )
     outer = processed(t, outer_episodes, iteration, "outer")
     tasks = objective.prepare(policy, theta, tuple(inner), outer)
@@ -373,14 +389,17 @@ def meta_iteration(t: TrainingArgs, sample: Sampler, objective: MetaObjective,
 def evaluate(
     t: TrainingArgs, sample: Sampler, objective: MetaObjective, policy: torch.nn.Module
 ) -> dict[str, float]:
-    """Return on ``--eval-tasks`` held-out tasks before and after each adaptation step, with
-    95% intervals over the tasks; ``test/return_post`` after ``--inner-steps`` steps."""
+    """Return on ``--eval-tasks`` held-out tasks before and after each adaptation step (the
+    2nd and later at ``--eval-later-lr-factor`` times the rate), with 95% intervals over the
+    tasks; ``test/return_post`` after ``--inner-steps`` steps. The tasks and their episodes'
+    seeds depend on ``--seed`` only, so policies evaluated with one seed meet the same ones."""
     goals = sample.goals(TEST_STREAM, 0, t.eval_tasks)
     theta = {k: v.detach() for k, v in policy.named_parameters()}
     steps = max(t.eval_inner_steps, t.inner_steps)
     _, returns, _ = adapted_episodes(
-        t, sample, objective, theta, goals, TEST_STREAM, 0, steps, "held-out tasks, "
-    )
+        t, sample, objective, theta, goals, TEST_STREAM, 0, steps, "held-out tasks, ",
+        later_lr_factor=t.eval_later_lr_factor,
+    )  # fmt: skip
     results = {}
     for k, r in enumerate(returns):
         results[f"test/return_step{k}"] = float(r.mean())
@@ -404,6 +423,18 @@ def show(row: dict[str, float]) -> str:
 # --------------------------------------------------------------------------- main
 
 
+def build(a: Args) -> tuple[GaussianMLPPolicy, MetaObjective, Sampler]:
+    """The resolved arguments' policy (its initialisation from ``--seed``), inner step and
+    sampler (its tasks and episodes from ``--seed``)."""
+    t, device = a.training, a.system.device
+    dist = task_distribution(a)
+    obs_dim, action_dim = (2, 2) if isinstance(dist, Navigation2D) else dist.dims()
+    torch.manual_seed(t.seed)
+    policy = GaussianMLPPolicy(obs_dim, action_dim, hidden=t.hidden).to(device)
+    objective = MetaObjective(lr=t.inner_lr, first_order=t.first_order, average="steps")
+    return policy, objective, Sampler(dist, policy, t.seed, device)
+
+
 def main(args: Args) -> dict[str, float]:
     """Meta-train, evaluate on held-out tasks, log everything; returns the results.
 
@@ -413,15 +444,9 @@ def main(args: Args) -> dict[str, float]:
         Stopped: SIGINT/SIGTERM; the run was checkpointed.
     """
     with PolicyRun(EXPERIMENT, args) as run:  # checked, resolved, locked; resumed if asked
-        a = run.args
-        t, device = a.training, a.system.device
-        dist = task_distribution(a)
-        obs_dim, action_dim = (2, 2) if isinstance(dist, Navigation2D) else dist.dims()
-        torch.manual_seed(t.seed)
-        policy = GaussianMLPPolicy(obs_dim, action_dim, hidden=t.hidden).to(device)
+        t = run.args.training
+        policy, objective, sample = build(run.args)
         opt = torch.optim.Adam(policy.parameters(), lr=t.ppo_lr)  # --outer ppo only
-        objective = MetaObjective(lr=t.inner_lr, first_order=t.first_order, average="steps")
-        sample = Sampler(dist, policy, t.seed, device)
         run.start({"policy": policy, "optimizer": opt})
         try:
             for iteration in run.steps():

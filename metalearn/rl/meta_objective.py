@@ -115,6 +115,8 @@ class MetaObjective:
             phi = adapt_policy(
                 policy, phi, batch, lr=self.lr, first_order=self.first_order, average=self.average
             )
+        if not terms:  # no inner step: the policy's own surrogate (the pretrained baseline)
+            return phi, next(iter(params.values())).new_zeros(())
         return phi, torch.stack(terms).sum()
 
     @torch.no_grad()

@@ -1,0 +1,95 @@
+"""The MAML paper's Figure 4 pieces: the pretrained baseline's outer step is TRPO's plain
+surrogate (against the formula written out), evaluation's later steps take the reduced
+rate, and scripts/rl_adaptation.py reports a checkpoint's curve as its run evaluated it."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import experiment, script
+
+from metalearn.checkpoint import load_checkpoint
+from metalearn.rl import GaussianMLPPolicy, MetaObjective, Navigation2D, policy_batch
+from metalearn.rl.sampler import episode_noise, rollout
+from metalearn.rl.seeds import derive_seeds
+from metalearn.runs.cli import unflatten
+
+rl_maml = experiment("rl_maml")
+TINY = dict(iterations=2, meta_batch=4, fast_batch=5, horizon=20, hidden=(32, 32),
+            eval_tasks=8, eval_inner_steps=2, track=False, device="cpu")  # fmt: skip
+
+
+def tiny(tmp_path: Path, **overrides) -> rl_maml.Args:
+    return unflatten(rl_maml.Args, {**TINY, "out_dir": str(tmp_path), **overrides})
+
+
+def test_without_inner_steps_the_surrogate_is_trpos_own():
+    """MetaObjective with no inner batch: the importance-weighted advantage averaged over
+    valid steps, and its KL, as written out here in float64."""
+    torch.manual_seed(0)
+    policy = GaussianMLPPolicy(2, 2, hidden=(6,)).double()
+    theta = {k: v.detach() for k, v in policy.named_parameters()}
+    task = Navigation2D(horizon=8)
+    goals = task.sample_goals(derive_seeds(3, count=2), torch.float64)
+    seeds = [derive_seeds(3, k, count=4) for k in range(2)]
+    noise = episode_noise(policy, seeds, 8, torch.float64)
+    episodes = rollout(task.make_env(goals, 4), policy, theta, noise)
+    batch = policy_batch(episodes, discount=0.99, gae_lambda=1.0, normalize=True)
+    objective = MetaObjective(lr=0.5, average="steps")
+    tasks = objective.prepare(policy, theta, (), batch)
+    moved = {k: v + 0.05 * torch.randn_like(v) for k, v in theta.items()}
+    surrogate, kl = objective(policy, moved, tasks)
+    old, new = policy(batch.obs), torch.func.functional_call(policy, moved, (batch.obs,))
+    ratio = torch.exp(policy.log_prob(new, batch.actions) - policy.log_prob(old, batch.actions))
+    m = batch.mask
+    per_task = (ratio * batch.advantages * m).sum((1, 2)) / m.sum((1, 2))
+    per_task_kl = (policy.kl(old, new) * m).sum((1, 2)) / m.sum((1, 2))
+    torch.testing.assert_close(surrogate, per_task.mean().detach())
+    torch.testing.assert_close(kl, per_task_kl.mean().detach())
+
+
+def test_a_pretrain_run_takes_trpo_steps_without_adapting(tmp_path):
+    results = rl_maml.main(tiny(tmp_path, run_name="p", pretrain=True))
+    history = load_checkpoint(tmp_path / "p" / "checkpoint.pt")["history"]
+    for row in history:  # one sampling phase: the return before is the return after
+        assert row["train/return_pre"] == row["train/return_post"]
+        assert 0 < row["train/kl"] <= 0.01 and row["train/step_size"] > 0
+    assert torch.isfinite(torch.tensor(results["test/return_step2"]))
+
+
+def test_evaluations_later_steps_take_the_reduced_rate():
+    """Step 2 with factor f lands where an inner step at f x the rate does."""
+    args = rl_maml.resolve(unflatten(rl_maml.Args, {**TINY, "eval_later_lr_factor": 0.25}))
+    t = args.training
+    policy, objective, sample = rl_maml.build(args)
+    theta = {k: v.detach() for k, v in policy.named_parameters()}
+    goals = sample.goals(rl_maml.TEST_STREAM, 0, 3)
+    _, returns, _ = rl_maml.adapted_episodes(
+        t, sample, objective, theta, goals, 1, 0, 2, later_lr_factor=0.25
+    )
+    phis, per_task = theta, False
+    for phase, lr in enumerate((t.inner_lr, 0.25 * t.inner_lr)):
+        episodes = sample(phis, goals, (1, 0, phase), t.fast_batch, per_task)
+        batch = rl_maml.processed(t, episodes, 0, "test")
+        step = MetaObjective(lr=lr, average="steps")
+        phis, per_task = step.adapt_tasks(policy, phis, batch, per_task=per_task), True
+    last = sample(phis, goals, (1, 0, 2), t.fast_batch, True)
+    assert torch.equal(returns[2], rl_maml.undiscounted(last))
+    _, constant, _ = rl_maml.adapted_episodes(t, sample, objective, theta, goals, 1, 0, 2)
+    assert torch.equal(constant[1], returns[1]) and not torch.equal(constant[2], returns[2])
+
+
+def test_the_script_reports_the_runs_own_evaluation(tmp_path, capsys):
+    results = rl_maml.main(tiny(tmp_path, run_name="m"))
+    tool = script("rl_adaptation")
+    path = tmp_path / "m" / "checkpoint.pt"
+    curves = tool.main(["--checkpoints", f"maml={path}", "--random", "--eval-inner-steps", "2",
+                        "--plot", str(tmp_path / "f.png")])  # fmt: skip
+    assert [m for m, _ in curves["maml"]] == [results[f"test/return_step{k}"] for k in range(3)]
+    assert curves["random"][0][0] != curves["maml"][0][0]
+    assert (tmp_path / "f.png").stat().st_size > 1000
+    with pytest.raises(SystemExit) as stop:
+        tool.main(["--checkpoints", f"maml={tmp_path / 'none.pt'}"])
+    assert stop.value.code == 2 and "no checkpoint at" in capsys.readouterr().err
