@@ -8,13 +8,13 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import experiment, script
 
 from metalearn.checkpoint import load_checkpoint
 from metalearn.rl import GaussianMLPPolicy, MetaObjective, Navigation2D, policy_batch
 from metalearn.rl.sampler import episode_noise, rollout
 from metalearn.rl.seeds import derive_seeds
 from metalearn.runs.cli import unflatten
+from tests.conftest import experiment, script
 
 rl_maml = experiment("rl_maml")
 TINY = dict(iterations=2, meta_batch=4, fast_batch=5, horizon=20, hidden=(32, 32),
