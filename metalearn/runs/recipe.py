@@ -88,7 +88,8 @@ _OUTER_FIELDS = ("outer_optimizer", "outer_momentum", "nesterov", "weight_decay"
 # is recorded).
 LEARNER_FLAGS = (
     "inner_lr", "inner_steps", "first_order", "vectorize", "chunk_size",
-    "gradient_checkpointing", "cg_damping", "lora_rank", "msl_steps", "first_order_steps",
+    "gradient_checkpointing", "cg_damping", "lora_rank", "msl_steps", "msl_epoch_length",
+    "first_order_steps", "adapt_norm",
     "inner_optimizer", "inner_momentum", "inner_beta1", "inner_beta2", "inner_eps",
     "inner_alpha", "learn_inner_hyperparameters", "on_nonfinite", "label_smoothing",
 )  # fmt: skip
@@ -97,7 +98,8 @@ _OPTIMIZER_FLAGS = ("inner_optimizer", "inner_momentum", "inner_beta1", "inner_b
                     "inner_eps", "inner_alpha", "learn_inner_hyperparameters")  # fmt: skip
 # Flags that belong to the algorithms whose learner takes them (`algorithms_taking`): recorded
 # resolved for those, refused for the others.
-_OWN_FLAGS = ("cg_damping", "lora_rank", "msl_steps", "first_order_steps", "label_smoothing")
+_OWN_FLAGS = ("cg_damping", "lora_rank", "msl_steps", "msl_epoch_length", "first_order_steps",
+              "label_smoothing", "adapt_norm")  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -143,6 +145,7 @@ class ModelRecipe:
     pool: str = "stride"
     head: str = "mean"
     image_size: int | None = None
+    activation: str = "relu"  # a record without it ran MAML's ReLU
 
 
 @dataclass(frozen=True)
@@ -375,7 +378,7 @@ def recipe_from_args(experiment: str, args: Mapping[str, Any]) -> Recipe:
     model = ModelRecipe(
         backbone=args.get("backbone", "conv4"), in_channels=image.channels, ways=ways,
         hidden=args["hidden"], pool=args.get("pool", "stride"), head=args.get("head", "mean"),
-        image_size=args.get("image_size"),
+        image_size=args.get("image_size"), activation=args.get("activation", "relu"),
     )  # fmt: skip
     algorithm = args["algorithm"]
     outer_lr = args.get("outer_lr")
@@ -431,11 +434,35 @@ _RENAMED_ARGUMENTS = {"checkpoint": "gradient_checkpointing", "rank": "lora_rank
 """Learner arguments renamed since a recipe was written (to the flags' names): old -> new."""
 
 
+_ADDED_ARGUMENTS = {"adapt_norm": True, "msl_epoch_length": 1}
+"""Learner arguments added since records were written, with the value those runs had (MAML,
+FOMAML, Meta-SGD and MAML++ adapted the norm layers' weights; MAML++'s loss weights moved
+every meta-step): a record of a learner taking one but lacking it reads as that value."""
+
+_FLAT_DEFAULTS = {"first_order_steps": 25000}
+"""Learner arguments whose default changed since flat arguments could lack them (records
+written before recipes; every later one holds them resolved): the value `read_recipe` gave
+such a record before the change."""
+
+
+def _added_arguments(algorithm: Any, present: Mapping[str, Any], flat: bool) -> dict[str, Any]:
+    """The `_ADDED_ARGUMENTS` (and, for flat arguments, `_FLAT_DEFAULTS`) that
+    ``algorithm``'s learner takes and a record holding ``present`` lacks."""
+    if algorithm not in LEARNERS:
+        return {}
+    takes = complete_arguments(algorithm, {})
+    added = {**_ADDED_ARGUMENTS, **(_FLAT_DEFAULTS if flat else {})}
+    return {k: v for k, v in added.items() if k in takes and present.get(k) is None}
+
+
 def upgrade_args(args: Mapping[str, Any]) -> dict[str, Any]:
     """A checkpoint's flat arguments under today's flag names (`_RENAMED`), with the
     ``train_ways`` and ``outer_optimizer`` a record written before them trained with
-    (``ways``, the learner's own optimizer)."""
+    (``ways``, the learner's own optimizer), and the learner arguments added since at the
+    values those runs had (`_ADDED_ARGUMENTS`; `_FLAT_DEFAULTS` for a record without a
+    recipe)."""
     upgraded = {_RENAMED.get(k, k): v for k, v in args.items()}
+    upgraded.update(_added_arguments(upgraded.get("algorithm"), upgraded, flat=True))
     if "label_smoothing" not in upgraded and upgraded.get("algorithm") == "metaoptnet":
         # written before the flag existed: the learner's own (no flag could set it)
         upgraded["label_smoothing"] = complete_arguments("metaoptnet", {})["label_smoothing"]
@@ -449,11 +476,13 @@ def upgrade_args(args: Mapping[str, Any]) -> dict[str, Any]:
 
 def _upgrade_learner(learner: LearnerRecipe) -> LearnerRecipe:
     """A recorded learner under today's names: its arguments renamed (`_RENAMED_ARGUMENTS`),
-    and ``metaoptnet`` with the logistic head's arguments (``newton_steps``) read as
-    ``metaoptnet-lr`` (it was the logistic-regression head before it became the SVM)."""
+    those added since at the values it ran with (`_ADDED_ARGUMENTS`), and ``metaoptnet``
+    with the logistic head's arguments (``newton_steps``) read as ``metaoptnet-lr`` (it was
+    the logistic-regression head before it became the SVM)."""
     arguments = {_RENAMED_ARGUMENTS.get(k, k): v for k, v in learner.arguments.items()}
     if learner.algorithm == "metaoptnet" and "newton_steps" in arguments:
         return LearnerRecipe("metaoptnet-lr", arguments)
+    arguments.update(_added_arguments(learner.algorithm, arguments, flat=False))
     return LearnerRecipe(learner.algorithm, arguments)
 
 
@@ -481,7 +510,8 @@ def build_model(recipe: Recipe) -> nn.Module:
     """The run's backbone, freshly initialised (seed first, or load a state next)."""
     m = recipe.model
     return build_backbone(m.backbone, in_channels=m.in_channels, ways=m.ways, hidden=m.hidden,
-                          pool=m.pool, head=m.head, image_size=m.image_size)  # fmt: skip
+                          pool=m.pool, head=m.head, image_size=m.image_size,
+                          activation=m.activation)  # fmt: skip
 
 
 def build_learner(recipe: Recipe, device: torch.device | str = "cpu") -> MetaLearner:
