@@ -23,7 +23,8 @@ For each cell:
 
 Beyond one cell per algorithm, `VARIANTS` runs MAML with other inner optimizers
 (``--inner-optimizer``), and MAML and Meta-SGD with the norm layers adapted
-(``--adapt-norm True``; by default they stay out of the inner loop, as in MAML's references). A new algorithm in `metalearn.algorithms.registry.LEARNERS`
+(``--adapt-norm True``; by default they stay out of the inner loop, as in MAML's references).
+A new algorithm in `metalearn.algorithms.registry.LEARNERS`
 without a row here fails `test_every_registered_algorithm_has_a_row`.
 """
 
