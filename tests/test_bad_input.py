@@ -48,7 +48,11 @@ def _run(tmp_path: Path, *flags: str, script: str = "omniglot_maml") -> str:
      (["--inner-lr", "inf"], "--inner-lr inf: must be a positive finite number"),
      (["--inner-lr", "nan"], "--inner-lr nan: must be a positive finite number"),
      (["--outer-lr", "inf"], "--outer-lr inf: must be a positive finite number"),
-     (["--outer-lr", "0"], "--outer-lr 0.0: must be a positive finite number")],
+     (["--outer-lr", "0"], "--outer-lr 0.0: must be a positive finite number"),
+     (["--algorithm", "mamlpp", "--msl-epoch-length", "0"],
+      "--msl-epoch-length 0 must be >= 1 (meta-steps per epoch of MSL"),
+     (["--algorithm", "reptile", "--adapt-norm", "True"],
+      "--adapt-norm is a setting of maml or fomaml or metasgd or mamlpp; drop it for reptile")],
 )  # fmt: skip
 def test_refused_before_anything_runs(tmp_path, flags, message):
     if flags[0] == "--device" and torch.cuda.is_available():

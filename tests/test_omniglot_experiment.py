@@ -17,9 +17,10 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.nn.functional as F
 import wandb
 from conftest import NO_OMNIGLOT, OMNIGLOT
-from run_helpers import main_interrupted, make, om
+from run_helpers import main_interrupted, make, om, recipe_of
 
 from metalearn.algorithms import IMAML, Reptile
 from metalearn.checkpoint import load_checkpoint
@@ -455,3 +456,66 @@ def test_reptile_anneals_its_outer_step_as_the_paper(tmp_path):
     assert [row["train/outer_lr"] for row in saved["history"]] == [1.0, 0.75, 0.5, 0.25]
     assert saved["args"]["outer_lr"] == 1.0
     assert saved["recipe"]["learner"]["arguments"]["anneal"] is True
+
+
+# --------------------------------------------------------------------------- presets
+
+
+def test_the_maml_paper_presets_draw_k_queries_per_class_as_its_code():
+    """cbfinn/maml's main.py draws ``DataGenerator(update_batch_size*2, ...)`` for Omniglot:
+    K support and K query examples per class, in training and test alike."""
+    for preset, shots in (("paper-5w1s", 1), ("paper-5w5s", 5), ("paper-20w1s", 1),
+                          ("paper-20w5s", 5)):  # fmt: skip
+        a = flatten(om.parse_args(["--preset", preset]))
+        assert (a["shots"], a["query"], a["eval_query"]) == (shots, shots, shots), preset
+        assert a["algorithm"] == "maml" and a["adapt_norm"] is None  # the learner's: False
+
+
+def vgg_relu_norm_network(p: dict, x: torch.Tensor) -> torch.Tensor:
+    """HowToTrainYourMAMLPytorch's VGGReLUNormNetwork with max_pooling and conv_padding
+    written out: per stage a 3x3 conv with bias (stride 1, padding 1), batch norm with the
+    batch's statistics (eps 1e-5), leaky ReLU (0.01), 2x2 max-pool; then the linear layer on
+    the flattened features."""
+    h = x
+    for i in range(4):
+        h = F.conv2d(h, p[f"features.{i}.conv.weight"], p[f"features.{i}.conv.bias"], padding=1)
+        h = F.batch_norm(h, None, None, p[f"features.{i}.norm.weight"],
+                         p[f"features.{i}.norm.bias"], training=True, eps=1e-5)  # fmt: skip
+        h = F.max_pool2d(F.leaky_relu(h, 0.01), 2, stride=2, padding=0)
+    return h.flatten(1) @ p["head.weight"].T + p["head.bias"]
+
+
+@pytest.mark.parametrize("preset", ["mamlpp-5w1s", "mamlpp-5w5s", "mamlpp-20w1s", "mamlpp-20w5s"])
+def test_mamlpp_presets_are_the_references_final_configs(preset):
+    """experiment_config/omniglot_maml++-omniglot_*_8_0.1_64_*_0.json at 86964701, as its
+    code reads them (the inner rate: the argparse default task_learning_rate, 0.1)."""
+    ways, shots = int(preset.split("-")[1].split("w")[0]), int(preset[-2])
+    recipe = recipe_of(om, om.parse_args(["--preset", preset]))
+    learner = recipe.learner.arguments
+    assert recipe.learner.algorithm == "mamlpp"
+    assert (learner["inner_lr"], learner["inner_steps"], learner["first_order_steps"]) == (
+        0.1, 5, 0,
+    )  # fmt: skip
+    assert (learner["msl_steps"], learner["msl_epoch_length"]) == (10 * 500, 500)
+    assert learner["per_step_bn"] is True and learner["adapt_norm"] is False
+    t = recipe.training
+    assert (t.meta_batch, t.iterations, t.outer_lr, t.eval_inner_steps) == (8, 50_000, 1e-3, 5)
+    assert (t.lr_schedule, t.eta_min, t.schedule_every) == ("cosine", 1e-5, 500)
+    assert (recipe.data.ways, recipe.data.shots, recipe.data.query) == (ways, shots, 1)
+    assert recipe.data.eval_query == 1
+    m = recipe.model
+    assert (m.hidden, m.pool, m.activation, m.ways) == (64, "max", "leaky_relu", ways)
+    model = build_learner(recipe).model.double()
+    x = torch.randn(7, 1, 28, 28, dtype=torch.float64)
+    p = dict(model.named_parameters())
+    with torch.no_grad():
+        torch.testing.assert_close(model(x), vgg_relu_norm_network(p, x), rtol=1e-12,
+                                   atol=1e-12)  # fmt: skip
+
+
+def test_the_cpu_mamlpp_preset_shrinks_the_schedules_alike():
+    recipe = recipe_of(om, om.parse_args(["--preset", "cpu-mamlpp"]))
+    t, learner = recipe.training, recipe.learner.arguments
+    assert t.iterations // t.schedule_every == 100  # the reference's 100 epochs
+    assert learner["msl_steps"] // learner["msl_epoch_length"] == 10  # and 10 of MSL
+    assert (recipe.model.pool, recipe.model.activation) == ("max", "leaky_relu")
