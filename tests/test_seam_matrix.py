@@ -24,8 +24,9 @@ For each cell:
 Beyond one cell per algorithm, `VARIANTS` runs MAML with other inner optimizers
 (``--inner-optimizer``), and MAML and Meta-SGD with the norm layers adapted
 (``--adapt-norm True``; by default they stay out of the inner loop, as in MAML's references),
-and MAML++ on its presets' network (max-pool, leaky ReLU). A new algorithm in `metalearn.algorithms.registry.LEARNERS`
-without a row here fails `test_every_registered_algorithm_has_a_row`.
+and MAML++ on its presets' network (max-pool, leaky ReLU). A new algorithm in
+`metalearn.algorithms.registry.LEARNERS` without a row here fails
+`test_every_registered_algorithm_has_a_row`.
 """
 
 from __future__ import annotations
