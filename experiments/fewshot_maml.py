@@ -123,10 +123,11 @@ class Args(ExperimentArgs):
     preset: Literal["cpu", "paper-miniimagenet-5w1s", "paper-miniimagenet-5w5s",
                     "paper-miniimagenet-5w1s-fo", "paper-miniimagenet-5w5s-fo",
                     "reptile-miniimagenet-5w1s", "reptile-miniimagenet-5w5s",
-                    "r2d2-miniimagenet", "metaoptnet-miniimagenet"] = "cpu"  # fmt: skip
+                    "r2d2-miniimagenet", "metaoptnet-miniimagenet",
+                    "mamlpp-miniimagenet-5w1s", "mamlpp-miniimagenet-5w5s"] = "cpu"  # fmt: skip
     """Named configuration: cpu (the defaults: a short run), the MAML paper's
-    mini-ImageNet settings (-fo: first order), or another algorithm's reference commands
-    (docs/algorithms.md)."""
+    mini-ImageNet settings (-fo: first order), MAML++'s final mini-ImageNet configurations,
+    or another algorithm's reference commands (docs/algorithms.md)."""
     data: FewshotData = field(default_factory=lambda: FewshotData(query=15))
     """Data options."""
     model: FewshotModel = field(default_factory=lambda: FewshotModel(hidden=32))
@@ -148,9 +149,11 @@ class Args(ExperimentArgs):
 
 # The MAML paper's mini-ImageNet settings (Finn et al., 2017, Sec. 5.2 and appendix A.1):
 # Conv4 of 32 filters with max-pooling and a flattened head, 5 inner steps of 0.01 in
-# training and 10 at test, 15 queries per class, 60k meta-steps of Adam 1e-3.
+# training and 10 at test, 60k meta-steps of Adam 1e-3. Queries as cbfinn/maml's main.py
+# draws them: 15 per class in training (`DataGenerator(FLAGS.update_batch_size+15, ...)`),
+# K at test (`DataGenerator(FLAGS.update_batch_size*2, ...)`).
 PAPER = dict(dataset="mini-imagenet", backbone="conv4", hidden=32, head="flatten", pool="max",
-             iterations=60_000, query=15, eval_query=15, inner_lr=0.01, inner_steps=5,
+             iterations=60_000, query=15, inner_lr=0.01, inner_steps=5,
              eval_inner_steps=10, outer_lr=1e-3, val_every=1000, checkpoint_every=1000,
              val_tasks=600, test_tasks=600, ways=5)  # fmt: skip
 # Reptile's mini-ImageNet commands (openai/supervised-reptile, README.md): MAML's network
@@ -162,12 +165,29 @@ REPTILE = dict(dataset="mini-imagenet", backbone="conv4", hidden=32, head="flatt
                inner_batch=10, meta_batch=5, outer_lr=1.0, iterations=100_000,
                eval_inner_steps=50, val_every=1000, checkpoint_every=1000, val_tasks=600,
                test_tasks=10_000, ways=5)  # fmt: skip
+# MAML++'s final mini-ImageNet configurations (HowToTrainYourMAMLPytorch at 86964701,
+# experiment_config/mini-imagenet_maml++-mini-imagenet_{1,5}_2_0.01_48_5_0.json): 48 filters,
+# max-pool, leaky ReLU, a flattened head on 84x84 images; meta-batch 2; 15 queries per class
+# (num_target_samples); 5 inner steps in training and evaluation at 0.1 (the argparse
+# default task_learning_rate: the configs' init_inner_loop_learning_rate 0.01 is never read);
+# MSL over 15 epochs of 500; second order throughout; Adam 1e-3 over 100 epochs (its cosine
+# runs to min_learning_rate 0.001, the start: a constant step). The reference also clamps
+# each meta-gradient entry to [-10, 10] on ImageNet (`meta_update`), which metalearn does not.
+MAMLPP = dict(algorithm="mamlpp", dataset="mini-imagenet", backbone="conv4", hidden=48,
+              head="flatten", pool="max", activation="leaky_relu", ways=5, query=15,
+              eval_query=15, inner_lr=0.1, inner_steps=5, eval_inner_steps=5, msl_steps=7500,
+              meta_batch=2, iterations=50_000, outer_lr=1e-3, val_every=500,
+              checkpoint_every=500, val_tasks=600, test_tasks=600)  # fmt: skip
 PRESETS: dict[str, dict[str, Any]] = {
     "cpu": {},  # the defaults of Args
-    "paper-miniimagenet-5w1s": {**PAPER, "shots": 1, "meta_batch": 4},
-    "paper-miniimagenet-5w5s": {**PAPER, "shots": 5, "meta_batch": 2},
-    "paper-miniimagenet-5w1s-fo": {**PAPER, "shots": 1, "meta_batch": 4, "algorithm": "fomaml"},
-    "paper-miniimagenet-5w5s-fo": {**PAPER, "shots": 5, "meta_batch": 2, "algorithm": "fomaml"},
+    "paper-miniimagenet-5w1s": {**PAPER, "shots": 1, "eval_query": 1, "meta_batch": 4},
+    "paper-miniimagenet-5w5s": {**PAPER, "shots": 5, "eval_query": 5, "meta_batch": 2},
+    "paper-miniimagenet-5w1s-fo": {**PAPER, "shots": 1, "eval_query": 1, "meta_batch": 4,
+                                   "algorithm": "fomaml"},
+    "paper-miniimagenet-5w5s-fo": {**PAPER, "shots": 5, "eval_query": 5, "meta_batch": 2,
+                                   "algorithm": "fomaml"},
+    "mamlpp-miniimagenet-5w1s": {**MAMLPP, "shots": 1},
+    "mamlpp-miniimagenet-5w5s": {**MAMLPP, "shots": 5},
     "reptile-miniimagenet-5w1s": {**REPTILE, "shots": 1, "query": 14, "eval_inner_batch": 5},
     "reptile-miniimagenet-5w5s": {**REPTILE, "shots": 5, "query": 10, "eval_inner_batch": 15},
     # bertinetto/r2d2, scripts/train/experiments.sh (mini_r2d2) and conf/fewshots.yaml:

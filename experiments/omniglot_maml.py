@@ -10,6 +10,7 @@ Command:
     python experiments/omniglot_maml.py                         # CPU-sized default run
     python experiments/omniglot_maml.py --preset cpu-20w1s      # Lake et al.'s 20-way protocol
     python experiments/omniglot_maml.py --preset paper-5w1s     # the paper's setting (GPU)
+    python experiments/omniglot_maml.py --preset mamlpp-5w1s    # MAML++'s final config (GPU)
     python experiments/omniglot_maml.py --algorithm anil --ways 20 --shots 1
     python experiments/omniglot_maml.py --resume --run-name NAME  # continue a stopped run
     python experiments/omniglot_maml.py --preset paper-20w1s --help  # options, preset values
@@ -57,7 +58,7 @@ from metalearn.algorithms import MetaLearner, StepMetrics
 from metalearn.algorithms.registry import make_learner
 from metalearn.data import EpisodicSampler
 from metalearn.runs import experiment
-from metalearn.runs.arguments import DataArgs, ExperimentArgs
+from metalearn.runs.arguments import DataArgs, ExperimentArgs, ModelArgs
 from metalearn.runs.evaluation import TEST_SEED, VAL_SEED, evaluate_tasks
 from metalearn.runs.experiment import Experiment
 from metalearn.runs.lifecycle import require, run_cli
@@ -104,28 +105,53 @@ class OmniglotData(DataArgs):
 
 
 @dataclass
+class OmniglotModel(ModelArgs):
+    """The network: Conv4, MAML's (stride 2, ReLU) or MAML++'s (max-pool, leaky ReLU)."""
+
+    pool: Literal["stride", "max"] = "stride"
+    """Conv4's down-sampling: stride 2 (MAML's Omniglot net) or 2x2 max-pool (MAML++'s)."""
+
+
+@dataclass
 class Args(ExperimentArgs):
     """Arguments of the Omniglot experiment (each is a --flag, also as --flag_name=VALUE)."""
 
     preset: Literal[
-        "cpu", "cpu-20w1s", "gpu-20w1s", "paper-5w1s", "paper-5w5s", "paper-20w1s", "paper-20w5s",
-        "reptile-5w1s", "reptile-5w5s", "reptile-20w1s", "reptile-20w5s", "reptile-cpu",
-        "protonet-5w-paper", "protonet-20w-paper", "r2d2-5w-paper", "r2d2-20w-paper",
-        "imaml-5w1s", "imaml-cpu",
+        "cpu", "cpu-20w1s", "gpu-20w1s", "paper-5w1s", "paper-5w5s", "paper-20w1s",
+        "paper-20w5s", "mamlpp-5w1s", "mamlpp-5w5s", "mamlpp-20w1s", "mamlpp-20w5s",
+        "cpu-mamlpp", "reptile-5w1s", "reptile-5w5s", "reptile-20w1s", "reptile-20w5s",
+        "reptile-cpu", "protonet-5w-paper", "protonet-20w-paper", "r2d2-5w-paper",
+        "r2d2-20w-paper", "imaml-5w1s", "imaml-cpu",
     ] = "cpu"  # fmt: skip
     """Named configuration: cpu (the defaults: 5-way 1-shot Proto-MAML, about 15 min on 2
     cores), cpu-20w1s (Lake et al.'s within-alphabet 20-way 1-shot, under an hour on 2
-    cores), gpu-20w1s (the same recipe, longer), the MAML paper's settings, or another
+    cores), gpu-20w1s (the same recipe, longer), the MAML paper's settings (paper-*),
+    MAML++'s final configurations (mamlpp-*, GPU), cpu-mamlpp (MAML++'s recipe with its
+    schedules shrunk 100x: 500 meta-steps, about 25 min on 2 cores), or another
     algorithm's reference commands (reptile-*, protonet-*-paper, r2d2-*-paper, imaml-5w1s;
     docs/algorithms.md; reptile-cpu and imaml-cpu: CPU-sized runs of those recipes)."""
     data: OmniglotData = field(default_factory=OmniglotData)
     """Data options."""
+    model: OmniglotModel = field(default_factory=OmniglotModel)
+    """Model options."""
 
 
-# The MAML paper's Omniglot settings (Finn et al., 2017, Sec. 5.2 and appendix A.1).
-PAPER = dict(iterations=60_000, query=1, eval_query=1, inner_steps=1, eval_inner_steps=10,
-             outer_lr=1e-3, val_every=1000, checkpoint_every=1000, val_tasks=600,
-             algorithm="maml")  # fmt: skip
+# The MAML paper's Omniglot settings (Finn et al., 2017, Sec. 5.2 and appendix A.1), as
+# cbfinn/maml's main.py runs them: K queries per class in training and test alike
+# (`DataGenerator(FLAGS.update_batch_size*2, ...)`: K support and K query examples).
+PAPER = dict(iterations=60_000, inner_steps=1, eval_inner_steps=10, outer_lr=1e-3,
+             val_every=1000, checkpoint_every=1000, val_tasks=600, algorithm="maml")  # fmt: skip
+# MAML++'s final Omniglot configurations (Antoniou et al., 2019; HowToTrainYourMAMLPytorch
+# at 86964701, experiment_config/omniglot_maml++-omniglot_{1,5}_8_0.1_64_{5,20}_0.json): the
+# learner's defaults (5 inner steps at 0.1, MSL over 10 epochs, second order, per-step batch
+# norm, per-layer per-step rates), its network (64 filters, max-pool, leaky ReLU), meta-batch
+# 8, one query per class (num_target_samples), 5 evaluation steps, Adam 1e-3 cosine-annealed
+# to 1e-5 over 100 epochs of 500 meta-steps, stepped per epoch, validated every epoch on 600
+# tasks. The reference tests an ensemble of its 5 best-validation epochs; here the best one.
+MAMLPP = dict(algorithm="mamlpp", hidden=64, pool="max", activation="leaky_relu", query=1,
+              eval_query=1, eval_inner_steps=5, meta_batch=8, iterations=50_000,
+              outer_lr=1e-3, lr_schedule="cosine", eta_min=1e-5, schedule_every=500,
+              val_every=500, checkpoint_every=500, val_tasks=600, test_tasks=600)  # fmt: skip
 # Lake et al.'s 20-way 1-shot within one alphabet, trained on the background alphabets:
 # the best recipe measured at 3,000 steps in docs/benchmarks.md ("Omniglot the hard way"):
 # ProtoNet on 60-way training tasks (Snell et al.'s), augmented; 60 classes exceed an
@@ -163,12 +189,24 @@ PRESETS: dict[str, dict[str, Any]] = {
     "cpu-20w1s": {**LAKE, "meta_batch": 8, "iterations": 3000, "val_every": 500},
     "gpu-20w1s": {**LAKE, "meta_batch": 32, "iterations": 30_000, "val_every": 1000,
                   "checkpoint_every": 1000, "val_tasks": 600},
-    "paper-5w1s": {**PAPER, "ways": 5, "shots": 1, "meta_batch": 32, "inner_lr": 0.4},
-    "paper-5w5s": {**PAPER, "ways": 5, "shots": 5, "meta_batch": 32, "inner_lr": 0.4},
-    "paper-20w1s": {**PAPER, "ways": 20, "shots": 1, "meta_batch": 16, "inner_lr": 0.1,
-                    "inner_steps": 5},
-    "paper-20w5s": {**PAPER, "ways": 20, "shots": 5, "meta_batch": 16, "inner_lr": 0.1,
-                    "inner_steps": 5},
+    "paper-5w1s": {**PAPER, "ways": 5, "shots": 1, "query": 1, "eval_query": 1,
+                   "meta_batch": 32, "inner_lr": 0.4},
+    "paper-5w5s": {**PAPER, "ways": 5, "shots": 5, "query": 5, "eval_query": 5,
+                   "meta_batch": 32, "inner_lr": 0.4},
+    "paper-20w1s": {**PAPER, "ways": 20, "shots": 1, "query": 1, "eval_query": 1,
+                    "meta_batch": 16, "inner_lr": 0.1, "inner_steps": 5},
+    "paper-20w5s": {**PAPER, "ways": 20, "shots": 5, "query": 5, "eval_query": 5,
+                    "meta_batch": 16, "inner_lr": 0.1, "inner_steps": 5},
+    "mamlpp-5w1s": {**MAMLPP, "ways": 5, "shots": 1},
+    "mamlpp-5w5s": {**MAMLPP, "ways": 5, "shots": 5},
+    "mamlpp-20w1s": {**MAMLPP, "ways": 20, "shots": 1},
+    "mamlpp-20w5s": {**MAMLPP, "ways": 20, "shots": 5},
+    # MAML++'s 5-way 1-shot recipe on a CPU budget: 100 epochs of 5 meta-steps instead of
+    # 500 (the cosine and MSL's 10 epochs shrunk alike), 200 validation tasks. 2.6 s a
+    # meta-step on 2 cores at load 4: about 25 minutes with validation.
+    "cpu-mamlpp": {**MAMLPP, "ways": 5, "shots": 1, "iterations": 500, "schedule_every": 5,
+                   "msl_steps": 50, "msl_epoch_length": 5, "val_every": 100,
+                   "checkpoint_every": 100, "val_tasks": 200},
     "reptile-5w1s": {**REPTILE, "ways": 5, "shots": 1, "query": 9, "iterations": 100_000},
     "reptile-5w5s": {**REPTILE, "ways": 5, "shots": 5, "query": 5, "iterations": 100_000},
     "reptile-20w1s": {**REPTILE, **REPTILE_20W, "shots": 1, "query": 9},

@@ -202,8 +202,9 @@ def metalearn_gradient(
     inner_optimizer: str = "sgd",
 ) -> MetaGradient:
     cls = FOMAML if setting.first_order else MAML
+    # adapt_norm: the baselines' MAML adapts every parameter, batch norm's included.
     learner = cls(
-        model, inner_steps=1, vectorize=vectorize, chunk_size=chunk_size,
+        model, inner_steps=1, vectorize=vectorize, chunk_size=chunk_size, adapt_norm=True,
         **inner_settings(inner_optimizer),
     )  # fmt: skip
 
@@ -304,7 +305,8 @@ def compiled_gradient(
     2 cores): keep ``--warmup``.
     """
     cls = FOMAML if setting.first_order else MAML
-    return CompiledMetaGradient(cls(model, inner_steps=1, **inner_settings(inner_optimizer)))
+    learner = cls(model, inner_steps=1, adapt_norm=True, **inner_settings(inner_optimizer))
+    return CompiledMetaGradient(learner)
 
 
 def make_gradient(

@@ -54,6 +54,7 @@ from metalearn.engine import (
     task_loss,
 )
 from metalearn.functional import accumulate_grad, detached
+from metalearn.models import norm_parameter_names
 from metalearn.optim import SGD, Hyperparameter, InnerOptimizer, check_hyperparameter, hyper_at
 
 __all__ = [
@@ -62,6 +63,7 @@ __all__ = [
     "MetaLossLearner",
     "StepMetrics",
     "accumulate_grad",
+    "adapted_keys",
     "check_loop_only",
 ]
 
@@ -454,6 +456,39 @@ def support_start(
         return learner.loss_fn(out, y)
 
     return InnerStart(loss, {k: start[k] for k in keys})
+
+
+def adapted_keys(
+    model: nn.Module, adapt_keys: Collection[str] | None, adapt_norm: bool
+) -> list[str] | None:
+    """The ``adapt_keys`` of a learner that keeps normalisation layers out of its inner loop
+    unless ``adapt_norm``, as MAML's references do (`metalearn.models.norm_parameter_names`).
+
+    Args:
+        model: the network.
+        adapt_keys: the parameters the learner was asked to adapt (None: all).
+        adapt_norm: adapt the normalisation layers' weights too.
+
+    Returns:
+        ``adapt_keys`` as given, except that None (all) becomes every parameter but the
+        normalisation ones (in the model's order) when ``adapt_norm`` is False and the
+        model has any.
+
+    Raises:
+        ValueError: ``adapt_keys`` names a normalisation parameter while ``adapt_norm`` is
+            False.
+    """
+    norms = set(norm_parameter_names(model))
+    if adapt_norm or not norms:
+        return None if adapt_keys is None else list(adapt_keys)
+    if adapt_keys is not None and (named := [k for k in adapt_keys if k in norms]):
+        raise ValueError(
+            f"adapt_keys names normalisation parameters {named[:4]}, which adapt_norm=False "
+            "keeps out of the inner loop; drop them or pass adapt_norm=True"
+        )
+    if adapt_keys is not None:
+        return list(adapt_keys)
+    return [n for n, _ in model.named_parameters() if n not in norms]
 
 
 def _metrics(result: MetaBatch) -> StepMetrics:

@@ -1,6 +1,10 @@
 """MAML, first-order MAML and ANIL: `MetaLossLearner` with different inner-loop settings.
 
 All three take an inner optimizer (`metalearn.algorithms.inner_optimizer`): SGD by default.
+MAML and FOMAML keep the normalisation layers out of the inner loop unless ``adapt_norm``:
+their weights are meta-learned only, as in both references (cbfinn/maml's batch-norm
+variables are not among its fast weights; HowToTrainYourMAMLPytorch drops the norm layers
+from the inner-loop dict, ``get_inner_loop_parameter_dict``).
 """
 
 from __future__ import annotations
@@ -9,17 +13,35 @@ from typing import Any
 
 from torch import nn
 
+from metalearn.algorithms.base import adapted_keys
 from metalearn.algorithms.inner_optimizer import InnerOptimizerLearner
 
 __all__ = ["ANIL", "FOMAML", "MAML"]
 
 
 class MAML(InnerOptimizerLearner):
-    """Model-Agnostic Meta-Learning (Finn et al., 2017), exact second order by default."""
+    """Model-Agnostic Meta-Learning (Finn et al., 2017), exact second order by default.
+
+    Args:
+        model: the network; its parameters are theta.
+        adapt_norm: adapt the normalisation layers' weights in the inner loop too
+            (`metalearn.models.norm_parameter_names`); False (the references'): they are
+            meta-learned only, held at theta's values in every task's inner loop.
+        **kwargs: as for `metalearn.algorithms.inner_optimizer.InnerOptimizerLearner`
+            (``adapt_keys`` may not name a normalisation parameter unless ``adapt_norm``).
+    """
+
+    arguments_before = {"adapt_norm": True}  # records written before: norms adapted
+
+    def __init__(self, model: nn.Module, *, adapt_norm: bool = False, **kwargs: Any) -> None:
+        kwargs["adapt_keys"] = adapted_keys(model, kwargs.get("adapt_keys"), adapt_norm)
+        super().__init__(model, **kwargs)
+        self.adapt_norm = adapt_norm
 
 
-class FOMAML(InnerOptimizerLearner):
-    """First-order MAML (Finn et al., 2017, Sec. 5.2): inner gradients treated as constants."""
+class FOMAML(MAML):
+    """First-order MAML (Finn et al., 2017, Sec. 5.2): inner gradients treated as constants.
+    Arguments as for `MAML` (``first_order`` is always True)."""
 
     fixed_arguments = ("first_order",)
 

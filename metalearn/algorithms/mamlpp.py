@@ -4,7 +4,7 @@ What is here, by the paper's names (Sec. 4):
 
 * **MSL**, multi-step loss: the meta-loss of a task is ``sum_s w_s L_query(phi_{s+1})``
   over the inner steps, with weights annealed from uniform to the last step over the first
-  ``msl_steps`` meta-steps (`msl_weights`).
+  ``msl_steps`` meta-steps, moving once every ``msl_epoch_length`` meta-steps (`msl_weights`).
   `multi_step_task_loss` computes it one inner step at a time; `metalearn.engine.outer` runs it in
   the vmap and loop modes alike (`MAMLpp.task_fn`).
 * **DA**, derivative-order annealing: first order for the first ``first_order_steps``
@@ -13,17 +13,24 @@ What is here, by the paper's names (Sec. 4):
   parameter tensor.
 * **BNWB**, per-step batch-norm weights and biases: each inner step s uses its own copy of
   every `MetaBatchNorm` weight and bias (meta-learned, not adapted in the inner loop).
-* **CA**, cosine annealing of the meta-optimiser's learning rate, is the trainer's business:
-  ``torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=epochs, eta_min=...)``.
+* **CA**, cosine annealing of the meta-optimiser's learning rate, is the run's outer loop:
+  ``--lr-schedule cosine --eta-min 1e-5 --schedule-every 500`` (`metalearn.runs.outer_loop`).
 
 The schedules are counted in meta-steps, which the training loop hands the learner
-(`MAMLpp.schedule`). The paper's reference code counts epochs of 500 meta-steps and moves
-the weights once per epoch; here they move a little every step, so the weights at step
-``500 e`` are the reference's at epoch ``e``. The defaults are the reference's: 10 epochs of
-MSL (5,000 steps) and 50 of first order (25,000 steps).
+(`MAMLpp.schedule`). The defaults are the final Omniglot configurations of the reference
+code (AntreasAntoniou/HowToTrainYourMAMLPytorch at 86964701,
+``experiment_config/omniglot_maml++-omniglot_*.json``, read by ``utils/parser_utils.py``):
+5 inner steps; initial rate 0.1 (the argparse default ``task_learning_rate``: the configs'
+``init_inner_loop_learning_rate`` is never read); MSL over 10 epochs of 500 meta-steps
+(``multi_step_loss_num_epochs``, ``total_iter_per_epoch``) with the weights moving once an
+epoch (``few_shot_learning_system.py`` passes ``int(iter / 500)``); second order from the
+start (``first_order_to_second_order_epoch: -1``); per-step batch norm; the norm layers
+out of the inner loop (``enable_inner_loop_optimizable_bn_params: false``).
 
 **BNRS** (per-step running statistics) does not apply: `MetaBatchNorm` is transductive and
-keeps no running statistics (see `metalearn.models.batch_norm`).
+keeps no running statistics (see `metalearn.models.batch_norm`); the reference's batch norm
+normalises with the batch's statistics in training and evaluation alike (``F.batch_norm(...,
+training=True)``), so its running statistics are never read either.
 """
 
 from __future__ import annotations
@@ -36,7 +43,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from metalearn.algorithms.base import MetaLossLearner, _evaluation_loop
+from metalearn.algorithms.base import MetaLossLearner, _evaluation_loop, adapted_keys
 from metalearn.algorithms.metasgd import adapted_names, keyed_names
 from metalearn.engine import (
     InnerLoop,
@@ -214,18 +221,27 @@ class MAMLpp(MetaLossLearner):
 
     Args:
         model: the network; its parameters are theta.
+        inner_lr: the initial rate of every layer and step (LSLR).
+        inner_steps: inner steps S >= 1 in training.
         msl_steps: meta-steps of multi-step loss; from this step on the meta-loss is the
             last inner step's query loss alone (as in the reference code). 0: no MSL.
+        msl_epoch_length: meta-steps per epoch of MSL: the weights move once an epoch (at
+            the reference's ``int(iter / 500)``); 1 moves them every meta-step.
         first_order_steps: meta-steps of first-order meta-gradients before exact second
             order (DA). 0: second order from the start.
         per_step_bn: give every inner step its own copy of each `MetaBatchNorm` weight and
             bias (BNWB), initialised from the model's. The copies are meta-learned and not
             adapted in the inner loop; the model's own batch-norm parameters then go unused.
             No effect on a model without `MetaBatchNorm`.
-        **kwargs: as for `metalearn.algorithms.base.MetaLearner` (``inner_steps`` S >= 1,
-            ``inner_lr`` the initial rate of every layer and step, ``adapt_keys``, ...).
+        adapt_norm: adapt the normalisation layers' weights in the inner loop (those that
+            ``per_step_bn`` does not replace by per-step copies); False: meta-learned only.
+        **kwargs: as for `metalearn.algorithms.base.MetaLearner` (``adapt_keys``, ...).
             ``first_order`` is not accepted: DA decides it from the meta-step.
     """
+
+    # records written before: norms adapted, MSL's weights moving every step, first order
+    # for 25,000 steps (the default then)
+    arguments_before = {"adapt_norm": True, "msl_epoch_length": 1, "first_order_steps": 25000}
 
     fixed_arguments = ("first_order",)
 
@@ -233,9 +249,13 @@ class MAMLpp(MetaLossLearner):
         self,
         model: nn.Module,
         *,
+        inner_lr: float = 0.1,
+        inner_steps: int = 5,
         msl_steps: int = 5000,
-        first_order_steps: int = 25000,
+        msl_epoch_length: int = 500,
+        first_order_steps: int = 0,
         per_step_bn: bool = True,
+        adapt_norm: bool = False,
         **kwargs: Any,
     ) -> None:
         if "first_order" in kwargs:
@@ -244,7 +264,13 @@ class MAMLpp(MetaLossLearner):
                 "first_order_steps (a large number for first order throughout, 0 for second "
                 "order) instead"
             )
-        super().__init__(model, **kwargs)
+        if msl_epoch_length < 1:
+            raise ValueError(
+                f"msl_epoch_length={msl_epoch_length} must be >= 1 (meta-steps per epoch of "
+                "MSL; the reference's 500, or 1 to move the weights every meta-step)"
+            )
+        kwargs["adapt_keys"] = adapted_keys(model, kwargs.get("adapt_keys"), adapt_norm)
+        super().__init__(model, inner_lr=inner_lr, inner_steps=inner_steps, **kwargs)
         if self.inner_steps < 1:
             raise ValueError(f"MAML++ needs inner_steps >= 1, got {self.inner_steps}")
         if msl_steps < 0 or first_order_steps < 0:
@@ -253,7 +279,8 @@ class MAMLpp(MetaLossLearner):
                 f"{first_order_steps}"
             )
         self.msl_steps, self.first_order_steps = msl_steps, first_order_steps
-        self.per_step_bn = per_step_bn
+        self.msl_epoch_length = msl_epoch_length
+        self.per_step_bn, self.adapt_norm = per_step_bn, adapt_norm
         self.step = 0
         params = dict(model.named_parameters())
         bn = batch_norm_names(model) if per_step_bn else []
@@ -291,9 +318,12 @@ class MAMLpp(MetaLossLearner):
         return self.step >= self.first_order_steps
 
     def step_weights(self) -> list[float]:
-        """MSL's per-step weights now: `msl_weights`, or all on the last step after MSL."""
+        """MSL's per-step weights now: `msl_weights` at the start of the current epoch of
+        ``msl_epoch_length`` meta-steps (the reference's epoch ``int(iter / 500)`` is
+        ``progress / 500``), or all on the last step after MSL."""
         if self.step < self.msl_steps:
-            return msl_weights(self.inner_steps, self.step, self.msl_steps)
+            progress = self.step - self.step % self.msl_epoch_length
+            return msl_weights(self.inner_steps, progress, self.msl_steps)
         return [0.0] * (self.inner_steps - 1) + [1.0]
 
     def learning_rate(self) -> list[dict[str, Tensor]]:

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from metalearn.algorithms.base import MetaLossLearner
+from metalearn.algorithms.base import MetaLossLearner, adapted_keys
 
 __all__ = ["MetaSGD", "parameter_dict_key"]
 
@@ -57,14 +57,24 @@ class MetaSGD(MetaLossLearner):
     so an optimiser over ``learner.parameters()`` meta-learns them with theta. They are not
     constrained to be positive, as in the paper.
 
+    The normalisation layers stay out of the inner loop (no rate) unless ``adapt_norm``, as
+    in MAML (`metalearn.algorithms.maml`): Li et al. (2017) train MAML's networks with no
+    code of their own, so MAML's references decide it.
+
     Args:
         model: the network; its parameters are theta.
+        adapt_norm: give the normalisation layers' weights rates too (adapt them); False:
+            meta-learned only.
         **kwargs: as for `MetaLearner`. ``inner_lr`` is the initial rate; ``adapt_keys``
             limits which parameters get a rate (and so are adapted).
     """
 
-    def __init__(self, model: nn.Module, **kwargs: Any) -> None:
+    arguments_before = {"adapt_norm": True}  # records written before: norms adapted
+
+    def __init__(self, model: nn.Module, *, adapt_norm: bool = False, **kwargs: Any) -> None:
+        kwargs["adapt_keys"] = adapted_keys(model, kwargs.get("adapt_keys"), adapt_norm)
         super().__init__(model, **kwargs)
+        self.adapt_norm = adapt_norm
         if not isinstance(self.inner_lr, (int, float)):
             raise ValueError(
                 f"inner_lr must be a number (the initial rate of every entry), got "

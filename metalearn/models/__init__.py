@@ -16,12 +16,13 @@ dict, batched over tasks with `torch.func.vmap` and differentiated to second ord
 from metalearn.models.backbones import BACKBONES, build_backbone
 from metalearn.models.conv4 import Conv4, ConvBlock
 from metalearn.models.mlp import MLP
-from metalearn.models.norm import MetaBatchNorm, batch_norm
+from metalearn.models.norm import NORM_TYPES, MetaBatchNorm, batch_norm, norm_parameter_names
 from metalearn.models.resnet12 import ResidualBlock, ResNet12
 
 __all__ = [
     "BACKBONES",
     "MLP",
+    "NORM_TYPES",
     "Conv4",
     "ConvBlock",
     "MetaBatchNorm",
@@ -29,4 +30,5 @@ __all__ = [
     "ResidualBlock",
     "batch_norm",
     "build_backbone",
+    "norm_parameter_names",
 ]

@@ -10,7 +10,15 @@ from torch import Tensor, nn
 
 from metalearn.models.norm import MetaBatchNorm
 
-__all__ = ["Conv4", "ConvBlock", "conv4_output_size"]
+__all__ = ["ACTIVATIONS", "Activation", "Conv4", "ConvBlock", "conv4_output_size"]
+
+
+Activation = Literal["relu", "leaky_relu"]
+ACTIVATIONS: dict[str, Callable[[Tensor], Tensor]] = {
+    "relu": torch.relu,
+    "leaky_relu": nn.functional.leaky_relu,  # slope 0.01, as the MAML++ reference's F.leaky_relu
+}
+"""The blocks' nonlinearities by name: MAML's ReLU, MAML++'s leaky ReLU."""
 
 
 class ConvBlock(nn.Module):
@@ -25,6 +33,7 @@ class ConvBlock(nn.Module):
         norm_layer: builds the normalisation from the channel count; `MetaBatchNorm` by
             default. Pass e.g. ``lambda c: nn.BatchNorm2d(c, track_running_stats=False)``
             to compare against the fused kernel (not safe under vmapped second order).
+        activation: ``"relu"`` or ``"leaky_relu"`` (negative slope 0.01).
 
     Shape:
         ``[N, in_channels, H, W] -> [N, out_channels, H', W']``.
@@ -36,17 +45,22 @@ class ConvBlock(nn.Module):
         out_channels: int,
         pool: Literal["stride", "max"] = "stride",
         norm_layer: Callable[[int], nn.Module] = MetaBatchNorm,
+        activation: Activation = "relu",
     ) -> None:
         super().__init__()
         if pool not in ("stride", "max"):
             raise ValueError(f"pool must be 'stride' or 'max', got {pool!r}")
+        if activation not in ACTIVATIONS:
+            raise ValueError(f"activation must be one of {', '.join(ACTIVATIONS)}, got "
+                             f"{activation!r}")  # fmt: skip
         stride = 2 if pool == "stride" else 1
         self.conv = nn.Conv2d(in_channels, out_channels, 3, stride=stride, padding=1)
         self.norm = norm_layer(out_channels)
+        self.activation = activation
         self.pool = nn.MaxPool2d(2) if pool == "max" else nn.Identity()
 
     def forward(self, x: Tensor) -> Tensor:
-        return self.pool(torch.relu(self.norm(self.conv(x))))
+        return self.pool(ACTIVATIONS[self.activation](self.norm(self.conv(x))))
 
 
 class Conv4(nn.Module):
@@ -63,8 +77,14 @@ class Conv4(nn.Module):
     head="flatten", image_size=84)``: 84 -> 42 -> 21 -> 10 -> 5, and the 5x5x32 = 800
     features go flattened (channel-major) into the linear head; 32,901 parameters.
 
-    Conv and linear weights start Xavier-uniform with zero biases, as in MAML's code; batch
-    norm starts at weight 1, bias 0.
+    MAML++'s network (Antoniou et al., 2019; ``VGGReLUNormNetwork`` of its reference code
+    with ``max_pooling`` and ``conv_padding``) is ``Conv4(hidden=64, pool="max",
+    activation="leaky_relu")`` on Omniglot (48 filters and ``head="flatten"``,
+    ``image_size=84`` on mini-ImageNet): 3x3 convolutions with bias, stride 1, padding 1,
+    batch norm, leaky ReLU, 2x2 max-pool, then a linear layer on the flattened features.
+
+    Conv and linear weights start Xavier-uniform with zero biases, as in MAML's code (and
+    MAML++'s); batch norm starts at weight 1, bias 0.
 
     Args:
         in_channels: image channels (1 for Omniglot, 3 for mini-ImageNet).
@@ -72,6 +92,7 @@ class Conv4(nn.Module):
         hidden: filters per convolution.
         pool: ``"stride"`` or ``"max"``, see `ConvBlock`.
         norm_layer: normalisation per block, `MetaBatchNorm` by default (see `ConvBlock`).
+        activation: the blocks' nonlinearity, ``"relu"`` or ``"leaky_relu"``.
         head: ``"mean"`` (average the final positions: any image size) or ``"flatten"``
             (flatten them: the head is sized for ``image_size`` and accepts only it).
         image_size: input height and width (an int for square images); required by
@@ -91,6 +112,7 @@ class Conv4(nn.Module):
         norm_layer: Callable[[int], nn.Module] = MetaBatchNorm,
         head: Literal["mean", "flatten"] = "mean",
         image_size: int | tuple[int, int] | None = None,
+        activation: Activation = "relu",
     ) -> None:
         super().__init__()
         for name, value in (("in_channels", in_channels), ("ways", ways), ("hidden", hidden)):
@@ -106,10 +128,10 @@ class Conv4(nn.Module):
         self.head_kind = head
         self.image_size = None if image_size is None else _pair(image_size)
         self.features = nn.Sequential(  # first: ConvBlock refuses an unknown pool
-            ConvBlock(in_channels, hidden, pool, norm_layer),
-            ConvBlock(hidden, hidden, pool, norm_layer),
-            ConvBlock(hidden, hidden, pool, norm_layer),
-            ConvBlock(hidden, hidden, pool, norm_layer),
+            ConvBlock(in_channels, hidden, pool, norm_layer, activation),
+            ConvBlock(hidden, hidden, pool, norm_layer, activation),
+            ConvBlock(hidden, hidden, pool, norm_layer, activation),
+            ConvBlock(hidden, hidden, pool, norm_layer, activation),
         )
         positions = 1
         if self.image_size is not None:

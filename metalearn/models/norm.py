@@ -1,11 +1,12 @@
-"""Transductive batch norm (`batch_norm`, `MetaBatchNorm`), safe under vmapped second order."""
+"""Transductive batch norm (`batch_norm`, `MetaBatchNorm`), safe under vmapped second order,
+and which parameters of a network are normalisation weights (`norm_parameter_names`)."""
 
 from __future__ import annotations
 
 import torch
 from torch import Tensor, nn
 
-__all__ = ["MetaBatchNorm", "batch_norm"]
+__all__ = ["NORM_TYPES", "MetaBatchNorm", "batch_norm", "norm_parameter_names"]
 
 
 def batch_norm(x: Tensor, weight: Tensor, bias: Tensor, eps: float = 1e-5) -> Tensor:
@@ -85,3 +86,28 @@ class MetaBatchNorm(nn.Module):
 
     def extra_repr(self) -> str:
         return f"{self.num_features}, eps={self.eps}"
+
+
+NORM_TYPES: tuple[type[nn.Module], ...] = (
+    MetaBatchNorm,
+    nn.modules.batchnorm._NormBase,  # BatchNorm1d/2d/3d, SyncBatchNorm, InstanceNorm, lazy ones
+    nn.LayerNorm,
+    nn.GroupNorm,
+    nn.RMSNorm,
+)
+"""The normalisation layers `norm_parameter_names` recognises, by module type."""
+
+
+def norm_parameter_names(model: nn.Module) -> list[str]:
+    """Names of the parameters (scale and shift) of every normalisation layer of ``model``.
+
+    Found by module type (`NORM_TYPES`), never by name, in ``named_parameters`` order: these
+    are the weights MAML's references keep out of the inner loop (Finn et al.'s batch-norm
+    variables are not fast weights; Antoniou et al.'s code drops the norm layers from the
+    inner-loop dict), so they are meta-learned only.
+    """
+    norms = set()
+    for prefix, module in model.named_modules():
+        if isinstance(module, NORM_TYPES):
+            norms |= {f"{prefix}.{p}" if prefix else p for p, _ in module.named_parameters()}
+    return [name for name, _ in model.named_parameters() if name in norms]

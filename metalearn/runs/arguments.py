@@ -59,6 +59,8 @@ class ModelArgs:
 
     hidden: int = 64
     """Conv4: filters per block; ResNet-12: first stage width (stages h, 2.5h, 5h, 10h)."""
+    activation: Literal["relu", "leaky_relu"] = "relu"
+    """Conv4's nonlinearity: ReLU (MAML's) or leaky ReLU, slope 0.01 (MAML++'s network)."""
 
 
 @dataclass
@@ -93,9 +95,15 @@ class LearnerArgs:
     msl_steps: int | None = None
     """MAML++ only: meta-steps over which the multi-step loss anneals to the last step;
     none: the learner's (the reference's 10 epochs of 500 steps)."""
+    msl_epoch_length: int | None = None
+    """MAML++ only: meta-steps per epoch of the multi-step loss, whose weights move once an
+    epoch; none: the learner's (the reference's 500; 1: every meta-step)."""
     first_order_steps: int | None = None
     """MAML++ only: meta-steps of first-order meta-gradients before exact second order;
-    none: the learner's (the reference's 50 epochs of 500 steps)."""
+    none: the learner's (0: the reference's final configs are second order throughout)."""
+    adapt_norm: bool | None = None
+    """maml, fomaml, metasgd, mamlpp: adapt the normalisation layers' weights in the inner
+    loop too (True); none: the learner's (False: meta-learned only, as the references)."""
     inner_optimizer: Literal["sgd", "momentum", "nesterov", "adam", "rmsprop"] | None = None
     """maml, fomaml, anil: the inner loop's differentiable optimizer (metalearn.optim), its
     step size --inner-lr (Adam and RMSprop move each entry by about that much: try 0.01);

@@ -89,7 +89,8 @@ _OUTER_FIELDS = ("outer_optimizer", "outer_momentum", "nesterov", "weight_decay"
 # is recorded).
 LEARNER_FLAGS = (
     "inner_lr", "inner_steps", "first_order", "vectorize", "chunk_size",
-    "gradient_checkpointing", "cg_damping", "lora_rank", "msl_steps", "first_order_steps",
+    "gradient_checkpointing", "cg_damping", "lora_rank", "msl_steps", "msl_epoch_length",
+    "first_order_steps", "adapt_norm",
     "inner_optimizer", "inner_momentum", "inner_beta1", "inner_beta2", "inner_eps",
     "inner_alpha", "learn_inner_hyperparameters", "on_nonfinite", "label_smoothing",
     "inner_batch", "eval_inner_batch", "ridge_form", "lam", "scale", "inner_state",
@@ -100,9 +101,9 @@ _OPTIMIZER_FLAGS = ("inner_optimizer", "inner_momentum", "inner_beta1", "inner_b
                     "inner_eps", "inner_alpha", "learn_inner_hyperparameters")  # fmt: skip
 # Flags that belong to the algorithms whose learner takes them (`algorithms_taking`): recorded
 # resolved for those, refused for the others.
-_OWN_FLAGS = ("cg_damping", "lora_rank", "msl_steps", "first_order_steps", "label_smoothing",
-              "inner_batch", "eval_inner_batch", "ridge_form", "lam", "scale", "inner_state",
-              "transductive", "train_on_query")  # fmt: skip
+_OWN_FLAGS = ("cg_damping", "lora_rank", "msl_steps", "msl_epoch_length", "first_order_steps",
+              "label_smoothing", "adapt_norm", "inner_batch", "eval_inner_batch", "ridge_form",
+              "lam", "scale", "inner_state", "transductive", "train_on_query")  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -148,6 +149,7 @@ class ModelRecipe:
     pool: str = "stride"
     head: str = "mean"
     image_size: int | None = None
+    activation: str = "relu"  # a record without it ran MAML's ReLU
 
 
 @dataclass(frozen=True)
@@ -390,7 +392,7 @@ def recipe_from_args(experiment: str, args: Mapping[str, Any]) -> Recipe:
     model = ModelRecipe(
         backbone=args.get("backbone", "conv4"), in_channels=image.channels, ways=ways,
         hidden=args["hidden"], pool=args.get("pool", "stride"), head=args.get("head", "mean"),
-        image_size=args.get("image_size"),
+        image_size=args.get("image_size"), activation=args.get("activation", "relu"),
     )  # fmt: skip
     algorithm = args["algorithm"]
     outer_lr = args.get("outer_lr")
@@ -435,7 +437,7 @@ def read_recipe(saved: Mapping[str, Any]) -> Recipe:
         raise ValueError(f"the checkpoint's arguments lack {err}; it was not written by "
                          "metalearn's experiments") from None  # fmt: skip
     algorithm = recipe.learner.algorithm
-    # what the record left open (or no flag set then) had the values of that time
+    # arguments no flag sets (R2-D2's learn_lambda) had the values of that time too
     before = LEARNERS[algorithm].arguments_before
     arguments = {**recipe.learner.arguments,
                  **{k: v for k, v in before.items() if args.get(k) is None}}  # fmt: skip
@@ -454,8 +456,13 @@ _RENAMED_ARGUMENTS = {"checkpoint": "gradient_checkpointing", "rank": "lora_rank
 def upgrade_args(args: Mapping[str, Any]) -> dict[str, Any]:
     """A checkpoint's flat arguments under today's flag names (`_RENAMED`), with the
     ``train_ways`` and ``outer_optimizer`` a record written before them trained with
-    (``ways``, the learner's own optimizer)."""
+    (``ways``, the learner's own optimizer), and the learner arguments added since at the
+    values those runs had (the learner's `MetaLearner.arguments_before`)."""
     upgraded = {_RENAMED.get(k, k): v for k, v in args.items()}
+    if upgraded.get("algorithm") in LEARNERS:
+        # arguments added or changed since: the values the run had (`arguments_before`)
+        before = LEARNERS[upgraded["algorithm"]].arguments_before
+        upgraded.update({k: v for k, v in before.items() if upgraded.get(k) is None})
     if "label_smoothing" not in upgraded and upgraded.get("algorithm") == "metaoptnet":
         # written before the flag existed: the learner's own (no flag could set it)
         upgraded["label_smoothing"] = complete_arguments("metaoptnet", {})["label_smoothing"]
@@ -505,7 +512,8 @@ def build_model(recipe: Recipe) -> nn.Module:
     """The run's backbone, freshly initialised (seed first, or load a state next)."""
     m = recipe.model
     return build_backbone(m.backbone, in_channels=m.in_channels, ways=m.ways, hidden=m.hidden,
-                          pool=m.pool, head=m.head, image_size=m.image_size)  # fmt: skip
+                          pool=m.pool, head=m.head, image_size=m.image_size,
+                          activation=m.activation)  # fmt: skip
 
 
 def build_learner(recipe: Recipe, device: torch.device | str = "cpu") -> MetaLearner:

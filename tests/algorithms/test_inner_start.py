@@ -111,8 +111,11 @@ def reference(name: str, learner, t: Task) -> tuple:
     """(loss, start, adapted keys) of the inner loop's first step, written out."""
     theta = {k: v.detach() for k, v in learner.model.named_parameters()}
     everything = list(theta)
-    if name in ("maml", "fomaml", "metasgd", "imaml", "reptile"):
+    if name in ("imaml", "reptile"):
         return (lambda p: support_loss(p, t)), theta, everything
+    if name in ("maml", "fomaml", "metasgd"):  # the norm layer stays out (adapt_norm=False)
+        keys = [k for k in theta if not k.startswith("norm.")]
+        return (lambda p: support_loss(p, t)), theta, keys
     if name == "anil":
         return (lambda p: support_loss(p, t)), theta, ["head.weight", "head.bias"]
     if name == "boil":  # the body only: the head stays theta's

@@ -120,6 +120,9 @@ def test_metasgd_rates_are_learner_parameters_of_the_parameters_shape():
     model = conv()
     learner = MetaSGD(model, inner_lr=0.2)
     shapes = {n.replace(".", "__"): p.shape for n, p in model.named_parameters()}
+    # The norm layers stay out of the inner loop (no rate) unless adapt_norm.
+    assert {k: v.shape for k, v in MetaSGD(model, adapt_norm=True).lrs.items()} == shapes
+    shapes = {k: v for k, v in shapes.items() if "__norm__" not in k}
     assert {k: v.shape for k, v in learner.lrs.items()} == shapes
     assert all(torch.all(v == 0.2) for v in learner.lrs.values())
     assert any(n.startswith("lrs.") for n, _ in learner.named_parameters())
@@ -170,7 +173,8 @@ def test_metasgd_vmap_and_loop_agree():
 
 
 def mamlpp(model: nn.Module, **kwargs) -> MAMLpp:
-    settings = dict(inner_lr=0.3, inner_steps=2, msl_steps=10, first_order_steps=0)
+    settings = dict(inner_lr=0.3, inner_steps=2, msl_steps=10, msl_epoch_length=1,
+                    first_order_steps=0)  # fmt: skip
     return MAMLpp(model, **{**settings, **kwargs})
 
 
@@ -207,6 +211,26 @@ def test_learner_step_weights_switch_to_the_last_step_after_msl():
     learner.schedule(4, 100)
     assert learner.step_weights() == [0.0, 0.0, 1.0]
     assert mamlpp(mlp(), inner_steps=3, msl_steps=0).step_weights() == [0.0, 0.0, 1.0]
+
+
+def test_msl_weights_move_once_an_epoch_as_the_reference():
+    """The reference's weights at iteration i are those of epoch int(i / 500), with MSL
+    while that epoch is below multi_step_loss_num_epochs (its default here: 10 of 500)."""
+    learner = MAMLpp(mlp())
+    assert (learner.msl_steps, learner.msl_epoch_length, learner.inner_steps) == (5000, 500, 5)
+
+    def reference(i: int) -> list[float]:  # few_shot_learning_system.py, per epoch e < E
+        e, steps, epochs = i // 500, 5, 10
+        if e >= epochs:
+            return [0.0] * 4 + [1.0]
+        decay, floor = 1.0 / steps / epochs, 0.03 / steps
+        return [max(1 / steps - e * decay, floor)] * 4 + [
+            min(1 / steps + e * (steps - 1) * decay, 1 - (steps - 1) * floor)
+        ]
+
+    for i in (0, 1, 499, 500, 777, 999, 1000, 4499, 4500, 4999, 5000, 9000):
+        learner.schedule(i, 50_000)
+        assert learner.step_weights() == pytest.approx(reference(i), abs=1e-15), i
 
 
 def test_mamlpp_with_last_step_loss_and_one_rate_is_maml():
@@ -330,7 +354,11 @@ def test_bad_settings_raise_with_the_fix():
     with pytest.raises(ValueError, match=">= 0"):
         MAMLpp(conv(), msl_steps=-1)
     with pytest.raises(ValueError, match="per_step_bn=False"):
+        MAMLpp(conv(), adapt_keys=["features.0.norm.weight", "head.weight"], adapt_norm=True)
+    with pytest.raises(ValueError, match="adapt_norm=True"):
         MAMLpp(conv(), adapt_keys=["features.0.norm.weight", "head.weight"])
+    with pytest.raises(ValueError, match="msl_epoch_length=0 must be >= 1"):
+        MAMLpp(conv(), msl_epoch_length=0)
     with pytest.raises(ValueError, match="step must be >= 0"):
         MAMLpp(conv()).schedule(-1, 100)
     with pytest.raises(ValueError, match="msl_steps >= 1"):

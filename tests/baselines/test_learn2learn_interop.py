@@ -106,7 +106,8 @@ def test_meta_gradient_equals_learn2learns_maml(steps, vectorize):
     twin = _TorchConv4(hidden=4, ways=WAYS).double()
     twin.load_state_dict(model.state_dict())  # the same weights, strictly
 
-    ours = MAML(model, inner_lr=0.1, inner_steps=steps, vectorize=vectorize)
+    # learn2learn's MAML adapts every parameter, batch norm's included: adapt_norm=True.
+    ours = MAML(model, inner_lr=0.1, inner_steps=steps, vectorize=vectorize, adapt_norm=True)
     ours.meta_loss(tasks).loss.backward()
 
     theirs = l2l.algorithms.MAML(twin, lr=0.1, first_order=False)

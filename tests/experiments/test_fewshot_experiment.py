@@ -166,8 +166,10 @@ def test_paper_presets_build_the_papers_network():
     )  # fmt: skip
     assert (a["query"], a["iterations"], a["outer_lr"], a["hidden"]) == (15, 60_000, 1e-3, 32)
     assert (a["channels"], a["image_size"], a["head"], a["pool"]) == (3, 84, "flatten", "max")
+    # cbfinn/maml's main.py: K + 15 examples per class in training, 2K at test (K queries).
+    assert a["eval_query"] == 1
     five = flatten(fs.parse_args(["--preset", "paper-miniimagenet-5w5s"]))
-    assert (five["shots"], five["meta_batch"]) == (5, 2)
+    assert (five["shots"], five["meta_batch"], five["query"], five["eval_query"]) == (5, 2, 15, 5)
     assert fs.parse_args(["--preset", "paper-miniimagenet-5w1s-fo"]).learner.algorithm == "fomaml"
     learner = learner_of(fs, replace_flat(one, device="cpu"))
     assert type(learner) is MAML and not learner.first_order
@@ -240,3 +242,23 @@ def test_a_hostile_data_file_is_one_line_and_runs_nothing(tmp_path):
 def test_defaults_are_the_command_line_without_flags():
     """Args() and the command line with no flags agree on every field (one source)."""
     assert fs.parse_args([]) == fs.Args()
+
+
+@pytest.mark.parametrize("shots", [1, 5])
+def test_mamlpp_presets_are_the_references_mini_imagenet_configs(shots):
+    """experiment_config/mini-imagenet_maml++-mini-imagenet_{1,5}_2_0.01_48_5_0.json at
+    86964701, as its code reads them (inner rate 0.1: init_inner_loop_learning_rate unread)."""
+    args = fs.resolve_args(fs.parse_args([
+        "--preset", f"mamlpp-miniimagenet-5w{shots}s", "--data-root", str(ROOT),
+    ]))  # fmt: skip
+    a = flatten(args)
+    assert (a["algorithm"], a["shots"], a["ways"], a["meta_batch"]) == ("mamlpp", shots, 5, 2)
+    assert (a["inner_lr"], a["inner_steps"], a["eval_inner_steps"]) == (0.1, 5, 5)
+    assert (a["msl_steps"], a["msl_epoch_length"], a["first_order_steps"]) == (7500, 500, 0)
+    assert (a["query"], a["eval_query"], a["iterations"], a["outer_lr"]) == (15, 15, 50_000, 1e-3)
+    assert (a["hidden"], a["pool"], a["head"], a["activation"]) == (48, "max", "flatten",
+                                                                   "leaky_relu")  # fmt: skip
+    learner = learner_of(fs, replace_flat(args, device="cpu"))
+    # 3->48, 3 x 48->48 3x3 convs with biases, 4 norms, a head on 5x5x48 = 1200 features.
+    model = sum(p.numel() for p in learner.model.parameters())
+    assert model == 1344 + 3 * 20784 + 4 * 96 + 1200 * 5 + 5

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.nn.functional as F
 import wandb
 
 from metalearn.algorithms import IMAML, Reptile
@@ -26,7 +27,7 @@ from metalearn.runs.lifecycle import UserError, latest_segment
 from metalearn.runs.recipe import build_learner, read_recipe, recipe_from_args
 from metalearn.runs.records import read_offline_run
 from tests.conftest import OMNIGLOT, ROOT, needs_omniglot
-from tests.helpers.run_helpers import main_interrupted, make, om
+from tests.helpers.run_helpers import main_interrupted, make, om, recipe_of
 
 DATA = OMNIGLOT
 pytestmark = needs_omniglot
@@ -236,10 +237,13 @@ def test_a_nan_validation_is_never_the_best_and_a_diverged_run_exits_non_zero(tm
     A run whose validations are all NaN ends in one line saying so, exit 2; one whose first
     validation is NaN keeps the later finite one as its best, and its NaN test accuracy
     ends the run the same way, unfinished (no NaN result is recorded as the run's)."""
+    # The report's run adapted the norm layers (MAML's behaviour then): held fixed, as now by
+    # default, inner lr 200 does not turn every validation NaN.
     diverging = dict(inner_lr=200.0, on_nonfinite="skip", iterations=10, val_every=5,
-                     val_tasks=10, test_tasks=10, eval_inner_steps=10)  # fmt: skip
+                     val_tasks=10, test_tasks=10, eval_inner_steps=10, adapt_norm=True)  # fmt: skip
+    flags = {**diverging, "adapt_norm": "True"}  # --adapt-norm takes a value
     cmd = [sys.executable, str(ROOT / "experiments" / "omniglot_maml.py"),
-           *_flags(tmp_path, **diverging, run_name="all")]  # fmt: skip
+           *_flags(tmp_path, **flags, run_name="all")]  # fmt: skip
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert done.returncode == 2 and "test/acc" not in done.stdout
     assert done.stderr.strip().splitlines()[-1] == (
@@ -424,7 +428,8 @@ def test_every_algorithm_learns_above_chance(tmp_path, algorithm):
 def test_mamlpp_switches_to_second_order_at_the_recorded_step(tmp_path, monkeypatch):
     """The loop hands MAML++ each meta-step: --first-order-steps 3 of 6 logs
     train/second_order 0, 0, 0, 1, 1, 1, and the meta-gradients of the first three steps
-    are first order (inner gradients detached) while the last three are not."""
+    are first order (inner gradients detached) while the last three are not; MSL's weights
+    move once an epoch of --msl-epoch-length 2 meta-steps."""
     orders = []
     original = om.meta_step
 
@@ -435,15 +440,17 @@ def test_mamlpp_switches_to_second_order_at_the_recorded_step(tmp_path, monkeypa
 
     monkeypatch.setattr(om, "meta_step", recording_step)
     args = tiny_args(tmp_path, algorithm="mamlpp", first_order_steps=3, msl_steps=4,
-                     inner_steps=2, iterations=6, val_every=6, run_name="pp")  # fmt: skip
+                     msl_epoch_length=2, inner_steps=2, iterations=6, val_every=6,
+                     run_name="pp")  # fmt: skip
     om.main(args)
     saved = _checkpoint(tmp_path, "pp")
     history = saved["history"]
     assert [row["train/second_order"] for row in history] == [0, 0, 0, 1, 1, 1]
     assert orders == [True, True, True, False, False, False]
-    # MSL: the last inner step's weight grows from 1/2 over the 4 recorded steps, then is 1.
+    # MSL: the last inner step's weight grows from 1/2 over the 4 recorded steps, once an
+    # epoch of 2 (the reference's weights at epoch int(step / 2)), then is 1.
     assert [row["train/msl_last_weight"] for row in history] == pytest.approx(
-        [0.5, 0.625, 0.75, 0.875, 1.0, 1.0]
+        [0.5, 0.5, 0.75, 0.75, 1.0, 1.0]
     )
     assert saved["args"]["first_order_steps"] == 3 and saved["args"]["msl_steps"] == 4
     arguments = saved["recipe"]["learner"]["arguments"]
@@ -456,3 +463,66 @@ def test_reptile_anneals_its_outer_step_as_the_paper(tmp_path):
     assert [row["train/outer_lr"] for row in saved["history"]] == [1.0, 0.75, 0.5, 0.25]
     assert saved["args"]["outer_lr"] == 1.0
     assert saved["recipe"]["learner"]["arguments"]["anneal"] is True
+
+
+# --------------------------------------------------------------------------- presets
+
+
+def test_the_maml_paper_presets_draw_k_queries_per_class_as_its_code():
+    """cbfinn/maml's main.py draws ``DataGenerator(update_batch_size*2, ...)`` for Omniglot:
+    K support and K query examples per class, in training and test alike."""
+    for preset, shots in (("paper-5w1s", 1), ("paper-5w5s", 5), ("paper-20w1s", 1),
+                          ("paper-20w5s", 5)):  # fmt: skip
+        a = flatten(om.parse_args(["--preset", preset]))
+        assert (a["shots"], a["query"], a["eval_query"]) == (shots, shots, shots), preset
+        assert a["algorithm"] == "maml" and a["adapt_norm"] is None  # the learner's: False
+
+
+def vgg_relu_norm_network(p: dict, x: torch.Tensor) -> torch.Tensor:
+    """HowToTrainYourMAMLPytorch's VGGReLUNormNetwork with max_pooling and conv_padding
+    written out: per stage a 3x3 conv with bias (stride 1, padding 1), batch norm with the
+    batch's statistics (eps 1e-5), leaky ReLU (0.01), 2x2 max-pool; then the linear layer on
+    the flattened features."""
+    h = x
+    for i in range(4):
+        h = F.conv2d(h, p[f"features.{i}.conv.weight"], p[f"features.{i}.conv.bias"], padding=1)
+        h = F.batch_norm(h, None, None, p[f"features.{i}.norm.weight"],
+                         p[f"features.{i}.norm.bias"], training=True, eps=1e-5)  # fmt: skip
+        h = F.max_pool2d(F.leaky_relu(h, 0.01), 2, stride=2, padding=0)
+    return h.flatten(1) @ p["head.weight"].T + p["head.bias"]
+
+
+@pytest.mark.parametrize("preset", ["mamlpp-5w1s", "mamlpp-5w5s", "mamlpp-20w1s", "mamlpp-20w5s"])
+def test_mamlpp_presets_are_the_references_final_configs(preset):
+    """experiment_config/omniglot_maml++-omniglot_*_8_0.1_64_*_0.json at 86964701, as its
+    code reads them (the inner rate: the argparse default task_learning_rate, 0.1)."""
+    ways, shots = int(preset.split("-")[1].split("w")[0]), int(preset[-2])
+    recipe = recipe_of(om, om.parse_args(["--preset", preset]))
+    learner = recipe.learner.arguments
+    assert recipe.learner.algorithm == "mamlpp"
+    assert (learner["inner_lr"], learner["inner_steps"], learner["first_order_steps"]) == (
+        0.1, 5, 0,
+    )  # fmt: skip
+    assert (learner["msl_steps"], learner["msl_epoch_length"]) == (10 * 500, 500)
+    assert learner["per_step_bn"] is True and learner["adapt_norm"] is False
+    t = recipe.training
+    assert (t.meta_batch, t.iterations, t.outer_lr, t.eval_inner_steps) == (8, 50_000, 1e-3, 5)
+    assert (t.lr_schedule, t.eta_min, t.schedule_every) == ("cosine", 1e-5, 500)
+    assert (recipe.data.ways, recipe.data.shots, recipe.data.query) == (ways, shots, 1)
+    assert recipe.data.eval_query == 1
+    m = recipe.model
+    assert (m.hidden, m.pool, m.activation, m.ways) == (64, "max", "leaky_relu", ways)
+    model = build_learner(recipe).model.double()
+    x = torch.randn(7, 1, 28, 28, dtype=torch.float64)
+    p = dict(model.named_parameters())
+    with torch.no_grad():
+        torch.testing.assert_close(model(x), vgg_relu_norm_network(p, x), rtol=1e-12,
+                                   atol=1e-12)  # fmt: skip
+
+
+def test_the_cpu_mamlpp_preset_shrinks_the_schedules_alike():
+    recipe = recipe_of(om, om.parse_args(["--preset", "cpu-mamlpp"]))
+    t, learner = recipe.training, recipe.learner.arguments
+    assert t.iterations // t.schedule_every == 100  # the reference's 100 epochs
+    assert learner["msl_steps"] // learner["msl_epoch_length"] == 10  # and 10 of MSL
+    assert (recipe.model.pool, recipe.model.activation) == ("max", "leaky_relu")

@@ -176,3 +176,25 @@ def test_reptile_and_r2d2_records_before_their_reference_recipes_rebuild_what_th
     assert build_learner(read_recipe({"recipe": {**recipe, "learner": today}})).ridge_form == (
         "rrnet"
     )  # a record written today: the reference's head
+
+
+def test_a_record_from_before_adapt_norm_adapts_the_norm_layers_as_it_ran():
+    """MAML adapted its batch-norm weights in the inner loop until ``adapt_norm`` (default
+    False, as the references) existed: a record without the argument, flat or recipe, reads
+    as ``adapt_norm=True``, and MAML++'s as moving its loss weights every meta-step
+    (``msl_epoch_length=1``); one written since keeps what it holds."""
+    flat = read_recipe(saved("omniglot-maml"))
+    assert flat.learner.arguments["adapt_norm"] is True
+    assert build_learner(flat).adapt_keys is None  # every parameter adapted, as it ran
+    recipe = read_recipe(saved("folder-maml")).to_dict()
+    for algorithm, added in (("maml", {"adapt_norm": True}), ("metasgd", {"adapt_norm": True}),
+                             ("mamlpp", {"adapt_norm": True, "msl_epoch_length": 1}),
+                             ("anil", {})):  # fmt: skip
+        arguments = {k: v for k, v in complete_arguments(algorithm, {}).items()
+                     if k not in ("adapt_norm", "msl_epoch_length")}  # fmt: skip
+        old = {**recipe, "learner": {"algorithm": algorithm, "arguments": arguments}}
+        assert dict(read_recipe({"recipe": old}).learner.arguments) == {**arguments, **added}
+        new = {**recipe, "learner": {"algorithm": algorithm,
+                                     "arguments": complete_arguments(algorithm, {})}}  # fmt: skip
+        assert read_recipe({"recipe": new}).learner.arguments == complete_arguments(algorithm, {})
+    assert complete_arguments("maml", {})["adapt_norm"] is False

@@ -45,7 +45,11 @@ def _run(tmp_path: Path, *flags: str, script: str = "omniglot_maml") -> str:
      (["--inner-lr", "inf"], "--inner-lr inf: must be a positive finite number"),
      (["--inner-lr", "nan"], "--inner-lr nan: must be a positive finite number"),
      (["--outer-lr", "inf"], "--outer-lr inf: must be a positive finite number"),
-     (["--outer-lr", "0"], "--outer-lr 0.0: must be a positive finite number")],
+     (["--outer-lr", "0"], "--outer-lr 0.0: must be a positive finite number"),
+     (["--algorithm", "mamlpp", "--msl-epoch-length", "0"],
+      "--msl-epoch-length 0 must be >= 1 (meta-steps per epoch of MSL"),
+     (["--algorithm", "reptile", "--adapt-norm", "True"],
+      "--adapt-norm is a setting of maml or fomaml or metasgd or mamlpp; drop it for reptile")],
 )  # fmt: skip
 def test_refused_before_anything_runs(tmp_path, flags, message):
     if flags[0] == "--device" and torch.cuda.is_available():
@@ -102,8 +106,9 @@ def test_shapes_the_data_cannot_give_are_refused_before_it_loads(tmp_path, scrip
 
 @needs_omniglot
 def test_a_diverging_run_names_the_meta_step_and_the_flag(tmp_path):
+    # The norm layers adapted (--adapt-norm True): held fixed, the losses stay finite.
     line = _run(tmp_path, "--algorithm", "maml", "--inner-lr", "1e30", "--inner-steps", "5",
-                "--run-name", "d")  # fmt: skip
+                "--adapt-norm", "True", "--run-name", "d")  # fmt: skip
     assert line.startswith("error: meta-step ") and ", task " in line
     assert "non-finite" in line and "--on-nonfinite skip" in line and "\n" not in line
     saved = torch.load(tmp_path / "runs" / "d" / "checkpoint.pt", weights_only=True)
@@ -113,13 +118,14 @@ def test_a_diverging_run_names_the_meta_step_and_the_flag(tmp_path):
 def test_an_overflowing_meta_gradient_is_not_taken_even_when_skipping(tmp_path):
     # --inner-lr 200 on a fewshot image folder: the losses stay finite (about 1e18) while the
     # meta-gradient overflows; --on-nonfinite skip drops tasks with non-finite losses only.
+    # The norm layers adapted (--adapt-norm True), as the run this reproduces.
     from tests.helpers.image_set_fixtures import write_folder
 
     folder = write_folder(tmp_path / "folder")
     line = _run(tmp_path, "--dataset", "folder", "--data-root", str(folder), "--image-size",
                 "16", "--channels", "1", "--ways", "3", "--shots", "1", "--hidden", "4",
                 "--inner-lr", "200", "--inner-steps", "5", "--on-nonfinite", "skip",
-                "--run-name", "d", script="fewshot_maml")  # fmt: skip
+                "--adapt-norm", "True", "--run-name", "d", script="fewshot_maml")  # fmt: skip
     assert line.startswith("error: meta-step 1: non-finite meta-gradient of model.")
     assert "from finite losses" in line and "the step was not taken" in line
     saved = torch.load(tmp_path / "runs" / "d" / "checkpoint.pt", weights_only=True)
