@@ -232,7 +232,9 @@ def test_a_resumed_run_says_where_it_resumes(tmp_path, capsys):
     assert lines.count("resuming r at meta-step 1 of 2") == 1
 
 
-def test_a_nan_validation_is_never_the_best_and_a_diverged_run_exits_non_zero(tmp_path):
+def test_a_nan_validation_is_never_the_best_and_a_diverged_run_exits_non_zero(
+    tmp_path, monkeypatch
+):
     """The diverging command of the report (inner lr 200, NaN tasks skipped), sized down.
     A run whose validations are all NaN ends in one line saying so, exit 2; one whose first
     validation is NaN keeps the later finite one as its best, and its NaN test accuracy
@@ -252,12 +254,18 @@ def test_a_nan_validation_is_never_the_best_and_a_diverged_run_exits_non_zero(tm
     )
     saved = _checkpoint(tmp_path, "all")
     assert saved["best_val"] is None and saved["results"] is None and saved["iteration"] == 10
+    # Which validations of a diverging run come out NaN depends on the machine's arithmetic:
+    # the evaluations are scripted here (NaN, then finite, then a NaN test) so the lifecycle's
+    # handling of each is what is tested.
+    scripted = iter([(float("nan"), float("nan")), (0.5, 0.1), (float("nan"), float("nan"))])
+    monkeypatch.setattr(om, "evaluate_tasks", lambda *args, **kwargs: next(scripted))
     with pytest.raises(UserError, match="test/acc of some is NaN.*lower --inner-lr"):
-        om.main(tiny_args(tmp_path, **diverging, hidden=32, eval_query=5, run_name="some"))
+        om.main(tiny_args(tmp_path, iterations=10, val_every=5, val_tasks=10, test_tasks=10,
+                          run_name="some"))  # fmt: skip
     saved = _checkpoint(tmp_path, "some")
     validations = [row["val/acc"] for row in saved["history"] if "val/acc" in row]
-    assert validations[0] != validations[0] and validations[1] == validations[1]  # NaN, finite
-    assert saved["best_val"] == validations[1] and saved["best_iteration"] == 10
+    assert validations[0] != validations[0] and validations[1] == 0.5  # NaN, finite
+    assert saved["best_val"] == 0.5 and saved["best_iteration"] == 10
     assert saved["results"] is None
 
 
