@@ -44,6 +44,9 @@ class DataArgs:
     algorithms that size their head per task (protonet, r2d2, metaoptnet)."""
     shots: int = 1
     """K: support examples per class."""
+    train_shots: int | None = None
+    """Support examples per class of training tasks; none: --shots. MetaOptNet trains
+    15-shot for its 1- and 5-shot tests; validation and test tasks keep --shots."""
     query: int = 5
     """Query examples per class during meta-training."""
     eval_query: int = 15
