@@ -38,8 +38,8 @@ def test_reptile_presets_are_its_readme_commands(experiment, name):
     recipe = preset(experiment, name)
     d, t, a = recipe.data, recipe.training, recipe.learner.arguments
     assert recipe.learner.algorithm == "reptile"
-    assert (d.ways, d.shots, d.shots + d.query) == (ways, shots, train_shots)
-    assert a["train_on_query"] is True  # all --train-shots examples are trained on
+    assert (d.ways, d.shots, d.train_shots, d.query) == (ways, shots, train_shots, 1)
+    assert a["train_on_query"] is False  # the --train-shots examples are the inner loop's
     assert (a["inner_batch"], a["inner_steps"], a["inner_lr"]) == (batch, iters, lr)
     assert (a["inner_optimizer"], a["inner_beta1"], a["inner_state"]) == ("adam", 0.0, "carried")
     assert (a["eval_inner_batch"], t.eval_inner_steps, a["transductive"]) == (eval_batch, 50,
@@ -88,6 +88,8 @@ def test_metaoptnet_preset_is_its_svm_command():
     assert (recipe.learner.algorithm, m.backbone, m.hidden) == ("metaoptnet", "resnet12", 64)
     assert (a["c_reg"], a["ipm_steps"], a["label_smoothing"]) == (0.1, 15, 0.1)  # --eps 0.1
     assert (d.query, t.meta_batch, t.val_tasks) == (6, 8, 2000)  # --train-query, episodes
+    # --train-shot 15 (README's command, train.py's default), --val-shot 5, --val-query 15
+    assert (d.train_shots, d.shots, d.eval_query) == (15, 5, 15)
     assert (t.outer_optimizer, t.outer_lr, t.outer_momentum, t.nesterov, t.weight_decay) == (
         "sgd", 0.1, 0.9, True, 5e-4)  # fmt: skip
     assert t.iterations == 60 * 1000  # --num-epoch 60 of episodes_per_batch * 1000 episodes
