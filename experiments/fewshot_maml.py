@@ -105,10 +105,10 @@ class FewshotData(DataArgs):
 
 @dataclass
 class FewshotModel(ModelArgs):
-    """The network: MAML's Conv4 or ResNet-12."""
+    """The network: MAML's Conv4, ResNet-12 or R2-D2's encoder."""
 
-    backbone: Literal["conv4", "resnet12"] = "conv4"
-    """Network: MAML's Conv4 or ResNet-12."""
+    backbone: Literal["conv4", "resnet12", "r2d2"] = "conv4"
+    """Network: MAML's Conv4, ResNet-12 or R2-D2's encoder (96-192-384-512 at --hidden 64)."""
     head: Literal["flatten", "mean"] = "flatten"
     """Conv4's classifier input: every final position flattened (MAML's mini-ImageNet
     net) or their mean."""
@@ -155,8 +155,9 @@ PAPER = dict(dataset="mini-imagenet", backbone="conv4", hidden=32, head="flatten
              val_tasks=600, test_tasks=600, ways=5)  # fmt: skip
 # Reptile's mini-ImageNet commands (openai/supervised-reptile, README.md): MAML's network
 # (32 filters, max-pool), --train-shots 15 examples a class in the inner loop (one query a
-# class drawn beside them for the held-out training metrics), 8 Adam iterations at 1e-3 on mini-batches of 10, meta-batch 5, meta-step 1
-# annealed to 0 over 100,000 steps, 50 evaluation iterations, 10,000 test tasks.
+# class drawn beside them for the held-out training metrics), 8 Adam iterations at 1e-3 on
+# mini-batches of 10, meta-batch 5, meta-step 1 annealed to 0 over 100,000 steps, 50
+# evaluation iterations, 10,000 test tasks.
 REPTILE = dict(dataset="mini-imagenet", backbone="conv4", hidden=32, head="flatten", pool="max",
                algorithm="reptile", train_shots=15, query=1, inner_lr=1e-3, inner_steps=8,
                inner_batch=10, meta_batch=5, outer_lr=1.0, iterations=100_000,
@@ -172,8 +173,10 @@ PRESETS: dict[str, dict[str, Any]] = {
     "reptile-miniimagenet-5w5s": {**REPTILE, "shots": 5, "eval_inner_batch": 15},
     # bertinetto/r2d2, scripts/train/experiments.sh (mini_r2d2) and conf/fewshots.yaml:
     # 16-way episodes of 15 examples a class, the output scale from 1e-4, Adam 5e-3 halved
-    # every 20 epochs of 100 episodes (40,000 steps: see omniglot_maml.py's R2D2)
+    # every 20 epochs of 100 episodes (40,000 steps: see omniglot_maml.py's R2D2); its
+    # encoder (RRNet: --backbone r2d2 at --hidden 64)
     "r2d2-miniimagenet": {"dataset": "mini-imagenet", "algorithm": "r2d2", "ways": 5,
+                          "backbone": "r2d2", "hidden": 64,
                           "train_ways": 16, "shots": 5, "query": 10, "eval_query": 15,
                           "scale": 1e-4, "meta_batch": 1, "outer_lr": 5e-3,
                           "lr_schedule": "step", "step_size": 20, "gamma": 0.5,

@@ -57,7 +57,7 @@ from metalearn.algorithms import MetaLearner, StepMetrics
 from metalearn.algorithms.registry import make_learner
 from metalearn.data import EpisodicSampler
 from metalearn.runs import experiment
-from metalearn.runs.arguments import DataArgs, ExperimentArgs
+from metalearn.runs.arguments import DataArgs, ExperimentArgs, ModelArgs
 from metalearn.runs.evaluation import TEST_SEED, VAL_SEED, evaluate_tasks
 from metalearn.runs.experiment import Experiment
 from metalearn.runs.lifecycle import require, run_cli
@@ -104,6 +104,17 @@ class OmniglotData(DataArgs):
 
 
 @dataclass
+class OmniglotModel(ModelArgs):
+    """The network: MAML's Omniglot Conv4 (stride 2) or R2-D2's encoder."""
+
+    backbone: Literal["conv4", "r2d2"] = "conv4"
+    """Network: MAML's Conv4 or R2-D2's encoder (96-192-384-512 at --hidden 64)."""
+    head: Literal["mean", "flatten"] = "mean"
+    """Conv4's classifier input: the mean of its last 2x2 map or the map flattened (Reptile's
+    Omniglot network)."""
+
+
+@dataclass
 class Args(ExperimentArgs):
     """Arguments of the Omniglot experiment (each is a --flag, also as --flag_name=VALUE)."""
 
@@ -120,6 +131,8 @@ class Args(ExperimentArgs):
     docs/algorithms.md; reptile-cpu and imaml-cpu: CPU-sized runs of those recipes)."""
     data: OmniglotData = field(default_factory=OmniglotData)
     """Data options."""
+    model: OmniglotModel = field(default_factory=OmniglotModel)
+    """Model options."""
 
 
 # The MAML paper's Omniglot settings (Finn et al., 2017, Sec. 5.2 and appendix A.1).
@@ -135,12 +148,13 @@ LAKE = dict(algorithm="protonet", ways=20, train_ways=60, shots=1, split="alphab
             query=3)  # fmt: skip
 # Reptile's Omniglot commands (openai/supervised-reptile, README.md, "to match latest version
 # of the paper"): --train-shots 10 examples per class in the inner loop (one query a class
-# drawn beside them for the held-out training metrics), --meta-batch 5, --meta-step 1 annealed to 0
-# (--meta-step-final 0), --eval-iters 50, 10,000 test tasks; the learner's defaults are its
-# 5-way values (Adam 1e-3 with beta1 0, 5 iterations on mini-batches of 10, evaluation
-# mini-batches of 5, non-transductive).
+# drawn beside them for the held-out training metrics), --meta-batch 5, --meta-step 1
+# annealed to 0 (--meta-step-final 0), --eval-iters 50, 10,000 test tasks; the learner's
+# defaults are its 5-way values (Adam 1e-3 with beta1 0, 5 iterations on mini-batches of 10,
+# evaluation mini-batches of 5, non-transductive); its network flattens the last 2x2x64 map
+# (models.py).
 REPTILE = dict(algorithm="reptile", train_shots=10, query=1, meta_batch=5, eval_inner_steps=50,
-               outer_lr=1.0, val_every=1000, checkpoint_every=1000, val_tasks=600,
+               head="flatten", outer_lr=1.0, val_every=1000, checkpoint_every=1000, val_tasks=600,
                test_tasks=10_000)  # fmt: skip
 REPTILE_20W = dict(ways=20, inner_lr=5e-4, inner_steps=10, inner_batch=20, eval_inner_batch=10,
                    iterations=200_000)  # fmt: skip
@@ -149,12 +163,14 @@ REPTILE_20W = dict(ways=20, inner_lr=5e-4, inner_steps=10, inner_batch=20, eval_
 # (jakesnell/prototypical-networks, scripts/train/few_shot/run_train.py; bertinetto/r2d2,
 # scripts/train/experiments.sh and conf/fewshots.yaml). Both stop when validation has not
 # improved for 200 epochs; 40,000 steps here, where the step is 2^-20 of its start and
-# later steps move nothing (metalearn tests the best-validation weights).
+# later steps move nothing (metalearn tests the best-validation weights). R2-D2's network is
+# its encoder (RRNet, --backbone r2d2).
 PROTONET = dict(algorithm="protonet", train_ways=60, shots=5, query=5, eval_query=15,
                 meta_batch=1, outer_lr=1e-3, lr_schedule="step", step_size=20, gamma=0.5,
                 schedule_every=100, iterations=40_000, val_every=100, checkpoint_every=1000,
                 val_tasks=100, test_tasks=1000)  # fmt: skip
-R2D2 = dict(algorithm="r2d2", train_ways=60, shots=5, query=5, eval_query=15, meta_batch=1,
+R2D2 = dict(algorithm="r2d2", backbone="r2d2", hidden=64, train_ways=60, shots=5, query=5,
+            eval_query=15, meta_batch=1,
             outer_lr=5e-3, lr_schedule="step", step_size=20, gamma=0.5, schedule_every=100,
             iterations=40_000, val_every=100, checkpoint_every=1000, val_tasks=200,
             test_tasks=10_000)  # fmt: skip

@@ -14,7 +14,7 @@ dict, batched over tasks with `torch.func.vmap` and differentiated to second ord
   ANIL adapts ``head.*`` only by passing those keys.
 """
 
-from metalearn.models.backbones import BACKBONES, build_backbone
+from metalearn.models.backbones import BACKBONES, build_backbone, sized_by_image
 from metalearn.models.conv4 import Conv4, ConvBlock
 from metalearn.models.mlp import MLP
 from metalearn.models.norm import MetaBatchNorm, batch_norm
@@ -32,4 +32,5 @@ __all__ = [
     "ResidualBlock",
     "batch_norm",
     "build_backbone",
+    "sized_by_image",
 ]

@@ -61,7 +61,8 @@ class ModelArgs:
     """The network."""
 
     hidden: int = 64
-    """Conv4: filters per block; ResNet-12: first stage width (stages h, 2.5h, 5h, 10h)."""
+    """Conv4: filters per block; ResNet-12: first stage width (stages h, 2.5h, 5h, 10h);
+    R2-D2's encoder: blocks 1.5h, 3h, 6h, 8h (64: its 96-192-384-512)."""
 
 
 @dataclass

@@ -72,9 +72,9 @@ RESUMABLE = (
     "dist_timeout", "data_root", "out_dir", "resume",
 )  # fmt: skip
 _AT_LEAST_ONE = (
-    "ways", "train_ways", "shots", "train_shots", "query", "eval_query", "meta_batch", "iterations", "hidden",
-    "val_every", "val_tasks", "test_tasks", "checkpoint_every", "inner_steps",
-    "curvature_tasks", "chunk_size", "msl_steps", "lora_rank",
+    "ways", "train_ways", "shots", "train_shots", "query", "eval_query", "meta_batch",
+    "iterations", "hidden", "val_every", "val_tasks", "test_tasks", "checkpoint_every",
+    "inner_steps", "curvature_tasks", "chunk_size", "msl_steps", "lora_rank",
 )  # fmt: skip
 
 

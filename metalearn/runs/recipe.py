@@ -55,7 +55,7 @@ from metalearn.data import (
 )
 from metalearn.data.omniglot import root_is_default
 from metalearn.data.within_alphabet import within_alphabet_samplers
-from metalearn.models import build_backbone
+from metalearn.models import build_backbone, sized_by_image
 
 __all__ = [
     "EXPERIMENTS",
@@ -394,10 +394,12 @@ def recipe_from_args(experiment: str, args: Mapping[str, Any]) -> Recipe:
         query=args["query"], eval_query=args["eval_query"], augment=bool(args.get("augment")),
         image=image, train_ways=args["train_ways"], train_shots=args["train_shots"],
     )  # fmt: skip
+    backbone, head = args.get("backbone", "conv4"), args.get("head", "mean")
+    side = args.get("image_size")  # Omniglot's experiment has no flag: its images' side
     model = ModelRecipe(
-        backbone=args.get("backbone", "conv4"), in_channels=image.channels, ways=ways,
-        hidden=args["hidden"], pool=args.get("pool", "stride"), head=args.get("head", "mean"),
-        image_size=args.get("image_size"),
+        backbone=backbone, in_channels=image.channels, ways=ways, hidden=args["hidden"],
+        pool=args.get("pool", "stride"), head=head,
+        image_size=image.size if side is None and sized_by_image(backbone, head) else side,
     )  # fmt: skip
     algorithm = args["algorithm"]
     outer_lr = args.get("outer_lr")

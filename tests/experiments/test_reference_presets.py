@@ -40,6 +40,10 @@ def test_reptile_presets_are_its_readme_commands(experiment, name):
     assert recipe.learner.algorithm == "reptile"
     assert (d.ways, d.shots, d.train_shots, d.query) == (ways, shots, train_shots, 1)
     assert a["train_on_query"] is False  # the --train-shots examples are the inner loop's
+    # models.py: the last map flattened into the dense layer, 2x2x64 on Omniglot (stride 2,
+    # 'same' padding); mini-ImageNet 5x5x32 here (its 'same' max-pool keeps 6x6x32)
+    flat = 2 * 2 * 64 if experiment is om else 5 * 5 * 32
+    assert (recipe.model.head, build_model(recipe).head.in_features) == ("flatten", flat)
     assert (a["inner_batch"], a["inner_steps"], a["inner_lr"]) == (batch, iters, lr)
     assert (a["inner_optimizer"], a["inner_beta1"], a["inner_state"]) == ("adam", 0.0, "carried")
     assert (a["eval_inner_batch"], t.eval_inner_steps, a["transductive"]) == (eval_batch, 50,
@@ -62,6 +66,9 @@ def test_reptile_cpu_preset_is_the_5w1s_recipe_shorter():
 def test_r2d2_presets_are_its_scripts(experiment, name, train_ways, episode, scale):
     recipe = preset(experiment, name)
     d, t, a = recipe.data, recipe.training, recipe.learner.arguments
+    # RRNet's encoder: model.out_dim 1536 + 2048 (Omniglot), 31104 + 41472 (mini-ImageNet)
+    features = {28: 1536 + 2048, 84: 31104 + 41472}[d.image.size]
+    assert (recipe.model.backbone, build_model(recipe).head.in_features) == ("r2d2", features)
     assert (a["ridge_form"], a["lam"], a["learn_lambda"], a["scale"]) == ("rrnet", 50.0, False,
                                                                           scale)  # fmt: skip
     # data.way, data.batch_size 600 (Omniglot) or 240 (mini-ImageNet) examples an episode

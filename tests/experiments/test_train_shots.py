@@ -81,3 +81,21 @@ def test_train_shots_the_data_cannot_give_are_refused(tmp_path, overrides, messa
         om.resolve_args(tiny(tmp_path, **overrides))
     assert str(info.value) == message
     assert list(tmp_path.iterdir()) == []
+
+
+@needs_omniglot
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        {"backbone": "r2d2", "algorithm": "r2d2", "hidden": 4},
+        {"head": "flatten", "algorithm": "reptile"},
+    ],
+)
+def test_omniglot_trains_r2d2s_encoder_and_a_flattened_conv4(tmp_path, overrides):
+    """--backbone r2d2 and --head flatten on Omniglot: sized for its 28x28 images."""
+    args = tiny(tmp_path, run_name="net", **overrides)
+    recipe = recipe_of(om, args)
+    assert recipe.model.image_size == 28
+    results = om.main(args)
+    saved = load_checkpoint(tmp_path / "net" / "checkpoint.pt")
+    assert saved["recipe"]["model"]["image_size"] == 28 and 0 <= results["test/acc"] <= 1
