@@ -107,7 +107,7 @@ class FewshotData(DataArgs):
 class FewshotModel(ModelArgs):
     """The network: MAML's Conv4, ResNet-12 or R2-D2's encoder."""
 
-    backbone: Literal["conv4", "resnet12", "r2d2"] = "conv4"
+    backbone: Literal["conv4", "resnet12", "rrnet"] = "conv4"
     """Network: MAML's Conv4, ResNet-12 or R2-D2's encoder (96-192-384-512 at --hidden 64)."""
     head: Literal["flatten", "mean"] = "flatten"
     """Conv4's classifier input: every final position flattened (MAML's mini-ImageNet
@@ -174,9 +174,9 @@ PRESETS: dict[str, dict[str, Any]] = {
     # bertinetto/r2d2, scripts/train/experiments.sh (mini_r2d2) and conf/fewshots.yaml:
     # 16-way episodes of 15 examples a class, the output scale from 1e-4, Adam 5e-3 halved
     # every 20 epochs of 100 episodes (40,000 steps: see omniglot_maml.py's R2D2); its
-    # encoder (RRNet: --backbone r2d2 at --hidden 64)
+    # encoder (RRNet: --backbone rrnet at --hidden 64)
     "r2d2-miniimagenet": {"dataset": "mini-imagenet", "algorithm": "r2d2", "ways": 5,
-                          "backbone": "r2d2", "hidden": 64,
+                          "backbone": "rrnet", "hidden": 64,
                           "train_ways": 16, "shots": 5, "query": 10, "eval_query": 15,
                           "scale": 1e-4, "meta_batch": 1, "outer_lr": 5e-3,
                           "lr_schedule": "step", "step_size": 20, "gamma": 0.5,

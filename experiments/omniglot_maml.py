@@ -107,7 +107,7 @@ class OmniglotData(DataArgs):
 class OmniglotModel(ModelArgs):
     """The network: MAML's Omniglot Conv4 (stride 2) or R2-D2's encoder."""
 
-    backbone: Literal["conv4", "r2d2"] = "conv4"
+    backbone: Literal["conv4", "rrnet"] = "conv4"
     """Network: MAML's Conv4 or R2-D2's encoder (96-192-384-512 at --hidden 64)."""
     head: Literal["mean", "flatten"] = "mean"
     """Conv4's classifier input: the mean of its last 2x2 map or the map flattened (Reptile's
@@ -164,12 +164,12 @@ REPTILE_20W = dict(ways=20, inner_lr=5e-4, inner_steps=10, inner_batch=20, eval_
 # scripts/train/experiments.sh and conf/fewshots.yaml). Both stop when validation has not
 # improved for 200 epochs; 40,000 steps here, where the step is 2^-20 of its start and
 # later steps move nothing (metalearn tests the best-validation weights). R2-D2's network is
-# its encoder (RRNet, --backbone r2d2).
+# its encoder (RRNet, --backbone rrnet).
 PROTONET = dict(algorithm="protonet", train_ways=60, shots=5, query=5, eval_query=15,
                 meta_batch=1, outer_lr=1e-3, lr_schedule="step", step_size=20, gamma=0.5,
                 schedule_every=100, iterations=40_000, val_every=100, checkpoint_every=1000,
                 val_tasks=100, test_tasks=1000)  # fmt: skip
-R2D2 = dict(algorithm="r2d2", backbone="r2d2", hidden=64, train_ways=60, shots=5, query=5,
+R2D2 = dict(algorithm="r2d2", backbone="rrnet", hidden=64, train_ways=60, shots=5, query=5,
             eval_query=15, meta_batch=1,
             outer_lr=5e-3, lr_schedule="step", step_size=20, gamma=0.5, schedule_every=100,
             iterations=40_000, val_every=100, checkpoint_every=1000, val_tasks=200,

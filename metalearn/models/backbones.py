@@ -13,14 +13,14 @@ from metalearn.models.resnet12 import ResNet12
 
 __all__ = ["BACKBONES", "Backbone", "build_backbone", "sized_by_image"]
 
-BACKBONES = ("conv4", "resnet12", "r2d2")
-Backbone = Literal["conv4", "resnet12", "r2d2"]
+BACKBONES = ("conv4", "resnet12", "rrnet")
+Backbone = Literal["conv4", "resnet12", "rrnet"]
 
 
 def sized_by_image(backbone: str, head: str = "mean") -> bool:
     """Whether the backbone's head is sized for one image side (it needs ``image_size``):
     R2-D2's encoder, and Conv4 with ``head="flatten"``."""
-    return backbone == "r2d2" or (backbone == "conv4" and head == "flatten")
+    return backbone == "rrnet" or (backbone == "conv4" and head == "flatten")
 
 
 def build_backbone(
@@ -36,7 +36,7 @@ def build_backbone(
     """A fresh backbone (weights from torch's global generator: seed first).
 
     Args:
-        backbone: ``"conv4"``, ``"resnet12"`` or ``"r2d2"`` (`R2D2Net`).
+        backbone: ``"conv4"``, ``"resnet12"`` or ``"rrnet"`` (`R2D2Net`).
         in_channels: image channels.
         ways: classes of the linear head.
         hidden: Conv4's filters per block; ResNet-12's first stage width, the stages being
@@ -57,9 +57,9 @@ def build_backbone(
     if backbone == "resnet12":
         widths = (hidden, hidden * 5 // 2, hidden * 5, hidden * 10)
         return ResNet12(in_channels=in_channels, ways=ways, widths=widths)
-    if backbone == "r2d2":
+    if backbone == "rrnet":
         if image_size is None:
-            raise ValueError("backbone 'r2d2' sizes its head from the image: pass image_size")
+            raise ValueError("backbone 'rrnet' sizes its head from the image: pass image_size")
         return R2D2Net(in_channels=in_channels, ways=ways, image_size=image_size,
                        widths=r2d2_widths(hidden))  # fmt: skip
     raise ValueError(f"backbone {backbone!r}; choose one of {', '.join(BACKBONES)}")

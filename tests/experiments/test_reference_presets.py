@@ -68,7 +68,7 @@ def test_r2d2_presets_are_its_scripts(experiment, name, train_ways, episode, sca
     d, t, a = recipe.data, recipe.training, recipe.learner.arguments
     # RRNet's encoder: model.out_dim 1536 + 2048 (Omniglot), 31104 + 41472 (mini-ImageNet)
     features = {28: 1536 + 2048, 84: 31104 + 41472}[d.image.size]
-    assert (recipe.model.backbone, build_model(recipe).head.in_features) == ("r2d2", features)
+    assert (recipe.model.backbone, build_model(recipe).head.in_features) == ("rrnet", features)
     assert (a["ridge_form"], a["lam"], a["learn_lambda"], a["scale"]) == ("rrnet", 50.0, False,
                                                                           scale)  # fmt: skip
     # data.way, data.batch_size 600 (Omniglot) or 240 (mini-ImageNet) examples an episode

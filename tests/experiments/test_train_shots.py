@@ -87,12 +87,12 @@ def test_train_shots_the_data_cannot_give_are_refused(tmp_path, overrides, messa
 @pytest.mark.parametrize(
     "overrides",
     [
-        {"backbone": "r2d2", "algorithm": "r2d2", "hidden": 4},
+        {"backbone": "rrnet", "algorithm": "r2d2", "hidden": 4},
         {"head": "flatten", "algorithm": "reptile"},
     ],
 )
 def test_omniglot_trains_r2d2s_encoder_and_a_flattened_conv4(tmp_path, overrides):
-    """--backbone r2d2 and --head flatten on Omniglot: sized for its 28x28 images."""
+    """--backbone rrnet and --head flatten on Omniglot: sized for its 28x28 images."""
     args = tiny(tmp_path, run_name="net", **overrides)
     recipe = recipe_of(om, args)
     assert recipe.model.image_size == 28

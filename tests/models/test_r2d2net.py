@@ -55,7 +55,7 @@ def test_the_reference_widths_and_feature_sizes():
     assert r2d2_widths(64) == (96, 192, 384, 512)
     assert r2d2_feature_size(28, r2d2_widths(64)) == 1536 + 2048
     assert r2d2_feature_size(84, r2d2_widths(64)) == 31104 + 41472
-    model = build_backbone("r2d2", in_channels=1, ways=5, hidden=64, image_size=28)
+    model = build_backbone("rrnet", in_channels=1, ways=5, hidden=64, image_size=28)
     assert model.head.in_features == 3584
     assert model(torch.randn(3, 1, 28, 28)).shape == (3, 5)
     with pytest.raises(ValueError, match="image_size 12: R2-D2's encoder needs at least 16"):
@@ -63,7 +63,7 @@ def test_the_reference_widths_and_feature_sizes():
     with pytest.raises(ValueError, match="built for 28x28 images"):
         model(torch.randn(3, 1, 84, 84))
     with pytest.raises(ValueError, match="pass image_size"):
-        build_backbone("r2d2", in_channels=1, ways=5, hidden=64)
+        build_backbone("rrnet", in_channels=1, ways=5, hidden=64)
 
 
 @pytest.mark.parametrize(("image_size", "drop"), [(28, 0.0), (84, 0.0), (32, 0.3)])
