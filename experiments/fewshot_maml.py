@@ -105,10 +105,10 @@ class FewshotData(DataArgs):
 
 @dataclass
 class FewshotModel(ModelArgs):
-    """The network: MAML's Conv4 or ResNet-12."""
+    """The network: MAML's Conv4, ResNet-12 or R2-D2's encoder."""
 
-    backbone: Literal["conv4", "resnet12"] = "conv4"
-    """Network: MAML's Conv4 or ResNet-12."""
+    backbone: Literal["conv4", "resnet12", "rrnet"] = "conv4"
+    """Network: MAML's Conv4, ResNet-12 or R2-D2's encoder (96-192-384-512 at --hidden 64)."""
     head: Literal["flatten", "mean"] = "flatten"
     """Conv4's classifier input: every final position flattened (MAML's mini-ImageNet
     net) or their mean."""
@@ -157,11 +157,12 @@ PAPER = dict(dataset="mini-imagenet", backbone="conv4", hidden=32, head="flatten
              eval_inner_steps=10, outer_lr=1e-3, val_every=1000, checkpoint_every=1000,
              val_tasks=600, test_tasks=600, ways=5)  # fmt: skip
 # Reptile's mini-ImageNet commands (openai/supervised-reptile, README.md): MAML's network
-# (32 filters, max-pool), --train-shots 15 examples a class trained on together (the shots
-# plus --query), 8 Adam iterations at 1e-3 on mini-batches of 10, meta-batch 5, meta-step 1
-# annealed to 0 over 100,000 steps, 50 evaluation iterations, 10,000 test tasks.
+# (32 filters, max-pool), --train-shots 15 examples a class in the inner loop (one query a
+# class drawn beside them for the held-out training metrics), 8 Adam iterations at 1e-3 on
+# mini-batches of 10, meta-batch 5, meta-step 1 annealed to 0 over 100,000 steps, 50
+# evaluation iterations, 10,000 test tasks.
 REPTILE = dict(dataset="mini-imagenet", backbone="conv4", hidden=32, head="flatten", pool="max",
-               algorithm="reptile", train_on_query=True, inner_lr=1e-3, inner_steps=8,
+               algorithm="reptile", train_shots=15, query=1, inner_lr=1e-3, inner_steps=8,
                inner_batch=10, meta_batch=5, outer_lr=1.0, iterations=100_000,
                eval_inner_steps=50, val_every=1000, checkpoint_every=1000, val_tasks=600,
                test_tasks=10_000, ways=5)  # fmt: skip
@@ -188,12 +189,14 @@ PRESETS: dict[str, dict[str, Any]] = {
                                    "algorithm": "fomaml"},
     "mamlpp-miniimagenet-5w1s": {**MAMLPP, "shots": 1},
     "mamlpp-miniimagenet-5w5s": {**MAMLPP, "shots": 5},
-    "reptile-miniimagenet-5w1s": {**REPTILE, "shots": 1, "query": 14, "eval_inner_batch": 5},
-    "reptile-miniimagenet-5w5s": {**REPTILE, "shots": 5, "query": 10, "eval_inner_batch": 15},
+    "reptile-miniimagenet-5w1s": {**REPTILE, "shots": 1, "eval_inner_batch": 5},
+    "reptile-miniimagenet-5w5s": {**REPTILE, "shots": 5, "eval_inner_batch": 15},
     # bertinetto/r2d2, scripts/train/experiments.sh (mini_r2d2) and conf/fewshots.yaml:
     # 16-way episodes of 15 examples a class, the output scale from 1e-4, Adam 5e-3 halved
-    # every 20 epochs of 100 episodes (40,000 steps: see omniglot_maml.py's R2D2)
+    # every 20 epochs of 100 episodes (40,000 steps: see omniglot_maml.py's R2D2); its
+    # encoder (RRNet: --backbone rrnet at --hidden 64)
     "r2d2-miniimagenet": {"dataset": "mini-imagenet", "algorithm": "r2d2", "ways": 5,
+                          "backbone": "rrnet", "hidden": 64,
                           "train_ways": 16, "shots": 5, "query": 10, "eval_query": 15,
                           "scale": 1e-4, "meta_batch": 1, "outer_lr": 5e-3,
                           "lr_schedule": "step", "step_size": 20, "gamma": 0.5,
@@ -203,11 +206,11 @@ PRESETS: dict[str, dict[str, Any]] = {
     # of 6 queries a class per step, SGD 0.1 with Nesterov momentum 0.9 and weight decay
     # 5e-4, 60 epochs of 1,000 steps, 2,000 validation episodes; the SVM head's defaults
     # (label smoothing 0.1). Its LambdaLR, stepped at each epoch's start, gives factors 1,
-    # 0.06, 0.012, 0.0024 from 0-based epochs 0, 19, 39, 49. It trains 15-shot: one shot
-    # count here for training and test (docs/algorithms.md).
+    # 0.06, 0.012, 0.0024 from 0-based epochs 0, 19, 39, 49. It trains 15-shot
+    # (--train-shot 15) and validates 5-shot (--val-shot 5); test.py tests 1- and 5-shot.
     "metaoptnet-miniimagenet": {"dataset": "mini-imagenet", "algorithm": "metaoptnet",
                                 "backbone": "resnet12", "hidden": 64, "ways": 5, "shots": 5,
-                                "query": 6,
+                                "train_shots": 15, "query": 6,
                                 "eval_query": 15, "meta_batch": 8, "outer_optimizer": "sgd",
                                 "outer_lr": 0.1, "outer_momentum": 0.9, "nesterov": True,
                                 "weight_decay": 5e-4, "lr_schedule": "piecewise",

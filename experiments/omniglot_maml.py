@@ -106,8 +106,14 @@ class OmniglotData(DataArgs):
 
 @dataclass
 class OmniglotModel(ModelArgs):
-    """The network: Conv4, MAML's (stride 2, ReLU) or MAML++'s (max-pool, leaky ReLU)."""
+    """The network: MAML's Omniglot Conv4 (stride 2, ReLU), MAML++'s (max-pool, leaky ReLU)
+    or R2-D2's encoder."""
 
+    backbone: Literal["conv4", "rrnet"] = "conv4"
+    """Network: MAML's Conv4 or R2-D2's encoder (96-192-384-512 at --hidden 64)."""
+    head: Literal["mean", "flatten"] = "mean"
+    """Conv4's classifier input: the mean of its last 2x2 map or the map flattened (Reptile's
+    Omniglot network)."""
     pool: Literal["stride", "max"] = "stride"
     """Conv4's down-sampling: stride 2 (MAML's Omniglot net) or 2x2 max-pool (MAML++'s)."""
 
@@ -160,13 +166,14 @@ LAKE = dict(algorithm="protonet", ways=20, train_ways=60, shots=1, split="alphab
             augment=True, eval_protocol="within-alphabet", train_tasks="episodic",
             query=3)  # fmt: skip
 # Reptile's Omniglot commands (openai/supervised-reptile, README.md, "to match latest version
-# of the paper"): --train-shots 10 examples per class in the inner loop (the shots plus
-# --query, trained on together), --meta-batch 5, --meta-step 1 annealed to 0
-# (--meta-step-final 0), --eval-iters 50, 10,000 test tasks; the learner's defaults are its
-# 5-way values (Adam 1e-3 with beta1 0, 5 iterations on mini-batches of 10, evaluation
-# mini-batches of 5, non-transductive).
-REPTILE = dict(algorithm="reptile", train_on_query=True, meta_batch=5, eval_inner_steps=50,
-               outer_lr=1.0, val_every=1000, checkpoint_every=1000, val_tasks=600,
+# of the paper"): --train-shots 10 examples per class in the inner loop (one query a class
+# drawn beside them for the held-out training metrics), --meta-batch 5, --meta-step 1
+# annealed to 0 (--meta-step-final 0), --eval-iters 50, 10,000 test tasks; the learner's
+# defaults are its 5-way values (Adam 1e-3 with beta1 0, 5 iterations on mini-batches of 10,
+# evaluation mini-batches of 5, non-transductive); its network flattens the last 2x2x64 map
+# (models.py).
+REPTILE = dict(algorithm="reptile", train_shots=10, query=1, meta_batch=5, eval_inner_steps=50,
+               head="flatten", outer_lr=1.0, val_every=1000, checkpoint_every=1000, val_tasks=600,
                test_tasks=10_000)  # fmt: skip
 REPTILE_20W = dict(ways=20, inner_lr=5e-4, inner_steps=10, inner_batch=20, eval_inner_batch=10,
                    iterations=200_000)  # fmt: skip
@@ -175,12 +182,14 @@ REPTILE_20W = dict(ways=20, inner_lr=5e-4, inner_steps=10, inner_batch=20, eval_
 # (jakesnell/prototypical-networks, scripts/train/few_shot/run_train.py; bertinetto/r2d2,
 # scripts/train/experiments.sh and conf/fewshots.yaml). Both stop when validation has not
 # improved for 200 epochs; 40,000 steps here, where the step is 2^-20 of its start and
-# later steps move nothing (metalearn tests the best-validation weights).
+# later steps move nothing (metalearn tests the best-validation weights). R2-D2's network is
+# its encoder (RRNet, --backbone rrnet).
 PROTONET = dict(algorithm="protonet", train_ways=60, shots=5, query=5, eval_query=15,
                 meta_batch=1, outer_lr=1e-3, lr_schedule="step", step_size=20, gamma=0.5,
                 schedule_every=100, iterations=40_000, val_every=100, checkpoint_every=1000,
                 val_tasks=100, test_tasks=1000)  # fmt: skip
-R2D2 = dict(algorithm="r2d2", train_ways=60, shots=5, query=5, eval_query=15, meta_batch=1,
+R2D2 = dict(algorithm="r2d2", backbone="rrnet", hidden=64, train_ways=60, shots=5, query=5,
+            eval_query=15, meta_batch=1,
             outer_lr=5e-3, lr_schedule="step", step_size=20, gamma=0.5, schedule_every=100,
             iterations=40_000, val_every=100, checkpoint_every=1000, val_tasks=200,
             test_tasks=10_000)  # fmt: skip
@@ -207,13 +216,13 @@ PRESETS: dict[str, dict[str, Any]] = {
     "cpu-mamlpp": {**MAMLPP, "ways": 5, "shots": 1, "iterations": 500, "schedule_every": 5,
                    "msl_steps": 50, "msl_epoch_length": 5, "val_every": 100,
                    "checkpoint_every": 100, "val_tasks": 200},
-    "reptile-5w1s": {**REPTILE, "ways": 5, "shots": 1, "query": 9, "iterations": 100_000},
-    "reptile-5w5s": {**REPTILE, "ways": 5, "shots": 5, "query": 5, "iterations": 100_000},
-    "reptile-20w1s": {**REPTILE, **REPTILE_20W, "shots": 1, "query": 9},
-    "reptile-20w5s": {**REPTILE, **REPTILE_20W, "shots": 5, "query": 5},
+    "reptile-5w1s": {**REPTILE, "ways": 5, "shots": 1, "iterations": 100_000},
+    "reptile-5w5s": {**REPTILE, "ways": 5, "shots": 5, "iterations": 100_000},
+    "reptile-20w1s": {**REPTILE, **REPTILE_20W, "shots": 1},
+    "reptile-20w5s": {**REPTILE, **REPTILE_20W, "shots": 5},
     # reptile-5w1s at a 2-core budget: fewer meta-steps (the step still annealed to 0 over
     # them) and fewer evaluation tasks
-    "reptile-cpu": {**REPTILE, "ways": 5, "shots": 1, "query": 9, "iterations": 1000,
+    "reptile-cpu": {**REPTILE, "ways": 5, "shots": 1, "iterations": 1000,
                     "val_every": 250, "checkpoint_every": 250, "val_tasks": 50,
                     "test_tasks": 300},
     # aravindr93/imaml_dev, examples/README.md (the Omniglot 5-way 1-shot command): 16 steps

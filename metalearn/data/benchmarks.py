@@ -171,6 +171,7 @@ def image_set_samplers(
     dtype: torch.dtype = torch.float32,
     device: torch.device | str | None = None,
     train_ways: int | None = None,
+    train_shots: int | None = None,
     **options,
 ) -> dict[str, EpisodicSampler]:
     """An `EpisodicSampler` per split, as an experiment trains, validates and tests on them.
@@ -190,6 +191,8 @@ def image_set_samplers(
         dtype, device: of the task images (resident on ``device``).
         train_ways: N of the training tasks (None: ``ways``), for learners that size their
             head per task.
+        train_shots: K of the training tasks (None: ``shots``), e.g. MetaOptNet's training
+            with more shots than it tests.
         options: for the loader (``cache_dir``, ``workers``, ...).
 
     Returns:
@@ -206,6 +209,7 @@ def image_set_samplers(
     augmentation = standard_augmentation(entry.augmentation, padding=entry.padding)
     common = dict(shots=shots, dtype=dtype, device=device)
     train_ways = ways if train_ways is None else train_ways
+    train_shots = shots if train_shots is None else train_shots
     if name == "omniglot":
         data = load_omniglot(root, download=False, progress=False, **options)
         samplers = omniglot_samplers(data, omniglot_split, queries=queries, ways=ways, **common)
@@ -213,9 +217,9 @@ def image_set_samplers(
             evaluation = omniglot_samplers(data, omniglot_split, queries=eval_queries, ways=ways,
                                            **common)  # fmt: skip
             samplers.update({s: v for s, v in evaluation.items() if s != "train"})
-        if train_ways != ways:
+        if (train_ways, train_shots) != (ways, shots):
             wide = omniglot_samplers(data, omniglot_split, queries=queries, ways=train_ways,
-                                     **common)  # fmt: skip
+                                     **{**common, "shots": train_shots})  # fmt: skip
             samplers["train"] = wide["train"]
         samplers["train"].augment = augmentation if augment else None
         return {s: samplers[s] for s in map(check_split, splits) if s in samplers}
@@ -227,7 +231,7 @@ def image_set_samplers(
             queries=queries if split == "train" else eval_queries,
             augment=augmentation if augment and split == "train" else None,
             ways=train_ways if split == "train" else ways,
-            **common,
+            **{**common, "shots": train_shots if split == "train" else shots},
         )
         for split in map(check_split, splits)
     }

@@ -126,6 +126,7 @@ def check_task_sizes(
     query: int,
     eval_query: int | None = None,
     train_ways: int | None = None,
+    train_shots: int | None = None,
     split: str = "maml",
     train_tasks: str = "episodic",
     eval_protocol: str = "episodic",
@@ -133,8 +134,8 @@ def check_task_sizes(
 ) -> None:
     """Refuse tasks the data set cannot give, before it loads, naming the flag and the limit.
 
-    The training split's tasks have ``train_ways`` classes and ``shots + query`` examples of
-    each; the validation and test splits' ``ways`` and ``shots + eval_query``, as
+    The training split's tasks have ``train_ways`` classes and ``train_shots + query``
+    examples of each; the validation and test splits' ``ways`` and ``shots + eval_query``, as
     `metalearn.data.image_set_samplers` and the Omniglot experiment draw them.
 
     Args:
@@ -142,6 +143,7 @@ def check_task_sizes(
         ways, shots, query: ``--ways``, ``--shots``, ``--query``.
         eval_query: ``--eval-query`` (None: ``query``).
         train_ways: ``--train-ways`` (None: ``ways``).
+        train_shots: ``--train-shots`` (None: ``shots``).
         split: Omniglot's ``--split`` (``"maml"`` or ``"alphabet"``).
         train_tasks, eval_protocol: Omniglot's ``--train-tasks`` and ``--eval-protocol``
             (``"episodic"`` or ``"within-alphabet"``).
@@ -153,6 +155,7 @@ def check_task_sizes(
             class; Omniglot has 20"``; or an unknown data set or split.
     """
     wide = train_ways is not None and train_ways != ways
+    more = train_shots is not None and train_shots != shots
     for name in map(check_split, splits):
         training = name == "train"
         within = (train_tasks if training else eval_protocol) == "within-alphabet"
@@ -162,15 +165,16 @@ def check_task_sizes(
         n, flag = (train_ways, "--train-ways") if training and wide else (ways, "--ways")
         q, query_flag = (query, "--query") if training or eval_query is None else (
             eval_query, "--eval-query")  # fmt: skip
+        k, shots_flag = (train_shots, "--train-shots") if training and more else (shots, "--shots")
         if n > sizes.classes[name]:
             note = sizes.note[name] if sizes.note else ""
             raise ValueError(
                 f"{flag} {n}: {sizes.name}'s {name} split has {sizes.classes[name]} classes"
                 f"{note}; lower {flag}"
             )
-        if shots + q > sizes.examples:
+        if k + q > sizes.examples:
             most = "at most " if sizes.uneven else ""
             raise ValueError(
-                f"--shots {shots} with {query_flag} {q} needs {shots + q} examples per class; "
+                f"{shots_flag} {k} with {query_flag} {q} needs {k + q} examples per class; "
                 f"{sizes.name} has {most}{sizes.examples}"
             )

@@ -1,5 +1,6 @@
 """Backbones for few-shot learning, written for the functional core (one module each):
-`Conv4` (MAML's, Omniglot and mini-ImageNet), `ResNet12` and `MLP`.
+`Conv4` (MAML's, Omniglot and mini-ImageNet), `ResNet12`, `R2D2Net` (R2-D2's encoder)
+and `MLP`.
 
 Every model here is meant to be run through `torch.func.functional_call` with a parameter
 dict, batched over tasks with `torch.func.vmap` and differentiated to second order. So:
@@ -13,10 +14,11 @@ dict, batched over tasks with `torch.func.vmap` and differentiated to second ord
   ANIL adapts ``head.*`` only by passing those keys.
 """
 
-from metalearn.models.backbones import BACKBONES, build_backbone
+from metalearn.models.backbones import BACKBONES, build_backbone, sized_by_image
 from metalearn.models.conv4 import Conv4, ConvBlock
 from metalearn.models.mlp import MLP
 from metalearn.models.norm import NORM_TYPES, MetaBatchNorm, batch_norm, norm_parameter_names
+from metalearn.models.r2d2net import R2D2Net
 from metalearn.models.resnet12 import ResidualBlock, ResNet12
 
 __all__ = [
@@ -26,9 +28,11 @@ __all__ = [
     "Conv4",
     "ConvBlock",
     "MetaBatchNorm",
+    "R2D2Net",
     "ResNet12",
     "ResidualBlock",
     "batch_norm",
     "build_backbone",
     "norm_parameter_names",
+    "sized_by_image",
 ]

@@ -44,6 +44,9 @@ class DataArgs:
     algorithms that size their head per task (protonet, r2d2, metaoptnet)."""
     shots: int = 1
     """K: support examples per class."""
+    train_shots: int | None = None
+    """Support examples per class of training tasks; none: --shots. MetaOptNet trains
+    15-shot for its 1- and 5-shot tests; validation and test tasks keep --shots."""
     query: int = 5
     """Query examples per class during meta-training."""
     eval_query: int = 15
@@ -58,7 +61,8 @@ class ModelArgs:
     """The network."""
 
     hidden: int = 64
-    """Conv4: filters per block; ResNet-12: first stage width (stages h, 2.5h, 5h, 10h)."""
+    """Conv4: filters per block; ResNet-12: first stage width (stages h, 2.5h, 5h, 10h);
+    R2-D2's encoder: blocks 1.5h, 3h, 6h, 8h (64: its 96-192-384-512)."""
     activation: Literal["relu", "leaky_relu"] = "relu"
     """Conv4's nonlinearity: ReLU (MAML's) or leaky ReLU, slope 0.01 (MAML++'s network)."""
 

@@ -72,9 +72,9 @@ RESUMABLE = (
     "dist_timeout", "data_root", "out_dir", "resume",
 )  # fmt: skip
 _AT_LEAST_ONE = (
-    "ways", "train_ways", "shots", "query", "eval_query", "meta_batch", "iterations", "hidden",
-    "val_every", "val_tasks", "test_tasks", "checkpoint_every", "inner_steps",
-    "curvature_tasks", "chunk_size", "msl_steps", "lora_rank",
+    "ways", "train_ways", "shots", "train_shots", "query", "eval_query", "meta_batch",
+    "iterations", "hidden", "val_every", "val_tasks", "test_tasks", "checkpoint_every",
+    "inner_steps", "curvature_tasks", "chunk_size", "msl_steps", "lora_rank",
 )  # fmt: skip
 
 
@@ -121,13 +121,15 @@ def run_name(args: Any) -> str:
     names are made; `new_run_identity` makes it unique).
 
     ``algorithm-NwKs-lrLR-stepsS-seedS``: the values a grid usually varies (no lr and steps
-    for a learner without an inner loop; ``-trainMw`` when training tasks are wider), after
+    for a learner without an inner loop; ``-trainMw`` when training tasks are wider,
+    ``-trainJs`` when they have other shots), after
     ``dataset-backbone-`` for an experiment with a choice of data set.
     """
     a = flatten(args)
     inner = "" if a["inner_lr"] is None else f"-lr{a['inner_lr']:g}-steps{a['inner_steps']}"
-    wide = a.get("train_ways")
+    wide, more = a.get("train_ways"), a.get("train_shots")
     train = f"-train{wide}w" if wide not in (None, a["ways"]) else ""
+    train += f"-train{more}s" if more not in (None, a["shots"]) else ""
     name = f"{a['algorithm']}-{a['ways']}w{a['shots']}s{train}{inner}-seed{a['seed']}"
     return f"{a['dataset']}-{a['backbone']}-{name}" if "dataset" in a else name
 
@@ -193,6 +195,7 @@ def _check_task_sizes(a: Mapping[str, Any]) -> None:
         check_task_sizes(
             a.get("dataset", "omniglot"), ways=a["ways"], shots=a["shots"], query=a["query"],
             eval_query=a["eval_query"], train_ways=a.get("train_ways"),
+            train_shots=a.get("train_shots"),
             split=a.get("split", "maml"), train_tasks=a.get("train_tasks", "episodic"),
             eval_protocol=a.get("eval_protocol", "episodic"),
         )  # fmt: skip

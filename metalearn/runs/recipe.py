@@ -55,7 +55,7 @@ from metalearn.data import (
 )
 from metalearn.data.omniglot import root_is_default
 from metalearn.data.within_alphabet import within_alphabet_samplers
-from metalearn.models import build_backbone
+from metalearn.models import build_backbone, sized_by_image
 
 __all__ = [
     "EXPERIMENTS",
@@ -122,6 +122,9 @@ class DataRecipe:
         image: how an image file becomes an input.
         train_ways: classes per training task (``ways`` unless the run trains wider; None
             only in records written before it existed, read as ``ways``).
+        train_shots: support examples per class of a training task (``shots`` unless the
+            run trains with others; None only in records written before it, read as
+            ``shots``).
     """
 
     dataset: str
@@ -136,6 +139,7 @@ class DataRecipe:
     augment: bool
     image: ImageFormat
     train_ways: int | None = None
+    train_shots: int | None = None
 
 
 @dataclass(frozen=True)
@@ -226,6 +230,7 @@ class Recipe:
         try:
             data = dict(record["data"])
             data.setdefault("train_ways", data.get("ways"))  # recipes written before it
+            data.setdefault("train_shots", data.get("shots"))
             recipe = cls(
                 experiment=record["experiment"],
                 data=DataRecipe(**{**data, "image": ImageFormat(**data["image"])}),
@@ -267,7 +272,7 @@ def resolve_learner_args(args: Mapping[str, Any]) -> dict[str, Any]:
     the one place a learner's defaults live; ``outer_lr`` takes the learner's
     (`MetaLearner.default_outer_lr`: Adam's 1e-3, Reptile's 1.0), ``outer_optimizer`` the
     learner's (`MetaLearner.default_outer_optimizer`); ``train_ways`` takes
-    ``ways``. A setting of another algorithm stays None.
+    ``ways``, ``train_shots`` ``shots``. A setting of another algorithm stays None.
 
     Raises:
         ValueError: an unknown algorithm, another algorithm's setting, or ``first_order``
@@ -302,6 +307,8 @@ def resolve_learner_args(args: Mapping[str, Any]) -> dict[str, Any]:
         resolved["outer_optimizer"] = LEARNERS[algorithm].default_outer_optimizer
     if resolved.get("train_ways") is None and "ways" in resolved:
         resolved["train_ways"] = resolved["ways"]  # the one place train_ways defaults to ways
+    if resolved.get("train_shots") is None and "shots" in resolved:
+        resolved["train_shots"] = resolved["shots"]  # and train_shots to shots
     return resolved
 
 
@@ -387,12 +394,15 @@ def recipe_from_args(experiment: str, args: Mapping[str, Any]) -> Recipe:
         train_tasks=args.get("train_tasks", "episodic"),
         eval_protocol=args.get("eval_protocol", "episodic"), ways=ways, shots=args["shots"],
         query=args["query"], eval_query=args["eval_query"], augment=bool(args.get("augment")),
-        image=image, train_ways=args["train_ways"],
+        image=image, train_ways=args["train_ways"], train_shots=args["train_shots"],
     )  # fmt: skip
+    backbone, head = args.get("backbone", "conv4"), args.get("head", "mean")
+    side = args.get("image_size")  # Omniglot's experiment has no flag: its images' side
     model = ModelRecipe(
-        backbone=args.get("backbone", "conv4"), in_channels=image.channels, ways=ways,
-        hidden=args["hidden"], pool=args.get("pool", "stride"), head=args.get("head", "mean"),
-        image_size=args.get("image_size"), activation=args.get("activation", "relu"),
+        backbone=backbone, in_channels=image.channels, ways=ways, hidden=args["hidden"],
+        pool=args.get("pool", "stride"), head=head,
+        image_size=image.size if side is None and sized_by_image(backbone, head) else side,
+        activation=args.get("activation", "relu"),
     )  # fmt: skip
     algorithm = args["algorithm"]
     outer_lr = args.get("outer_lr")
@@ -455,9 +465,10 @@ _RENAMED_ARGUMENTS = {"checkpoint": "gradient_checkpointing", "rank": "lora_rank
 
 def upgrade_args(args: Mapping[str, Any]) -> dict[str, Any]:
     """A checkpoint's flat arguments under today's flag names (`_RENAMED`), with the
-    ``train_ways`` and ``outer_optimizer`` a record written before them trained with
-    (``ways``, the learner's own optimizer), and the learner arguments added since at the
-    values those runs had (the learner's `MetaLearner.arguments_before`)."""
+    ``train_ways``, ``train_shots`` and ``outer_optimizer`` a record written before them
+    trained with (``ways``, ``shots``, the learner's own optimizer), and the learner
+    arguments added since at the values those runs had (the learner's
+    `MetaLearner.arguments_before`)."""
     upgraded = {_RENAMED.get(k, k): v for k, v in args.items()}
     if upgraded.get("algorithm") in LEARNERS:
         # arguments added or changed since: the values the run had (`arguments_before`)
@@ -471,6 +482,8 @@ def upgrade_args(args: Mapping[str, Any]) -> dict[str, Any]:
         upgraded["outer_optimizer"] = LEARNERS[upgraded["algorithm"]].default_outer_optimizer
     if upgraded.get("train_ways") is None and "ways" in upgraded:
         upgraded["train_ways"] = upgraded["ways"]
+    if upgraded.get("train_shots") is None and "shots" in upgraded:
+        upgraded["train_shots"] = upgraded["shots"]
     return upgraded
 
 
@@ -529,8 +542,9 @@ def build_samplers(
     splits: Sequence[str] = ("train", "val", "test"),
     root: str | None = None,
 ) -> dict[str, EpisodicSampler]:
-    """The task samplers a run trains (``train_ways`` classes, ``query`` queries, augmented if
-    recorded), validates and tests (``ways``, ``eval_query``) on, by its protocols.
+    """The task samplers a run trains (``train_ways`` classes, ``train_shots`` shots,
+    ``query`` queries, augmented if recorded), validates and tests (``ways``, ``shots``,
+    ``eval_query``) on, by its protocols.
 
     Args:
         data: the recipe's data.
@@ -548,7 +562,7 @@ def build_samplers(
             data.dataset, root, ways=data.ways, shots=data.shots, queries=data.query,
             eval_queries=data.eval_query, augment=data.augment, image_size=data.image.size,
             channels=data.image.channels, splits=splits, device=device,
-            train_ways=data.train_ways,
+            train_ways=data.train_ways, train_shots=data.train_shots,
         )  # fmt: skip
     images = load_omniglot(
         root,
@@ -561,7 +575,7 @@ def build_samplers(
     samplers: dict[str, EpisodicSampler] = {}
     if "train" in splits:
         augment = standard_augmentation("character") if data.augment else None
-        wide = {**common, "ways": data.train_ways}
+        wide = {**common, "ways": data.train_ways, "shots": data.train_shots}
         train = draw[data.train_tasks](images, data.split, queries=data.query, augment=augment,
                                        **wide)  # fmt: skip
         samplers["train"] = train["train"]

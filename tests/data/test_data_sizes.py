@@ -179,3 +179,22 @@ def test_the_image_set_samplers_refuse_past_the_published_examples():
         image_set.sampler(ways=5, shots=5, queries=596)
     with pytest.raises(ValueError, match="needs 601 examples per class"):
         check_task_sizes("mini-imagenet", ways=5, shots=5, query=596)
+
+
+def test_train_shots_are_checked_on_the_training_split_only():
+    # MetaOptNet's mini-ImageNet run: 15 training shots + 6 queries, 5 test shots + 15.
+    check_task_sizes("mini-imagenet", ways=5, shots=5, train_shots=15, query=6, eval_query=15)
+    # Omniglot's 20 drawings: 15 training shots and 6 queries need 21, named by its flag.
+    with pytest.raises(ValueError) as info:
+        check_task_sizes("omniglot", ways=5, shots=1, train_shots=15, query=6, eval_query=15)
+    assert str(info.value) == (
+        "--train-shots 15 with --query 6 needs 21 examples per class; Omniglot has 20"
+    )
+    # The test tasks keep --shots: 1 shot + 19 evaluation queries fits though 15 + 19 would not.
+    check_task_sizes("omniglot", ways=5, shots=1, train_shots=14, query=6, eval_query=19)
+    with pytest.raises(ValueError, match=r"^--shots 2 with --eval-query 19 needs 21 "):
+        check_task_sizes("omniglot", ways=5, shots=2, train_shots=1, query=6, eval_query=19)
+    # --train-shots equal to --shots is --shots, which the user typed.
+    with pytest.raises(ValueError, match=r"^--shots 16 with --query 6 needs 22 "):
+        check_task_sizes("omniglot", ways=5, shots=16, train_shots=16, query=6,
+                         splits=("train",))  # fmt: skip

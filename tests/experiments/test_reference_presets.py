@@ -38,8 +38,12 @@ def test_reptile_presets_are_its_readme_commands(experiment, name):
     recipe = preset(experiment, name)
     d, t, a = recipe.data, recipe.training, recipe.learner.arguments
     assert recipe.learner.algorithm == "reptile"
-    assert (d.ways, d.shots, d.shots + d.query) == (ways, shots, train_shots)
-    assert a["train_on_query"] is True  # all --train-shots examples are trained on
+    assert (d.ways, d.shots, d.train_shots, d.query) == (ways, shots, train_shots, 1)
+    assert a["train_on_query"] is False  # the --train-shots examples are the inner loop's
+    # models.py: the last map flattened into the dense layer, 2x2x64 on Omniglot (stride 2,
+    # 'same' padding); mini-ImageNet 5x5x32 here (its 'same' max-pool keeps 6x6x32)
+    flat = 2 * 2 * 64 if experiment is om else 5 * 5 * 32
+    assert (recipe.model.head, build_model(recipe).head.in_features) == ("flatten", flat)
     assert (a["inner_batch"], a["inner_steps"], a["inner_lr"]) == (batch, iters, lr)
     assert (a["inner_optimizer"], a["inner_beta1"], a["inner_state"]) == ("adam", 0.0, "carried")
     assert (a["eval_inner_batch"], t.eval_inner_steps, a["transductive"]) == (eval_batch, 50,
@@ -62,6 +66,9 @@ def test_reptile_cpu_preset_is_the_5w1s_recipe_shorter():
 def test_r2d2_presets_are_its_scripts(experiment, name, train_ways, episode, scale):
     recipe = preset(experiment, name)
     d, t, a = recipe.data, recipe.training, recipe.learner.arguments
+    # RRNet's encoder: model.out_dim 1536 + 2048 (Omniglot), 31104 + 41472 (mini-ImageNet)
+    features = {28: 1536 + 2048, 84: 31104 + 41472}[d.image.size]
+    assert (recipe.model.backbone, build_model(recipe).head.in_features) == ("rrnet", features)
     assert (a["ridge_form"], a["lam"], a["learn_lambda"], a["scale"]) == ("rrnet", 50.0, False,
                                                                           scale)  # fmt: skip
     # data.way, data.batch_size 600 (Omniglot) or 240 (mini-ImageNet) examples an episode
@@ -88,6 +95,8 @@ def test_metaoptnet_preset_is_its_svm_command():
     assert (recipe.learner.algorithm, m.backbone, m.hidden) == ("metaoptnet", "resnet12", 64)
     assert (a["c_reg"], a["ipm_steps"], a["label_smoothing"]) == (0.1, 15, 0.1)  # --eps 0.1
     assert (d.query, t.meta_batch, t.val_tasks) == (6, 8, 2000)  # --train-query, episodes
+    # --train-shot 15 (README's command, train.py's default), --val-shot 5, --val-query 15
+    assert (d.train_shots, d.shots, d.eval_query) == (15, 5, 15)
     assert (t.outer_optimizer, t.outer_lr, t.outer_momentum, t.nesterov, t.weight_decay) == (
         "sgd", 0.1, 0.9, True, 5e-4)  # fmt: skip
     assert t.iterations == 60 * 1000  # --num-epoch 60 of episodes_per_batch * 1000 episodes

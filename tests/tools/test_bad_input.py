@@ -49,7 +49,9 @@ def _run(tmp_path: Path, *flags: str, script: str = "omniglot_maml") -> str:
      (["--algorithm", "mamlpp", "--msl-epoch-length", "0"],
       "--msl-epoch-length 0 must be >= 1 (meta-steps per epoch of MSL"),
      (["--algorithm", "reptile", "--adapt-norm", "True"],
-      "--adapt-norm is a setting of maml or fomaml or metasgd or mamlpp; drop it for reptile")],
+      "--adapt-norm is a setting of maml or fomaml or metasgd or mamlpp; drop it for reptile"),
+
+     (["--train-shots", "0"], "--train-shots 0: must be at least 1")],
 )  # fmt: skip
 def test_refused_before_anything_runs(tmp_path, flags, message):
     if flags[0] == "--device" and torch.cuda.is_available():
@@ -88,6 +90,8 @@ def test_inner_optimizer_settings_the_learner_refuses(tmp_path, flags, message):
      ("omniglot_maml", ["--ways", "2000"], "--ways 2000: Omniglot's val split has 400 classes"),
      ("omniglot_maml", ["--algorithm", "protonet", "--train-ways", "5000"],
       "--train-ways 5000: Omniglot's train split has 4400 classes"),
+     ("omniglot_maml", ["--train-shots", "20"],
+      "--train-shots 20 with --query 1 needs 21 examples per class; Omniglot has 20"),
      ("omniglot_maml", ["--split", "alphabet", "--eval-protocol", "within-alphabet", "--ways",
                         "50"], "--ways 50: Omniglot's val split has 46 classes in its largest"),
      ("fewshot_maml", ["--dataset", "mini-imagenet", "--ways", "17"],
