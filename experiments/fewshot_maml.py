@@ -148,12 +148,13 @@ class Args(ExperimentArgs):
 
 
 # The MAML paper's mini-ImageNet settings (Finn et al., 2017, Sec. 5.2 and appendix A.1):
-# Conv4 of 32 filters with max-pooling and a flattened head, 5 inner steps of 0.01 in
-# training and 10 at test, 60k meta-steps of Adam 1e-3. Queries as cbfinn/maml's main.py
+# Conv4 of 32 filters with max-pooling and a flattened head, 5 inner steps in training and
+# 10 at test (update_lr 0.01 on the sum over N K examples over K: 5 x 0.01 = 0.05 on the
+# mean loss, `MAML`'s docstring), 60k meta-steps of Adam 1e-3. Queries as cbfinn/maml's main.py
 # draws them: 15 per class in training (`DataGenerator(FLAGS.update_batch_size+15, ...)`),
 # K at test (`DataGenerator(FLAGS.update_batch_size*2, ...)`).
 PAPER = dict(dataset="mini-imagenet", backbone="conv4", hidden=32, head="flatten", pool="max",
-             iterations=60_000, query=15, inner_lr=0.01, inner_steps=5,
+             iterations=60_000, query=15, inner_lr=0.05, inner_steps=5,
              eval_inner_steps=10, outer_lr=1e-3, val_every=1000, checkpoint_every=1000,
              val_tasks=600, test_tasks=600, ways=5)  # fmt: skip
 # Reptile's mini-ImageNet commands (openai/supervised-reptile, README.md): MAML's network
@@ -242,7 +243,8 @@ def check_data(args: Args) -> None:
 def with_open_values(args: Args) -> Args:
     """``args`` with open ``channels`` and ``image_size`` set to the data set's, and, for a
     learner whose inner loop is gradient descent by default (MAML's family, iMAML), open
-    ``inner_lr`` and ``inner_steps`` set to the MAML paper's mini-ImageNet values (0.01, 5);
+    ``inner_lr`` and ``inner_steps`` set to the MAML paper's mini-ImageNet values (0.05 on the
+    mean loss, its 0.01 on N times it; 5 steps);
     the rest is the learner's own (its constructor: Reptile's Adam at 1e-3, whose
     mini-ImageNet commands are the ``reptile-miniimagenet-*`` presets)."""
     channels, side = image_shape(args.data.dataset, args.data.image_size, args.data.channels)
@@ -250,7 +252,7 @@ def with_open_values(args: Args) -> Args:
     own = complete_arguments(args.learner.algorithm, {})
     if can(args.learner.algorithm, "inner_loop") and own.get("inner_optimizer", "sgd") == "sgd":
         lr, steps = args.learner.inner_lr, args.learner.inner_steps
-        inner = {"inner_lr": 0.01 if lr is None else lr, "inner_steps": steps or 5}
+        inner = {"inner_lr": 0.05 if lr is None else lr, "inner_steps": steps or 5}
     return replace_flat(args, channels=channels, image_size=side, **inner)
 
 

@@ -24,6 +24,12 @@ class MAML(InnerOptimizerLearner):
 
     Args:
         model: the network; its parameters are theta.
+        inner_lr: the inner step size on the mean support loss. 2.0 is the reference's
+            Omniglot step: cbfinn/maml (a7f45f1) steps ``update_lr`` 0.4 (5-way; 0.1 at
+            20-way, ``main.py`` lines 11 and 14) on the per-example losses divided by ``K``
+            (``utils.py`` line 58) and summed by ``tf.gradients`` (``maml.py`` line 90): the
+            sum over ``N K`` examples over ``K``, ``N`` times the mean, so ``N`` x 0.4 = 2.0
+            (20 x 0.1 = 2.0 at 20-way) on the mean loss.
         adapt_norm: adapt the normalisation layers' weights in the inner loop too
             (`metalearn.models.norm_parameter_names`); False (the references'): they are
             meta-learned only, held at theta's values in every task's inner loop.
@@ -31,11 +37,14 @@ class MAML(InnerOptimizerLearner):
             (``adapt_keys`` may not name a normalisation parameter unless ``adapt_norm``).
     """
 
-    arguments_before = {"adapt_norm": True}  # records written before: norms adapted
+    # records written before: norms adapted, the inner step 0.4 on the mean loss
+    arguments_before = {"adapt_norm": True, "inner_lr": 0.4}
 
-    def __init__(self, model: nn.Module, *, adapt_norm: bool = False, **kwargs: Any) -> None:
+    def __init__(
+        self, model: nn.Module, *, inner_lr: float = 2.0, adapt_norm: bool = False, **kwargs: Any
+    ) -> None:
         kwargs["adapt_keys"] = adapted_keys(model, kwargs.get("adapt_keys"), adapt_norm)
-        super().__init__(model, **kwargs)
+        super().__init__(model, inner_lr=inner_lr, **kwargs)
         self.adapt_norm = adapt_norm
 
 

@@ -63,7 +63,7 @@ def make_support_folder(path: Path, shots: int = 2, ways: int = 5, offset: int =
 
 @pytest.mark.parametrize(
     ("algorithm", "cls", "steps", "lr"),
-    [("maml", MAML, 1, 0.4), ("fomaml", FOMAML, 1, 0.4), ("anil", ANIL, 1, 0.4),
+    [("maml", MAML, 1, 2.0), ("fomaml", FOMAML, 1, 2.0), ("anil", ANIL, 1, 0.4),
      ("metasgd", MetaSGD, 1, 0.4), ("mamlpp", MAMLpp, 5, 0.1), ("imaml", IMAML, 16, 0.1),
      ("reptile", Reptile, 5, 1e-3)],
 )  # fmt: skip

@@ -72,7 +72,7 @@ def test_seed_everything_repeats_python_numpy_and_torch():
 
 @pytest.mark.parametrize(
     ("algorithm", "cls", "lr", "steps", "damping"),
-    [("fomaml", FOMAML, 0.4, 1, None), ("imaml", IMAML, 0.1, 16, 11.0),
+    [("fomaml", FOMAML, 2.0, 1, None), ("imaml", IMAML, 0.1, 16, 11.0),
      ("reptile", Reptile, 1e-3, 5, None)],
 )  # fmt: skip
 def test_open_values_come_from_the_constructor_and_are_built_as_resolved(
