@@ -18,16 +18,17 @@ Algorithms and references:
   from its Omniglot 5-way 1-shot configuration files). metalearn runs `MAMLpp` and `MAML` on
   `VGGReLUNorm` below, the same network written with `metalearn.models.MetaBatchNorm`. Plain
   MAML adapts the convolutions and the linear layer only, as the reference (its batch-norm
-  parameters stay out of the inner loop), through ``adapt_keys``.
+  parameters stay out of the inner loop: `MAML`'s default ``adapt_norm=False``), the keys
+  passed as ``adapt_keys``.
 * ``protonet``, ``r2d2``, ``metaoptnet``: ``kjunelee/MetaOptNet``
   (``models/classification_heads.py``: ``ProtoNetHead``, ``R2D2Head``,
   ``MetaOptNetHead_SVM_CS``) against `prototype_classifier`, the `R2D2` learner's head and the
   `MetaOptNet` learner's head, on the same random embeddings. ``metaoptnet`` needs ``qpth``
   (which pins numpy < 2: run this script from an environment that has it).
 * ``r2d2-bertinetto``: ``bertinetto/r2d2`` (``fewshots/models/r2d2.RRNet.loss``) with a
-  table of embeddings as its encoder, against `R2D2` on the embeddings with a column of
-  ones appended and lambda ``50 N K`` (RRNet's ones column and its division of X and Y by
-  ``sqrt(N K)``).
+  table of embeddings as its encoder, against `R2D2`'s default ``"rrnet"`` head (a column
+  of ones, X and Y divided by ``sqrt(N K)``, lambda 50); the control is the ``"plain"`` head
+  at lambda ``50 N K`` without the ones column.
 * ``imaml``: ``aravindr93/imaml_dev`` (``implicit_maml``'s ``Learner``, ``cg_solve`` and
   ``make_conv_network``, called as ``examples/omniglot_implicit_maml.py`` calls them per
   task) against `IMAML` on a copy of the same network (needs scipy and matplotlib, which
@@ -326,12 +327,14 @@ def maml_metalearn(
     if not case.per_step:  # the reference never adapts batch norm in the inner loop
         keys = None if case.adapt_norm else [n for n in own if ".norm." not in n]
         learner = MAML(net, inner_lr=args.task_learning_rate, inner_steps=steps,
-                       first_order=not case.second_order, adapt_keys=keys)  # fmt: skip
+                       first_order=not case.second_order, adapt_keys=keys,
+                       adapt_norm=case.adapt_norm)  # fmt: skip
         return learner, net
     learner = MAMLpp(
         net, inner_lr=args.task_learning_rate, inner_steps=steps,
         msl_steps=args.multi_step_loss_num_epochs if args.use_multi_step_loss_optimization else 0,
         first_order_steps=0 if case.second_order else 10**9, per_step_bn=True,
+        msl_epoch_length=1,  # one meta-step per epoch here: the schedule is set by epoch
     )  # fmt: skip
     learner.schedule(case.epoch, 10**9)  # MSL's weights at the reference's epoch
     rates = dict(reference.inner_loop_optimizer.names_learning_rates_dict.items())
@@ -537,7 +540,7 @@ def r2d2_case(heads: ModuleType, case: HeadCase, seed: int) -> list[Row]:
         reference = heads.ClassificationHead(base_learner="R2D2", enable_scale=True).double()
     with torch.no_grad():
         reference.scale.fill_(scale)
-    learner = R2D2(Embedded(case.dim, n), lam=50.0, scale=scale, bias=0.0)
+    learner = R2D2(Embedded(case.dim, n), ridge_form="plain", lam=50.0, scale=scale, bias=0.0)
 
     def ref(q: Tensor, s: Tensor, y: Tensor) -> Tensor:
         return reference(q, s, y, n, k)
@@ -684,20 +687,26 @@ def bertinetto_case(
         with contextlib.suppress(IndexError):  # `.data[0]` of the 0-dim loss, after the maths
             net.loss({"xs": xs, "xq": xq})
         captured["loss"].backward()
-    learner = R2D2(Embedded(case.dim + ones, n), lam=50.0 * n * k, scale=10.0, bias=0.3)
+    # the reference's head is R2D2's own "rrnet" form (ones column, sqrt(NK) scaling, lambda
+    # 50); the control is the "plain" form at the same effective penalty, without the ones
+    if ones:
+        learner = R2D2(Embedded(case.dim, n), ridge_form="rrnet", lam=50.0, scale=10.0, bias=0.3)
+    else:
+        learner = R2D2(Embedded(case.dim, n), ridge_form="plain", lam=50.0 * n * k, scale=10.0,
+                       bias=0.3)  # fmt: skip
     ws, wq = support.clone().requires_grad_(), query.clone().requires_grad_()
     order = net.encoder.seen[n * k :] - n * k  # the reference's shuffled query order
-    augment = (lambda x: torch.cat([x, torch.ones_like(x[:, :1])], 1)) if ones else (lambda x: x)
     ys = torch.arange(n).repeat_interleave(k)
-    logits = learner.solve(augment(ws), ys, n).logits(augment(wq))
+    logits = learner.solve(ws, ys, n).logits(wq)
     loss = F.cross_entropy(logits, yq[0])
     loss.backward()
+    scale_grad = learner.scale.grad if ones else learner.log_scale.grad / 10.0
     pairs = [
         ("logits", logits[order], captured["logits"]),
         ("query loss", loss, captured["loss"]),
         ("gradient: support embeddings", ws.grad, table.grad[: n * k]),
         ("gradient: query embeddings", wq.grad, table.grad[n * k :]),
-        ("gradient: output scale", learner.log_scale.grad / 10.0, net.adjust.scale.grad[0]),
+        ("gradient: output scale", scale_grad, net.adjust.scale.grad[0]),
         ("gradient: output bias (zero)", learner.bias.grad, net.adjust.bias.grad[0]),
     ]
     whole = norm_of([b for _, _, b in pairs[2:]])
