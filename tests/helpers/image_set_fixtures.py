@@ -81,9 +81,12 @@ FC100_SPLIT = {
 }
 
 
-def pixels(height: int, width: int, channels: int = 3) -> np.ndarray:
-    """Random uint8 ``[height, width, channels]``."""
-    return RNG.integers(0, 256, size=(height, width, channels), dtype=np.uint8)
+def pixels(
+    height: int, width: int, channels: int = 3, rng: np.random.Generator | None = None
+) -> np.ndarray:
+    """Random uint8 ``[height, width, channels]`` (from ``rng``, else the module's)."""
+    return (RNG if rng is None else rng).integers(0, 256, size=(height, width, channels),
+                                                  dtype=np.uint8)  # fmt: skip
 
 
 def write_mini_csv(root: Path) -> Path:
@@ -174,12 +177,16 @@ def write_cub(root: Path, folder: str = "CUB_200_2011") -> Path:
 
 
 def write_folder(root: Path) -> Path:
-    """ROOT/{train,val,test}/<class>/: classes of 3, 5 and 4 grayscale PNGs of 12x12."""
+    """ROOT/{train,val,test}/<class>/: classes of 3, 5 and 4 grayscale PNGs of 12x12, the same
+    pixels every call (a test's numbers must not depend on which tests ran before it)."""
+    rng = np.random.default_rng(0)
     for split in ("train", "val", "test"):
         for name, count in (("cat", 3), ("dog", 5), ("emu", 4)):
             (root / split / name).mkdir(parents=True)
             for k in range(count):
-                Image.fromarray(pixels(12, 12, 1)[..., 0]).save(root / split / name / f"{k}.png")
+                Image.fromarray(pixels(12, 12, 1, rng)[..., 0]).save(
+                    root / split / name / f"{k}.png"
+                )
     return root
 
 
