@@ -627,7 +627,7 @@ def test_seam(cell, experiment, folder, tmp_path, capsys):
     # CG stops at the run's cg_steps: its error bound (`imaml_task`) widens atol.
     scale = max(float(g.abs().max()) for g in expected.values())
     assert bound < 1e-4 * scale, f"CG's error bound {bound:.2e} is too loose to test against"
-    # A scalar output bias (R2-D2, MetaOptNet) shifts every logit alike: its true gradient
+    # A scalar output bias (R2-D2's) shifts every logit alike: its true gradient
     # is 0, a sum of C softmax terms (p_c - y_c) of size ~1, so float32 leaves ~C eps_32
     # per query (measured: R2-D2's 3.7e-8 against entries of 3.3e-3, 1.1e-5 of the largest).
     ways = int(tasks[0].support[1].max()) + 1
