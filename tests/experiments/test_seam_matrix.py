@@ -19,12 +19,15 @@ For each cell:
     loop starts (Proto-MAML's prototype head, MAML++'s step-0 batch-norm copies, LoRA's
     adapters and head), on the loop's probe tasks, at the checkpoint's theta;
 (d) the run's checkpoint through deploy (``scripts/transfer_check.py``: adapt, build the
-    deployed network, predict) gives what `evaluate` gives on the same tasks.
+    deployed network, predict) gives what `evaluate` gives on the same tasks (a learner
+    scoring each query beside the support set alone, Reptile's default: the deployed
+    network scored so, `deployed_beside_support`).
 
 Beyond one cell per algorithm, `VARIANTS` runs MAML with other inner optimizers
 (``--inner-optimizer``), and MAML and Meta-SGD with the norm layers adapted
 (``--adapt-norm True``; by default they stay out of the inner loop, as in MAML's references),
-and MAML++ on its presets' network (max-pool, leaky ReLU). A new algorithm in
+and MAML++ on its presets' network (max-pool, leaky ReLU), and Reptile scoring its queries
+in one batch (for (d)). Reptile's (b) runs in float64 (`Float64Tasks`). A new algorithm in
 `metalearn.algorithms.registry.LEARNERS` without a row here fails
 `test_every_registered_algorithm_has_a_row`.
 """
@@ -43,7 +46,7 @@ from metalearn.algorithms import HeadLearner, MetaLossLearner
 from metalearn.algorithms.curvature import PROBE_SEED
 from metalearn.algorithms.registry import LEARNERS
 from metalearn.checkpoint import load_checkpoint
-from metalearn.deploy import load_learner
+from metalearn.deploy import adapt_to_support, adapted_model, load_learner
 from metalearn.runs.outer_loop import my_tasks
 from metalearn.runs.run import load_samplers
 from tests.algorithms.test_heads import svm_query_loss
@@ -69,7 +72,7 @@ ROWS: dict[str, dict] = {
     # iMAML at its own lr on both experiments (the few-shot one's open lr is MAML's 0.01,
     # at which hidden=1's CG bound is too loose to test against).
     "imaml": {"inner_steps": 2, "inner_lr": 0.1},
-    "reptile": {"inner_steps": 2}, "protomaml": {"inner_steps": 1}, "lora": {"inner_steps": 1},
+    "reptile": {}, "protomaml": {"inner_steps": 1}, "lora": {"inner_steps": 1},
     "protonet": {}, "r2d2": {}, "metaoptnet": {}, "metaoptnet-lr": {}, "boil": {"inner_steps": 2},
 }  # fmt: skip
 # Cells beyond one per algorithm: name -> (algorithm, what its tiny run sets beyond TINY).
@@ -89,14 +92,26 @@ VARIANTS: dict[str, tuple[str, dict]] = {
     "metasgd+adapt-norm": ("metasgd", {"inner_steps": 1, "adapt_norm": True}),
     # MAML++'s network (its presets'): stride-1 convs, max-pool, leaky ReLU.
     "mamlpp+network": ("mamlpp", {"inner_steps": 2, "pool": "max", "activation": "leaky_relu"}),
+    # Reptile scoring the query set in one batch: the evaluation (d)'s deploy path measures
+    # (its default scores each query beside the support set alone, which (d) cannot compare).
+    "reptile+transductive": ("reptile", {"transductive": True}),
 }
 CELLS: dict[str, tuple[str, dict]] = {**{a: (a, r) for a, r in ROWS.items()}, **VARIANTS}
 # (b)'s float32 tolerance, relative to the largest meta-gradient entry, where 1e-5 is too
 # tight: the stride-1 network normalises 28x28 maps (7,840 positions a channel at hidden=1),
 # and a conv bias before batch norm, whose true meta-gradient is 0, came out at 2.0e-6
 # against entries of 0.16 (measured).
-ATOL = {"mamlpp+network": 4e-5}
+# Reptile's (b) runs in float64 (`Float64Tasks`): a conv bias feeding batch norm, whose true
+# direction is 0, came out at 8e-12 against entries of 6.9e-3 (measured), Adam's division
+# by its root mean square scaling float64 rounding up as it does float32's.
+ATOL = {"mamlpp+network": 4e-5, "reptile": 1e-8, "reptile+transductive": 1e-8}
+RTOL = {"reptile": 1e-9, "reptile+transductive": 1e-9}
 EXPERIMENTS = ("omniglot", "folder")
+# The global seed before (b)'s meta-step: Reptile's mini-batch shuffles. On the folder
+# experiment (3 support examples, batches of 10) a batch spans shuffles, so the draw decides
+# which examples count twice; on Omniglot's (5) a batch is two whole shuffles, the support
+# twice, whatever the draw (checked: another seed fails the folder cell only).
+DRAWS = 3
 
 
 def test_every_registered_algorithm_has_a_row():
@@ -203,6 +218,46 @@ def adam(beta1: float, beta2: float, eps: float):
         return p - lr * m_hat / (torch.sqrt(v_hat) + eps), (m, v)
 
     return step
+
+
+def mini_batches(n: int, batch: int, count: int, gen: torch.Generator) -> list[list[int]]:
+    """``openai/supervised-reptile``'s ``_mini_batches`` without replacement: shuffle the
+    ``n`` examples, deal them out one by one into batches of ``batch`` (a batch may take the
+    end of one shuffle and the start of the next), reshuffle when a shuffle runs out, stop
+    after ``count`` batches. A shuffle is ``torch.randperm`` on ``gen``."""
+    batches, current = [], []
+    while True:
+        for i in torch.randperm(n, generator=gen).tolist():
+            current.append(i)
+            if len(current) < batch:
+                continue
+            batches.append(current)
+            current = []
+            if len(batches) == count:
+                return batches
+
+
+def reptile_task(theta: dict, support, model, learner, gen, slots):
+    """Nichol et al. (2018) Alg. 2's inner loop as ``openai/supervised-reptile`` runs it:
+    ``inner_steps`` steps of TensorFlow's ``AdamOptimizer(beta1=0)`` on mini-batches of
+    ``inner_batch`` support examples (`mini_batches`), from Adam's state ``slots`` =
+    ``(t, m, v)`` as the previous task left it (TensorFlow's slots are never restored
+    between tasks). TF's Adam (Kingma & Ba 2015, Sec. 2's last paragraph): ``m = b1 m +
+    (1 - b1) g``, ``v = b2 v + (1 - b2) g^2``, ``p - lr sqrt(1 - b2^t) / (1 - b1^t) m /
+    (sqrt(v) + eps)``, ``eps`` outside the bias correction. Returns phi and the slots after."""
+    b1, b2, eps = learner.adam
+    lr, x, y = float(learner.inner_lr), support[0], support[1]
+    t, m, v = slots
+    p = {k: w.detach() for k, w in theta.items()}
+    for rows in mini_batches(len(y), learner.inner_batch, learner.inner_steps, gen):
+        q = {k: w.clone().requires_grad_() for k, w in p.items()}
+        g = dict(zip(q, torch.autograd.grad(ce(q, (x[rows], y[rows]), model), list(q.values()))))
+        t += 1
+        m = {k: b1 * m[k] + (1 - b1) * g[k] for k in p}
+        v = {k: b2 * v[k] + (1 - b2) * g[k] ** 2 for k in p}
+        rate = lr * math.sqrt(1 - b2**t) / (1 - b1**t)
+        p = {k: p[k] - rate * m[k] / (v[k].sqrt() + eps) for k in p}
+    return p, (t, m, v)
 
 
 def inner_descent(p, keys, lrs, support, model, steps: int, second_order: bool,
@@ -342,22 +397,52 @@ def inner_update(learner, arguments: dict):
     raise AssertionError(f"no reference for inner optimizer {name!r}")
 
 
-def reference_gradient(algorithm: str, learner, tasks, arguments: dict):
-    """The step's meta-gradient, name (as ``learner.named_parameters``) -> float64 tensor,
-    and the 2-norm error the run's own settings allow beyond rounding (iMAML's CG bound,
-    the mean of the tasks'; 0 for the others)."""
+def rrnet_logits(f_s, f_q, labels, ways: int, learner, named: dict) -> torch.Tensor:
+    """Bertinetto et al. (2019) Eq. 3 as the reference's ``RRNet`` (``bertinetto/r2d2``,
+    ``fewshots/models/r2d2.py``) computes it: ``X = [Z_s, 1] / sqrt(S)``, ``Y = onehot /
+    sqrt(S)``, ``[W; b] = X'(XX' + lam I)^-1 Y`` with lam fixed (a buffer, 50 by default),
+    query scores ``scale (Z_q W + b) + bias`` with ``scale``, ``bias`` learned as they are.
+    Written with an explicit inverse (the engine solves)."""
+    assert learner.ridge_form == "rrnet" and "lam" not in named  # the default: lam fixed
+    root = math.sqrt(len(f_s))
+    x = torch.cat([f_s, torch.ones(len(f_s), 1, dtype=F64)], 1) / root
+    y = F.one_hot(labels, ways).to(F64) / root
+    lam = float(learner.lam)
+    wb = x.T @ torch.linalg.inv(x @ x.T + lam * torch.eye(len(x), dtype=F64)) @ y
+    return named["scale"] * (f_q @ wb[:-1] + wb[-1]) + named["bias"]
+
+
+def reptile_premises(learner) -> tuple:
+    """What `reptile_task` writes out, checked on the learner (its defaults): TF's Adam at
+    beta1 0 on every parameter, its state carried across tasks from zero, mini-batches of
+    the support set alone. Returns the starting slots ``(0, zeros, zeros)``, float64."""
+    assert learner.inner_optimizer == "adam" and learner.inner_state == "carried"
+    assert learner.adam[0] == 0.0 and learner.inner_batch is not None
+    assert learner.adapt_keys is None and not learner.train_on_query
+    t, m, v = learner.adam_slots.read()
+    assert t == 0 and all(float(w.abs().max()) == 0 for w in (*m.values(), *v.values()))
+    zeros = {k: torch.zeros_like(w, dtype=F64) for k, w in m.items()}
+    return 0, zeros, dict(zeros)
+
+
+def reference_gradient(algorithm: str, learner, tasks, arguments: dict, draws=None):
+    """The step's meta-gradient, name (as ``learner.named_parameters``) -> float64 tensor;
+    the 2-norm error the run's own settings allow beyond rounding (iMAML's CG bound, the
+    mean of the tasks'; 0 for the others); and Reptile's inner Adam state after the
+    meta-batch (None for the others). ``draws``: the generator Reptile's mini-batch
+    shuffles come from, in the run the global one, seeded alike."""
     model = learner.model
     named = {k: v.detach().to(F64).requires_grad_() for k, v in learner.named_parameters()}
     theta = {k.removeprefix("model."): v for k, v in named.items() if k.startswith("model.")}
     steps, alpha = learner.inner_steps, float(learner.inner_lr)
     heads = ("head.weight", "head.bias")
     total, bound = 0.0, 0.0
+    slots = reptile_premises(learner) if algorithm == "reptile" else None
     for task in tasks:
         support, query = as64(task)
         if algorithm in ("reptile", "imaml"):
             if algorithm == "reptile":  # Nichol et al. (2018) Alg. 2: the direction theta - phi
-                phi = inner_descent(dict(theta), list(theta), dict.fromkeys(theta, alpha),
-                                    support, model, steps, False)  # fmt: skip
+                phi, slots = reptile_task(theta, support, model, learner, draws, slots)
                 direction = {f"model.{k}": (theta[k] - phi[k]).detach() for k in theta}
             else:
                 direction, task_bound = imaml_task(theta, support, query, model, learner)
@@ -385,15 +470,8 @@ def reference_gradient(algorithm: str, learner, tasks, arguments: dict):
             if algorithm == "protonet":  # Snell et al. (2017) Eq. 1-2
                 c = torch.stack([f_s[support[1] == k].mean(0) for k in range(ways)])
                 logits = -((f_q[:, None, :] - c[None]) ** 2).sum(-1)
-            else:  # Bertinetto et al. (2019) Eq. 3: W = X'(XX' + lam I)^-1 Y
-                lam, scale = named["log_lam"].exp(), named["log_scale"].exp()
-                onehot = F.one_hot(support[1], ways).to(F64)
-                w = (
-                    f_s.T
-                    @ torch.linalg.inv(f_s @ f_s.T + lam * torch.eye(len(f_s), dtype=F64))
-                    @ onehot
-                )
-                logits = scale * f_q @ w + named["bias"]
+            else:  # Bertinetto et al. (2019) Eq. 3, W = X'(XX' + lam I)^-1 Y, as RRNet
+                logits = rrnet_logits(f_s, f_q, support[1], ways, learner, named)
             total = total + F.cross_entropy(logits, query[1]) / len(tasks)
             continue
         # The inner loop's variables are copies of theta, so each inner gradient is the
@@ -421,8 +499,8 @@ def reference_gradient(algorithm: str, learner, tasks, arguments: dict):
         phi = inner_descent(start, keys, lrs, support, model, steps, second, update)
         total = total + ce(phi, query, model) / len(tasks)
     if isinstance(total, dict):
-        return total, bound
-    return grad_of(total, named), bound
+        return total, bound, slots
+    return grad_of(total, named), bound, slots
 
 
 def dense_support_top(algorithm: str, learner, task) -> float:
@@ -457,6 +535,57 @@ def dense_support_top(algorithm: str, learner, task) -> float:
     return float(torch.linalg.eigvalsh(torch.autograd.functional.hessian(loss, flat))[-1])
 
 
+class Float64Tasks:
+    """A sampler whose tasks carry float64 inputs: Reptile's (b) runs the experiment's
+    `meta_step` on a float64 learner. In float32 its default inner Adam cannot be compared:
+    Adam divides each gradient by its running root mean square, and at hidden=1 some support
+    gradients are at float32's rounding level (a conv bias feeding batch norm has a true
+    gradient of exactly 0, a batch-norm weight's is ~1e-6), so their steps are rounding
+    noise scaled to about lr (measured: ``features.0.conv.bias``'s direction 2.7e-3 in
+    float32 against 8e-13 in float64, ``features.0.norm.weight`` 2.5% off)."""
+
+    def __init__(self, sampler) -> None:
+        self.sampler = sampler
+
+    def draw(self, gen: torch.Generator, count: int):
+        return self.sampler.draw(gen, count)
+
+    def tasks_from_indices(self, *indices) -> list:
+        return [replace(task, support=(task.support[0].to(F64), task.support[1]),
+                        query=(task.query[0].to(F64), task.query[1]))
+                for task in self.sampler.tasks_from_indices(*indices)]  # fmt: skip
+
+
+def check_slots(learner, slots: tuple) -> None:
+    """The (float64) learner's carried inner Adam state equals the reference's
+    ``(t, m, v)``, to float64 rounding relative to each moment's largest entry."""
+    t, m, v = learner.adam_slots.read()
+    assert t == slots[0]
+    for got, want in ((m, slots[1]), (v, slots[2])):
+        top = max(float(w.abs().max()) for w in want.values())
+        for k in want:
+            torch.testing.assert_close(got[k], want[k], rtol=1e-9, atol=1e-12 * top,
+                                       msg=lambda msg, k=k: f"{k}: {msg}")  # fmt: skip
+
+
+def deployed_beside_support(learner, recipe) -> None:
+    """(d) for a learner scoring each query as the last row of a batch of the support set
+    and that query (Reptile's default, the reference's ``_test_predictions``): the deploy
+    path (`adapt_to_support`, `adapted_model` with batch statistics) scored so gives
+    `evaluate`'s query loss and accuracy on two test tasks."""
+    steps = recipe.training.eval_inner_steps
+    tasks = load_samplers(recipe, "cpu")["test"].batch(2, torch.Generator().manual_seed(5))
+    losses, accs = learner.evaluate(tasks, steps=steps)
+    for task, loss, acc in zip(tasks, losses, accs):
+        (xs, ys), (xq, yq) = task.support, task.query
+        net = adapted_model(learner, adapt_to_support(learner, xs, ys, steps=steps),
+                            norm="transductive")  # fmt: skip
+        with torch.no_grad():
+            logits = torch.stack([net(torch.cat([xs, q[None]]))[-1] for q in xq])
+        assert float(F.cross_entropy(logits, yq)) == pytest.approx(float(loss), rel=1e-5)
+        assert float((logits.argmax(1) == yq).double().mean()) == pytest.approx(float(acc))
+
+
 # --------------------------------------------------------------------------- the matrix
 
 
@@ -480,10 +609,17 @@ def test_seam(cell, experiment, folder, tmp_path, capsys):
         checked = replace(recipe, learner=replace(recipe.learner, arguments=arguments_b))
     learner = seeded_learner(checked)
     samplers = load_samplers(checked, "cpu")
+    if algorithm == "reptile":  # in float64 (`Float64Tasks`), compared to float64 rounding
+        learner, samplers = learner.double(), {"train": Float64Tasks(samplers["train"])}
     t = checked.training
     tasks = my_tasks(samplers["train"], t.meta_batch, torch.Generator().manual_seed(t.seed))
-    expected, bound = reference_gradient(algorithm, learner, tasks, checked.learner.arguments)
+    # Reptile's mini-batches are shuffled on torch's global stream: the reference shuffles on
+    # a generator seeded as the global one is before the step.
+    expected, bound, slots = reference_gradient(algorithm, learner, tasks,
+                                                checked.learner.arguments,
+                                                torch.Generator().manual_seed(DRAWS))  # fmt: skip
     opt = torch.optim.SGD(learner.parameters(), lr=0.0)  # .grad is what is checked
+    torch.manual_seed(DRAWS)
     exp.meta_step(checked, learner, opt, samplers["train"],
                   torch.Generator().manual_seed(t.seed), step=0)  # fmt: skip
     # float32 run against float64: entries whose true value is 0 (a conv bias before batch
@@ -491,12 +627,21 @@ def test_seam(cell, experiment, folder, tmp_path, capsys):
     # CG stops at the run's cg_steps: its error bound (`imaml_task`) widens atol.
     scale = max(float(g.abs().max()) for g in expected.values())
     assert bound < 1e-4 * scale, f"CG's error bound {bound:.2e} is too loose to test against"
+    # A scalar output bias (R2-D2's) shifts every logit alike: its true gradient
+    # is 0, a sum of C softmax terms (p_c - y_c) of size ~1, so float32 leaves ~C eps_32
+    # per query (measured: R2-D2's 3.7e-8 against entries of 3.3e-3, 1.1e-5 of the largest).
+    ways = int(tasks[0].support[1].max()) + 1
+    floor = {"bias": ways * torch.finfo(torch.float32).eps}
     for name, p in learner.named_parameters():
         got = torch.zeros_like(p) if p.grad is None else p.grad
         torch.testing.assert_close(
-            got.to(F64), expected[name], rtol=1e-4, atol=ATOL.get(cell, 1e-5) * scale + bound,
+            got.to(F64), expected[name], rtol=RTOL.get(cell, 1e-4),
+            atol=ATOL.get(cell, 1e-5) * scale + bound + floor.get(name, 0.0),
             msg=lambda m, name=name: f"{name}: {m}",
         )  # fmt: skip
+
+    if slots is not None:  # Reptile: the Adam state carried out of the meta-batch
+        check_slots(learner, slots)
 
     exp.main(args)
     path = tmp_path / "r" / "checkpoint.pt"
@@ -527,7 +672,13 @@ def test_seam(cell, experiment, folder, tmp_path, capsys):
         assert row["curv/support_top_eig"] == pytest.approx(sum(tops) / len(tops), rel=2e-3)
         assert math.isfinite(row["curv/meta_top_eig"])
 
-    # (d) deploy equals evaluate on the same tasks.
+    # (d) deploy equals evaluate on the same tasks. transfer_check compares the deployed
+    # model's all-at-once (transductive) predictions with `evaluate`; a learner evaluating
+    # each query beside the support set alone (Reptile's default) has no counterpart there
+    # (its cell "reptile+transductive" runs it), so its deployed model scores each query so.
+    if getattr(rebuilt, "transductive", True) is False:
+        deployed_beside_support(rebuilt, recipe)
+        return
     capsys.readouterr()
     code = transfer_check.cli(["--checkpoint", str(path), "--tasks", "2", "--seed", "5"])
     assert capsys.readouterr().out.strip().splitlines()[-1] == "deploy_matches_evaluate: true"
