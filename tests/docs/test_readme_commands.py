@@ -100,7 +100,7 @@ def test_the_readmes_commands_run_on_a_real_run_and_its_evaluation(clone, capsys
     assert "30 tasks" in eval_row and "20 steps" in eval_row
     rows = [row for row in table.splitlines() if row.startswith("| ")]
     assert rows.index(eval_row) == 2  # the header, the trained run's group, its evaluation
-    assert rows[1].startswith("| algorithm=maml, inner_lr=0.4 | 1 | finished |"), rows[1]
+    assert rows[1].startswith("| algorithm=maml, inner_lr=2 | 1 | finished |"), rows[1]
     assert run_tool(f"{compare_line} --format csv", name) == 0
     by_label = {r["label"]: r for r in csv.DictReader(io.StringIO(capsys.readouterr().out))}
     (evaluation,) = [r for label, r in by_label.items() if label.startswith("↳ ")]

@@ -73,7 +73,7 @@ def test_two_meta_steps_log_to_wandb_and_report_test_accuracy(tmp_path, capsys):
     out = capsys.readouterr()
     (folder,) = [p.parent for p in tmp_path.glob("*/checkpoint.pt")]  # named by the run
     name = folder.name
-    assert name.startswith("maml-5w1s-lr0.4-steps1-seed0-")
+    assert name.startswith("maml-5w1s-lr2-steps1-seed0-")  # MAML's default rate, 2.0
     assert f"checkpoint: {folder / 'checkpoint.pt'}" in out.out
     assert "W&B run: " + str(tmp_path / "wandb" / "offline-run-") in out.out
     assert "-1" not in out.err  # no placeholder before the first validation
@@ -314,7 +314,8 @@ def test_command_line_forms(tmp_path):
     args = flatten(om.parse_args(["--inner_lr=0.3", "--inner-steps", "2", "--no-track"]))
     assert (args["inner_lr"], args["inner_steps"], args["track"]) == (0.3, 2, False)
     preset = flatten(om.parse_args(["--preset", "paper-20w1s", "--iterations", "5"]))
-    assert (preset["ways"], preset["meta_batch"], preset["inner_lr"]) == (20, 16, 0.1)
+    # cbfinn/maml's update_lr 0.1 on 20 times the mean loss: 2.0 on metalearn's mean
+    assert (preset["ways"], preset["meta_batch"], preset["inner_lr"]) == (20, 16, 2.0)
     assert (preset["inner_steps"], preset["algorithm"]) == (5, "maml")
     assert preset["iterations"] == 5  # an explicit flag wins over the preset
     assert flatten(om.parse_args(["--augment=True"]))["augment"] is True
