@@ -26,6 +26,7 @@ from metalearn.engine import InnerLoop, NonFiniteLossError, Task, TaskCall, task
 from metalearn.models import MLP
 from metalearn.models.norm import MetaBatchNorm
 from metalearn.second_order import HVP_METHODS
+from tests.helpers.reptile_batches import mini_batches
 
 F64 = torch.float64
 
@@ -403,28 +404,13 @@ def test_reptile_rejects_bad_settings() -> None:
         Reptile(model, inner_batch=0)
 
 
-def _reference_batches(n: int, batch: int, count: int) -> list[list[int]]:
-    """``supervised_reptile.reptile._mini_batches`` without replacement, written out: shuffle
-    the examples, append them one by one, yield a batch whenever it is full, reshuffle when
-    they run out (a batch may span two shuffles). The shuffle is torch.randperm's."""
-    batches, current = [], []
-    while True:
-        for i in torch.randperm(n).tolist():
-            current.append(i)
-            if len(current) < batch:
-                continue
-            batches.append(current)
-            current = []
-            if len(batches) == count:
-                return batches
-
-
 def _adam_reference(model: nn.Module, data: tuple[Tensor, Tensor], steps: int, batch: int,
                     lr: float, beta1: float, beta2: float, eps: float,
                     slots: dict | None = None) -> tuple[dict[str, Tensor], dict]:  # fmt: skip
     """TensorFlow's AdamOptimizer (its documented update: ``lr_t = lr sqrt(1 - beta2^t) /
     (1 - beta1^t)``, ``p -= lr_t m_t / (sqrt(v_t) + eps)``) on a copy of the model, one step
-    per mini-batch of `_reference_batches`, from the slots ``slots`` (None: zero, t = 0).
+    per mini-batch of `tests.helpers.reptile_batches.mini_batches`, from the slots ``slots``
+    (None: zero, t = 0).
     Returns the weights and the slots after."""
     clone = copy.deepcopy(model)
     params = dict(clone.named_parameters())
@@ -432,7 +418,7 @@ def _adam_reference(model: nn.Module, data: tuple[Tensor, Tensor], steps: int, b
         slots = {"t": 0, "m": {n: torch.zeros_like(p) for n, p in params.items()},
                  "v": {n: torch.zeros_like(p) for n, p in params.items()}}  # fmt: skip
     t, m, v = slots["t"], dict(slots["m"]), dict(slots["v"])
-    for rows in _reference_batches(len(data[0]), batch, steps):
+    for rows in mini_batches(len(data[0]), batch, steps):
         t += 1
         clone.zero_grad()
         F.cross_entropy(clone(data[0][rows]), data[1][rows]).backward()

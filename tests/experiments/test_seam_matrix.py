@@ -52,6 +52,7 @@ from metalearn.runs.run import load_samplers
 from tests.algorithms.test_heads import svm_query_loss
 from tests.conftest import HAS_OMNIGLOT, NO_OMNIGLOT, OMNIGLOT, script
 from tests.helpers.image_set_fixtures import write_folder
+from tests.helpers.reptile_batches import mini_batches
 from tests.helpers.run_helpers import fs, make, om, recipe_of, seeded_learner
 
 transfer_check = script("transfer_check")
@@ -218,23 +219,6 @@ def adam(beta1: float, beta2: float, eps: float):
         return p - lr * m_hat / (torch.sqrt(v_hat) + eps), (m, v)
 
     return step
-
-
-def mini_batches(n: int, batch: int, count: int, gen: torch.Generator) -> list[list[int]]:
-    """``openai/supervised-reptile``'s ``_mini_batches`` without replacement: shuffle the
-    ``n`` examples, deal them out one by one into batches of ``batch`` (a batch may take the
-    end of one shuffle and the start of the next), reshuffle when a shuffle runs out, stop
-    after ``count`` batches. A shuffle is ``torch.randperm`` on ``gen``."""
-    batches, current = [], []
-    while True:
-        for i in torch.randperm(n, generator=gen).tolist():
-            current.append(i)
-            if len(current) < batch:
-                continue
-            batches.append(current)
-            current = []
-            if len(batches) == count:
-                return batches
 
 
 def reptile_task(theta: dict, support, model, learner, gen, slots):
