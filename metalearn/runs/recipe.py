@@ -84,18 +84,12 @@ EXPERIMENTS = ("omniglot_maml", "fewshot_maml")
 _OUTER_FIELDS = ("outer_optimizer", "outer_momentum", "nesterov", "weight_decay", "lr_schedule",
                  "eta_min", "step_size", "gamma", "schedule_every", "lr_milestones",
                  "lr_factors")  # fmt: skip
-# The flags that set a learner argument, each named after the argument it sets. A switch
-# (bool) that is off and a value left at None set nothing: the learner's default stands (and
-# is recorded).
-LEARNER_FLAGS = (
-    "inner_lr", "inner_steps", "first_order", "vectorize", "chunk_size",
-    "gradient_checkpointing", "cg_damping", "lora_rank", "msl_steps", "msl_epoch_length",
-    "first_order_steps", "adapt_norm",
-    "inner_optimizer", "inner_momentum", "inner_beta1", "inner_beta2", "inner_eps",
-    "inner_alpha", "learn_inner_hyperparameters", "on_nonfinite", "label_smoothing",
-    "inner_batch", "eval_inner_batch", "ridge_form", "lam", "scale", "inner_state",
-    "transductive", "train_on_query",
-)  # fmt: skip
+# The flags that set a learner argument, each named after the argument it sets, in three
+# groups, each flag written once. A switch (bool) that is off and a value left at None set
+# nothing: the learner's default stands (and is recorded).
+# `MetaLearner`'s own arguments, which every learner takes:
+_SHARED_FLAGS = ("inner_lr", "inner_steps", "first_order", "vectorize", "chunk_size",
+                 "gradient_checkpointing", "on_nonfinite")  # fmt: skip
 # The inner optimizer's flags (`metalearn.algorithms.inner_optimizer`), for the refusals.
 _OPTIMIZER_FLAGS = ("inner_optimizer", "inner_momentum", "inner_beta1", "inner_beta2",
                     "inner_eps", "inner_alpha", "learn_inner_hyperparameters")  # fmt: skip
@@ -104,6 +98,7 @@ _OPTIMIZER_FLAGS = ("inner_optimizer", "inner_momentum", "inner_beta1", "inner_b
 _OWN_FLAGS = ("cg_damping", "lora_rank", "msl_steps", "msl_epoch_length", "first_order_steps",
               "label_smoothing", "adapt_norm", "inner_batch", "eval_inner_batch", "ridge_form",
               "lam", "scale", "inner_state", "transductive", "train_on_query")  # fmt: skip
+LEARNER_FLAGS = _SHARED_FLAGS + _OPTIMIZER_FLAGS + _OWN_FLAGS
 
 
 @dataclass(frozen=True)
