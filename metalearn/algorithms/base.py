@@ -513,6 +513,5 @@ def check_loop_only(learner: MetaLearner, name: str) -> None:
     if learner.gradient_checkpointing:
         raise ValueError(
             f"{name} keeps no graph through the inner loop, so gradient_checkpointing=True "
-            "does nothing; "
-            "drop it"
+            "does nothing; drop it"
         )

@@ -221,8 +221,7 @@ class Reptile(MetaLearner):
         self.adam = (inner_beta1, inner_beta2, inner_eps)
         if self.carries_state:
             theta = self.theta()
-            keys = list(theta) if self.adapt_keys is None else self.adapt_keys
-            self.adam_slots = AdamSlots({k: theta[k].detach() for k in keys})
+            self.adam_slots = AdamSlots({k: theta[k].detach() for k in self._adapted()})
         self.inner_batch = inner_batch
         self.eval_inner_batch = eval_inner_batch
         self.transductive = transductive
@@ -241,12 +240,16 @@ class Reptile(MetaLearner):
         """Whether the inner Adam's state carries on from task to task (`AdamSlots`)."""
         return self.inner_optimizer == "adam" and self.inner_state == "carried"
 
+    def _adapted(self) -> list[str]:
+        """The names of the parameters the inner loop trains (``adapt_keys``; None: all)."""
+        return list(self.theta()) if self.adapt_keys is None else list(self.adapt_keys)
+
     def _slots(self) -> Slots:
         """Where a task's inner Adam starts: the carried state, or zero moments."""
         if self.carries_state:
             return self.adam_slots.read()
-        keys = list(self.theta()) if self.adapt_keys is None else self.adapt_keys
-        zeros = {k: torch.zeros_like(self.theta()[k]).detach() for k in keys}
+        theta = self.theta()
+        zeros = {k: torch.zeros_like(theta[k]).detach() for k in self._adapted()}
         return 0, zeros, {k: z.clone() for k, z in zeros.items()}
 
     def outer_optimizer(self, lr: float | None = None) -> torch.optim.Optimizer:
@@ -307,9 +310,7 @@ class Reptile(MetaLearner):
     def adapt(self, task: Task, steps: int | None = None) -> dict[str, Tensor]:
         """Fast weights for one task (evaluation, deployment): the inner loop on the support
         set with mini-batches of ``eval_inner_batch`` (their order seeded by `EVAL_SEED`)."""
-        gen = torch.Generator().manual_seed(EVAL_SEED)
-        return self._train(detached(self.theta()), task, task.support, steps,
-                           self.eval_inner_batch, gen, None, self._slots())[0]  # fmt: skip
+        return self._evaluation_fast(detached(self.theta()), task, steps, None)
 
     def evaluate(self, tasks: Sequence[Task], steps: int | None = None) -> tuple[Tensor, Tensor]:
         """Query loss and accuracy per task after `adapt` with ``steps`` inner steps:
@@ -320,10 +321,7 @@ class Reptile(MetaLearner):
         losses, accs = [], []
         for i, task in enumerate(tasks):
             try:
-                gen = torch.Generator().manual_seed(EVAL_SEED)
-                fast = self._train(theta, task, task.support, steps, self.eval_inner_batch,
-                                   gen, i, self._slots())[0]  # fmt: skip
-                loss, acc = self._query(fast, task, i)
+                loss, acc = self._query(self._evaluation_fast(theta, task, steps, i), task, i)
             except NonFiniteLossError:
                 if self.on_nonfinite == "raise":
                     raise
@@ -331,6 +329,15 @@ class Reptile(MetaLearner):
             losses.append(loss)
             accs.append(acc)
         return torch.stack(losses), torch.stack(accs)
+
+    def _evaluation_fast(
+        self, theta: Mapping[str, Tensor], task: Task, steps: int | None, index: int | None
+    ) -> dict[str, Tensor]:
+        """`adapt`'s fast weights: the inner loop on the support set from ``theta`` and the
+        inner state's start, mini-batches of ``eval_inner_batch`` ordered by `EVAL_SEED`."""
+        gen = torch.Generator().manual_seed(EVAL_SEED)
+        return self._train(theta, task, task.support, steps, self.eval_inner_batch, gen, index,
+                           self._slots())[0]  # fmt: skip
 
     def inner_start(self, task: Task) -> InnerStart:
         """The loss at theta on the data the inner loop trains on (support, plus the query
@@ -365,7 +372,7 @@ class Reptile(MetaLearner):
         count = steps if steps is not None else (
             self.inner_steps if task.steps is None else task.steps)  # fmt: skip
         x, y = data
-        keys = list(theta) if self.adapt_keys is None else list(self.adapt_keys)
+        keys = self._adapted()
         fast = dict(theta)
         buffers = dict(self.model.named_buffers())
         kwargs = dict(task.model_kwargs)
