@@ -11,7 +11,7 @@ from typing import NamedTuple, Protocol
 
 from torch import Tensor
 
-__all__ = ["Episodes", "PolicyBatch", "VectorEnv"]
+__all__ = ["Episodes", "PolicyBatch", "VectorEnv", "mean_returns"]
 
 
 class Episodes(NamedTuple):
@@ -59,3 +59,9 @@ class VectorEnv(Protocol):
         """Apply ``actions [K, B, *action_shape]``; returns ``(obs [K, B, obs_dim],
         reward [K, B], done [K, B] bool)``. Steps after ``done`` are masked by the caller."""
         ...
+
+
+def mean_returns(episodes: Episodes) -> Tensor:
+    """``[...]``: the mean over each leading index's B episodes of their undiscounted
+    return, the sum of the rewards (what maml_rl reports as the average return)."""
+    return episodes.rewards.sum(-1).mean(-1)

@@ -35,10 +35,11 @@ except ImportError as error:  # the optional extra
     ) from error
 
 from metalearn.rl.seeds import generator
+from metalearn.rl.tasks import TASKS
 
 __all__ = ["MUJOCO_TASKS", "MujocoEnv", "MujocoTasks"]
 
-MUJOCO_TASKS = ("halfcheetah-dir", "halfcheetah-vel", "ant-dir", "ant-vel")
+MUJOCO_TASKS = TASKS[1:]  # halfcheetah-dir, halfcheetah-vel, ant-dir, ant-vel
 
 
 @dataclass(frozen=True)

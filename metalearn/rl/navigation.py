@@ -44,6 +44,10 @@ class Navigation2D:
         ]  # drawn in float64 so a goal does not depend on the env's dtype
         return ((torch.stack(goals) * 2 - 1) * self.goal_range).to(dtype)
 
+    def dims(self) -> tuple[int, int]:
+        """``(obs_dim, action_dim)`` of the environment (as `MujocoTasks.dims`)."""
+        return self.obs_dim, self.action_dim
+
     def make_env(self, goals: Tensor, episodes: int) -> NavigationEnv:
         """An env of ``[K, episodes]`` agents, task k's agents heading to ``goals[k]``."""
         return NavigationEnv(self, goals, episodes)

@@ -9,7 +9,7 @@ from metalearn.rl.advantage import discounted_returns, gae, normalize_advantages
 from metalearn.rl.baseline import fit_linear_baseline, linear_baseline_values
 from metalearn.rl.episodes import Episodes, PolicyBatch
 
-__all__ = ["NonFiniteEpisodesError", "check_finite", "policy_batch"]
+__all__ = ["NonFiniteEpisodesError", "check_finite", "checked_policy_batch", "policy_batch"]
 
 
 class NonFiniteEpisodesError(FloatingPointError):
@@ -69,3 +69,32 @@ def policy_batch(
         advantages, scale = normalize_advantages(advantages, episodes.mask)
         returns = returns / scale[..., 0]
     return PolicyBatch(episodes.obs, episodes.actions, advantages, episodes.mask, returns)
+
+
+def checked_policy_batch(
+    episodes: Episodes,
+    iteration: int,
+    phase: str,
+    *,
+    discount: float = 0.99,
+    gae_lambda: float = 1.0,
+    normalize: bool = False,
+) -> PolicyBatch:
+    """`policy_batch` of a meta-batch's ``episodes`` (``[K, B, T]``), refused for the first
+    task whose rewards, returns or advantages are not finite.
+
+    Args:
+        episodes: the rollouts, one leading index per task.
+        iteration: the iteration named in the error (as the user counts it, from 1).
+        phase: the episodes named in the error (e.g. ``"inner step 0"``, ``"outer"``).
+        discount, gae_lambda, normalize: as `policy_batch`.
+
+    Raises:
+        NonFiniteEpisodesError: naming the task, the iteration and the phase.
+    """
+    bad = ~torch.isfinite(episodes.rewards.flatten(1)).all(dim=1)
+    if bad.any():  # before the baseline's least squares, which fails on NaN
+        raise NonFiniteEpisodesError("rewards", int(bad.nonzero()[0, 0]), iteration, phase)
+    batch = policy_batch(episodes, discount=discount, gae_lambda=gae_lambda, normalize=normalize)
+    check_finite(batch, iteration, phase)
+    return batch

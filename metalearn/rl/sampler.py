@@ -3,20 +3,25 @@
 An episode's randomness is drawn before it starts (`episode_noise`: the policy's noise for
 every step, from the episode's seed), so it is the same whatever else is in the batch.
 The rollout itself has no randomness: the env is deterministic given the actions.
+`TaskSampler` draws a meta-batch's goals and episodes this way from a task distribution,
+each from its seed path under a run's seed (`metalearn.rl.seeds`).
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Mapping, Sequence
+from typing import Any
 
 import torch
 from torch import Tensor, nn
 from torch.func import functional_call, vmap
 
 from metalearn.rl.episodes import Episodes, VectorEnv
-from metalearn.rl.seeds import generator
+from metalearn.rl.navigation import Navigation2D
+from metalearn.rl.seeds import derive_seeds, generator
 
-__all__ = ["episode_noise", "rollout"]
+__all__ = ["TaskSampler", "episode_noise", "rollout"]
 
 
 def episode_noise(
@@ -74,3 +79,74 @@ def rollout(
         alive = alive & ~done
         obs = next_obs
     return Episodes(*(torch.stack(record[key], dim=2) for key in record))
+
+
+class _OnDevice:
+    """A `VectorEnv` whose observations, rewards and done flags move to ``device``."""
+
+    def __init__(self, env: VectorEnv, device: torch.device | str):
+        self.env, self.device, self.horizon = env, device, env.horizon
+
+    def reset(self) -> Tensor:
+        return self.env.reset().to(self.device)
+
+    def step(self, actions: Tensor) -> tuple[Tensor, ...]:
+        return tuple(x.to(self.device) for x in self.env.step(actions))
+
+
+class TaskSampler:
+    """A task distribution's goals and episodes, each from its seed path under ``seed``.
+
+    Task k of ``(stream, iteration)`` (a stream: training or held-out tasks) has its goal
+    from the seed path ``(stream, iteration, k)`` and its episode b of a phase (0 with
+    theta, p after p inner steps) from ``(stream, iteration, k, phase, b)``: the same path
+    gives the same goal and episode whatever the batch sizes, so a resumed run samples what
+    an uninterrupted one does.
+
+    Attributes:
+        dist: `Navigation2D` (stepped in torch on ``device``) or
+            `metalearn.rl.mujoco.MujocoTasks` (stepped on the CPU, moved to ``device``).
+        policy: the policy module the episodes are run with.
+        steps: the valid env steps sampled so far; ``seconds``: the time they took.
+    """
+
+    def __init__(self, dist: Any, policy: nn.Module, seed: int, device: torch.device | str):
+        self.dist, self.policy, self.seed, self.device = dist, policy, seed, device
+        self.env: Any = None  # MuJoCo: kept for reuse (building costs 0.1 s an env)
+        self.steps, self.seconds = 0, 0.0
+
+    def goals(self, stream: int, iteration: int, count: int) -> Tensor:
+        """The goals of tasks ``0..count-1`` of ``(stream, iteration)``: ``[count, ...]``."""
+        return self.dist.sample_goals(derive_seeds(self.seed, stream, iteration, count=count))
+
+    def __call__(
+        self,
+        params: Mapping[str, Tensor],
+        goals: Tensor,
+        path: tuple[int, int, int],
+        episodes: int,
+        per_task: bool,
+    ) -> Episodes:
+        """``episodes`` episodes per goal with ``params`` (stacked ``[K]`` if ``per_task``,
+        see `rollout`); ``path`` is ``(stream, iteration, phase)``.
+
+        Returns:
+            `Episodes` ``[K, episodes, horizon]``, task k's episode b from the seed path
+            ``(stream, iteration, k, phase, b)``.
+        """
+        start = time.perf_counter()
+        stream, iteration, phase = path
+        seeds = [
+            derive_seeds(self.seed, stream, iteration, k, phase, count=episodes)
+            for k in range(goals.shape[0])
+        ]
+        noise = episode_noise(self.policy, seeds, self.dist.horizon, torch.float32)
+        if isinstance(self.dist, Navigation2D):
+            env: VectorEnv = self.dist.make_env(goals.float().to(self.device), episodes)
+        else:
+            self.env = self.dist.make_env(goals, seeds, reuse=self.env)
+            env = _OnDevice(self.env, self.device)
+        sampled = rollout(env, self.policy, params, noise.to(self.device), per_task=per_task)
+        self.steps += int(sampled.mask.sum())
+        self.seconds += time.perf_counter() - start
+        return sampled
