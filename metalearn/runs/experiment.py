@@ -25,7 +25,7 @@ import math
 import os
 import re
 import secrets
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -57,6 +57,8 @@ __all__ = [
     "make_recipe",
     "new_run_identity",
     "parse_args",
+    "require_at_least_one",
+    "require_positive_finite",
     "resolve_args",
     "run_name",
     "saved_run_args",
@@ -165,16 +167,11 @@ def checkpoint_path(args: Any) -> Path:
 def check_args(exp: Experiment, args: Any) -> None:
     """Refuse values that would fail later (or silently do nothing), before any data loads."""
     a = flatten(args)
-    for name in _AT_LEAST_ONE:
-        value = a.get(name)
-        require(value is None or value >= 1, f"{flag(name)} {value}: must be at least 1")
+    require_at_least_one(a, _AT_LEAST_ONE)
     for name in ("ways", "train_ways"):
         require(a.get(name) is None or a[name] >= 2,
                 f"{flag(name)} {a.get(name)}: a task needs at least 2 classes")  # fmt: skip
-    for name in ("inner_lr", "outer_lr", "dist_timeout"):
-        value = a[name]
-        require(value is None or (math.isfinite(value) and value > 0),
-                f"{flag(name)} {value}: must be a positive finite number")  # fmt: skip
+    require_positive_finite(a, ("inner_lr", "outer_lr", "dist_timeout"))
     require(a["cg_damping"] is None or (math.isfinite(a["cg_damping"]) and a["cg_damping"] >= 0),
             f"--cg-damping {a['cg_damping']}: must be >= 0 and finite")  # fmt: skip
     for name in ("eval_inner_steps", "curvature_every", "first_order_steps"):
@@ -186,6 +183,23 @@ def check_args(exp: Experiment, args: Any) -> None:
     _check_run_folder(a["out_dir"], a["run_name"], a["resume"])
     exp.check(args)
     _check_task_sizes(a)
+
+
+def require_at_least_one(values: Mapping[str, Any], names: Iterable[str]) -> None:
+    """Refuse (`UserError`, one line naming the flag) the first of ``names`` whose value in
+    ``values`` (flat arguments, name -> value) is below 1; an absent or None value is unset."""
+    for name in names:
+        value = values.get(name)
+        require(value is None or value >= 1, f"{flag(name)} {value}: must be at least 1")
+
+
+def require_positive_finite(values: Mapping[str, Any], names: Iterable[str]) -> None:
+    """Refuse (`UserError`, one line naming the flag) the first of ``names`` whose value in
+    ``values`` is not a positive finite number (NaN, infinite, 0 or below); None is unset."""
+    for name in names:
+        value = values.get(name)
+        require(value is None or (math.isfinite(value) and value > 0),
+                f"{flag(name)} {value}: must be a positive finite number")  # fmt: skip
 
 
 def _check_task_sizes(a: Mapping[str, Any]) -> None:

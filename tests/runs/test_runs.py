@@ -17,6 +17,7 @@ from metalearn.algorithms.inner_optimizer import InnerOptimizerLearner
 from metalearn.algorithms.registry import complete_arguments, make_learner
 from metalearn.checkpoint import HOST, load_checkpoint, save_checkpoint
 from metalearn.models import Conv4
+from metalearn.runs.experiment import require_at_least_one, require_positive_finite
 from metalearn.runs.lifecycle import RunState, UserError, merge_resumed_args
 from metalearn.runs.recipe import learner_recipe, resolve_learner_args
 from metalearn.runs.seeding import seed_everything
@@ -162,3 +163,14 @@ def test_a_nan_validation_is_never_the_best_and_all_nan_has_no_best():
     assert run.state.best_iteration == 2
     run.load_best(learner)
     assert torch.equal(learner.model.weight, best_weight)
+
+
+def test_range_checks_name_the_first_bad_flag_and_allow_unset():
+    values = {"meta_batch": 4, "fast_batch": 0, "inner_lr": None, "max_kl": 0.01}
+    require_at_least_one(values, ("meta_batch", "inner_steps"))  # absent: unset
+    with pytest.raises(UserError, match="^--fast-batch 0: must be at least 1$"):
+        require_at_least_one(values, ("meta_batch", "fast_batch"))
+    require_positive_finite(values, ("inner_lr", "max_kl"))  # None: unset
+    for bad in (0.0, -1.0, float("nan"), float("inf")):
+        with pytest.raises(UserError, match=f"^--max-kl {bad}: must be a positive finite"):
+            require_positive_finite({**values, "max_kl": bad}, ("inner_lr", "max_kl"))
