@@ -23,11 +23,13 @@ is the post-adaptation return on the held-out tasks, e.g. ``test/return_post: -1
 ``scripts/rl_adaptation.py`` compares saved runs and a random start after 0-3 steps.
 Defaults and where each comes from: docs/algorithms.md ("Meta-RL").
 
-The file reads top to bottom: the arguments and presets; the loop's steps (`sample`,
-`meta_iteration`, `evaluate`); `main`. What no experiment rewrites (argument checks, the run
-folder's lock, resuming, signals, W&B, checkpoints) is `metalearn.runs.policy_run.PolicyRun`.
+The file reads top to bottom: the arguments and presets; the loop's steps
+(`adapted_episodes`, `meta_iteration`, `evaluate`); `main`. What no experiment rewrites
+(argument checks, the run folder's lock, resuming, signals, W&B, checkpoints) is
+`metalearn.runs.policy_run.PolicyRun`.
 Every task's goal and every episode's noise and reset come from seeds derived from ``--seed``
-and where they are used (`metalearn.rl.seeds`), so a resumed run repeats an uninterrupted one.
+and where they are used (`metalearn.rl.sampler.TaskSampler`), so a resumed run repeats an
+uninterrupted one.
 """
 
 from __future__ import annotations
@@ -50,24 +52,22 @@ from typing import Any, Literal  # noqa: E402
 import torch  # noqa: E402
 
 from metalearn.rl import (  # noqa: E402
+    TASKS,
     TRPO,
     GaussianMLPPolicy,
     MetaObjective,
-    Navigation2D,
     NonFiniteEpisodesError,
-    check_finite,
+    TaskSampler,
+    checked_policy_batch,
     clipped_outer_step,
-    derive_seeds,
-    episode_noise,
-    policy_batch,
-    rollout,
+    mean_returns,
+    task_distribution,
 )
 from metalearn.runs import arguments, experiment  # noqa: E402
 from metalearn.runs.experiment import Experiment  # noqa: E402
 from metalearn.runs.lifecycle import UserError, require, run_cli  # noqa: E402
 from metalearn.runs.policy_run import PolicyRun, saved_args  # noqa: E402
 
-ENVS = ("2dnav", "halfcheetah-dir", "halfcheetah-vel", "ant-dir", "ant-vel")
 TRAIN_STREAM, TEST_STREAM = 0, 1  # seed paths: training tasks and the held-out tasks
 
 
@@ -187,7 +187,7 @@ MUJOCO_PAPER = dict(PAPER, iterations=800)
 PRESETS: dict[str, dict[str, Any]] = {
     "cpu": {},  # the defaults of Args
     "paper-2dnav": {**PAPER, "env": "2dnav", "iterations": 100},
-    **{f"paper-{env}": {**MUJOCO_PAPER, "env": env} for env in ENVS[1:]},
+    **{f"paper-{env}": {**MUJOCO_PAPER, "env": env} for env in TASKS[1:]},
     "gpu-2dnav": {**PAPER, "env": "2dnav", "iterations": 500, "device": "cuda"},
     "gpu-halfcheetah-vel": {**MUJOCO_PAPER, "env": "halfcheetah-vel", "device": "cuda"},
 }
@@ -204,10 +204,9 @@ def resolve(args: Args) -> Args:
 def check_args(args: Args) -> None:
     """Refuse what cannot run, before anything is written (`UserError`, one line)."""
     t, horizon = args.training, args.env.horizon
-    for name in ("iterations", "meta_batch", "fast_batch", "inner_steps", "cg_iters",
-                 "ppo_epochs", "checkpoint_every"):  # fmt: skip
-        value = getattr(t, name)
-        require(value >= 1, f"--{name.replace('_', '-')} {value}: must be at least 1")
+    counts = ("iterations", "meta_batch", "fast_batch", "inner_steps", "cg_iters",
+              "ppo_epochs", "checkpoint_every")  # fmt: skip
+    experiment.require_at_least_one(vars(t), counts)
     require(t.eval_tasks >= 2, f"--eval-tasks {t.eval_tasks}: an interval needs 2 tasks")
     require(0 <= t.eval_inner_steps <= 10, f"--eval-inner-steps {t.eval_inner_steps}: 0 to 10")
     require(horizon is None or horizon >= 1, f"--horizon {horizon}: must be at least 1")
@@ -215,12 +214,8 @@ def check_args(args: Args) -> None:
         args.env.env == "2dnav" or horizon is None or horizon <= 1000,
         f"--horizon {horizon}: gymnasium's MuJoCo episodes end at 1000 steps; pass at most 1000",
     )
-    for name in ("inner_lr", "max_kl", "ppo_lr", "discount", "ppo_clip", "eval_later_lr_factor"):
-        value = getattr(t, name)
-        require(
-            value is None or (math.isfinite(value) and value > 0),
-            f"--{name.replace('_', '-')} {value}: must be a positive finite number",
-        )
+    rates = ("inner_lr", "max_kl", "ppo_lr", "discount", "ppo_clip", "eval_later_lr_factor")
+    experiment.require_positive_finite(vars(t), rates)
     require(
         t.discount <= 1 and 0 <= t.gae_lambda <= 1,
         "--discount and --gae-lambda must be in (0, 1] and [0, 1]",
@@ -246,73 +241,6 @@ def parse_args(argv: Sequence[str] | None = None) -> Args:
     return experiment.parse_args(EXPERIMENT, argv, saved_args=saved_args)
 
 
-# --------------------------------------------------------------------------- environments
-
-
-def task_distribution(args: Args) -> Any:
-    """`Navigation2D` or `metalearn.rl.mujoco.MujocoTasks` (the optional extra)."""
-    if args.env.env == "2dnav":
-        return Navigation2D(horizon=args.env.horizon)
-    try:
-        from metalearn.rl.mujoco import MujocoTasks
-    except ImportError:
-        raise UserError(
-            f'--env {args.env.env} needs gymnasium with MuJoCo: pip install "metalearn[rl]"'
-        ) from None
-    return MujocoTasks(args.env.env, horizon=args.env.horizon)
-
-
-class OnDevice:
-    """A `metalearn.rl.VectorEnv` whose observations and rewards move to ``device``."""
-
-    def __init__(self, env: Any, device: str):
-        self.env, self.device, self.horizon = env, device, env.horizon
-
-    def reset(self) -> torch.Tensor:
-        return self.env.reset().to(self.device)
-
-    def step(self, actions: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        return tuple(x.to(self.device) for x in self.env.step(actions))
-
-
-class Sampler:
-    """Rollouts of ``[K, B]`` episodes, every goal and episode from its seed path."""
-
-    def __init__(self, dist: Any, policy: torch.nn.Module, seed: int, device: str):
-        self.dist, self.policy, self.seed, self.device = dist, policy, seed, device
-        self.env: Any = None  # MuJoCo: kept for reuse (building costs 0.1 s an env)
-        self.steps, self.seconds = 0, 0.0
-
-    def goals(self, stream: int, iteration: int, count: int) -> torch.Tensor:
-        return self.dist.sample_goals(derive_seeds(self.seed, stream, iteration, count=count))
-
-    def __call__(self, params: dict, goals: torch.Tensor, path: tuple[int, ...],
-                 episodes: int, per_task: bool) -> Any:  # fmt: skip
-        """Episodes ``[K, B, T]``: task k's episode b from seed path ``(*path[:2], k,
-        path[2], b)`` (stream, iteration, task, phase, episode)."""
-        start = time.perf_counter()
-        stream, iteration, phase = path
-        seeds = [
-            derive_seeds(self.seed, stream, iteration, k, phase, count=episodes)
-            for k in range(goals.shape[0])
-        ]
-        noise = episode_noise(self.policy, seeds, self.dist.horizon, torch.float32)
-        if isinstance(self.dist, Navigation2D):
-            env = self.dist.make_env(goals.float().to(self.device), episodes)
-        else:
-            self.env = self.dist.make_env(goals, seeds, reuse=self.env)
-            env = OnDevice(self.env, self.device)
-        episodes_ = rollout(env, self.policy, params, noise.to(self.device), per_task=per_task)
-        self.steps += int(episodes_.mask.sum())
-        self.seconds += time.perf_counter() - start
-        return episodes_
-
-
-def undiscounted(episodes: Any) -> torch.Tensor:
-    """``[K]``: each task's mean undiscounted return (what maml_rl reports)."""
-    return episodes.rewards.sum(-1).mean(-1)
-
-
 # --------------------------------------------------------------------------- the loop's steps
 
 
@@ -320,15 +248,11 @@ def processed(t: TrainingArgs, episodes: Any, iteration: int, phase: str) -> Any
     """The `PolicyBatch` of ``episodes``, advantages centred and scaled per task (maml_rl's
     center_adv); a non-finite reward, return or advantage raises `NonFiniteEpisodesError`
     naming the task, the iteration (1-based) and the phase."""
-    bad = ~torch.isfinite(episodes.rewards.flatten(1)).all(dim=1)
-    if bad.any():  # before the baseline's least squares, which fails on NaN
-        raise NonFiniteEpisodesError("rewards", int(bad.nonzero()[0, 0]), iteration + 1, phase)
-    batch = policy_batch(episodes, discount=t.discount, gae_lambda=t.gae_lambda, normalize=True)
-    check_finite(batch, iteration + 1, phase)
-    return batch
+    return checked_policy_batch(episodes, iteration + 1, phase, discount=t.discount,
+                                gae_lambda=t.gae_lambda, normalize=True)  # fmt: skip
 
 
-def adapted_episodes(t: TrainingArgs, sample: Sampler, objective: MetaObjective,
+def adapted_episodes(t: TrainingArgs, sample: TaskSampler, objective: MetaObjective,
                      params: dict, goals: torch.Tensor, stream: int, iteration: int,
                      steps: int, where: str = "",
                      later_lr_factor: float = 1.0) -> tuple:  # fmt: skip
@@ -339,7 +263,7 @@ def adapted_episodes(t: TrainingArgs, sample: Sampler, objective: MetaObjective,
     later = replace(objective, lr=objective.lr * later_lr_factor)
     for phase in range(steps + 1):
         episodes = sample(phis, goals, (stream, iteration, phase), t.fast_batch, per_task)
-        returns.append(undiscounted(episodes))
+        returns.append(mean_returns(episodes))  # undiscounted, as maml_rl reports
         if phase == steps:
             return batches, returns, episodes
         batch = processed(t, episodes, iteration, f"{where}inner step {phase}")
@@ -350,7 +274,7 @@ def adapted_episodes(t: TrainingArgs, sample: Sampler, objective: MetaObjective,
     raise AssertionError("unreachable")  # the loop returns at phase == steps
 
 
-def meta_iteration(t: TrainingArgs, sample: Sampler, objective: MetaObjective,
+def meta_iteration(t: TrainingArgs, sample: TaskSampler, objective: MetaObjective,
                    policy: torch.nn.Module, opt: Any, iteration: int) -> dict:  # fmt: skip
     """One MAML-TRPO iteration (Finn et al., 2017, Algorithm 3) on a fresh meta-batch; its
     metrics. The policy's parameters are updated in place. ``--pretrain``: no inner step,
@@ -387,7 +311,7 @@ def meta_iteration(t: TrainingArgs, sample: Sampler, objective: MetaObjective,
 
 
 def evaluate(
-    t: TrainingArgs, sample: Sampler, objective: MetaObjective, policy: torch.nn.Module
+    t: TrainingArgs, sample: TaskSampler, objective: MetaObjective, policy: torch.nn.Module
 ) -> dict[str, float]:
     """Return on ``--eval-tasks`` held-out tasks before and after each adaptation step (the
     2nd and later at ``--eval-later-lr-factor`` times the rate), with 95% intervals over the
@@ -404,11 +328,9 @@ def evaluate(
     for k, r in enumerate(returns):
         results[f"test/return_step{k}"] = float(r.mean())
         results[f"test/return_step{k}_ci95"] = 1.96 * float(r.std()) / math.sqrt(len(r))
-    post = f"test/return_step{t.inner_steps}"
-    results["test/return_pre"] = results["test/return_step0"]
-    results["test/return_pre_ci95"] = results["test/return_step0_ci95"]
-    results["test/return_post"] = results[post]
-    results["test/return_post_ci95"] = results[f"{post}_ci95"]
+    for name, k in (("pre", 0), ("post", t.inner_steps)):  # the headline: k steps as trained
+        results[f"test/return_{name}"] = results[f"test/return_step{k}"]
+        results[f"test/return_{name}_ci95"] = results[f"test/return_step{k}_ci95"]
     results["perf/env_steps_per_s"] = sample.steps / sample.seconds
     return results
 
@@ -423,16 +345,20 @@ def show(row: dict[str, float]) -> str:
 # --------------------------------------------------------------------------- main
 
 
-def build(a: Args) -> tuple[GaussianMLPPolicy, MetaObjective, Sampler]:
+def build(a: Args) -> tuple[GaussianMLPPolicy, MetaObjective, TaskSampler]:
     """The resolved arguments' policy (its initialisation from ``--seed``), inner step and
     sampler (its tasks and episodes from ``--seed``)."""
     t, device = a.training, a.system.device
-    dist = task_distribution(a)
-    obs_dim, action_dim = (2, 2) if isinstance(dist, Navigation2D) else dist.dims()
+    try:  # Navigation2D, or MujocoTasks (the optional extra)
+        dist = task_distribution(a.env.env, a.env.horizon)
+    except ImportError:
+        raise UserError(
+            f'--env {a.env.env} needs gymnasium with MuJoCo: pip install "metalearn[rl]"'
+        ) from None
     torch.manual_seed(t.seed)
-    policy = GaussianMLPPolicy(obs_dim, action_dim, hidden=t.hidden).to(device)
+    policy = GaussianMLPPolicy(*dist.dims(), hidden=t.hidden).to(device)
     objective = MetaObjective(lr=t.inner_lr, first_order=t.first_order, average="steps")
-    return policy, objective, Sampler(dist, policy, t.seed, device)
+    return policy, objective, TaskSampler(dist, policy, t.seed, device)
 
 
 def main(args: Args) -> dict[str, float]:
