@@ -193,12 +193,13 @@ PRESETS: dict[str, dict[str, Any]] = {
     "reptile-miniimagenet-5w1s": {**REPTILE, "shots": 1, "eval_inner_batch": 5},
     "reptile-miniimagenet-5w5s": {**REPTILE, "shots": 5, "eval_inner_batch": 15},
     # bertinetto/r2d2, scripts/train/experiments.sh (mini_r2d2) and conf/fewshots.yaml:
-    # 16-way episodes of 15 examples a class, the output scale from 1e-4, Adam 5e-3 halved
-    # every 20 epochs of 100 episodes (40,000 steps: see omniglot_maml.py's R2D2); its
-    # encoder (RRNet: --backbone rrnet at --hidden 64)
+    # 16-way episodes of 15 examples a class (1-9 of them support), the output scale from
+    # 1e-4, Adam 5e-3 halved every 20 epochs of 100 episodes (40,000 steps: see
+    # omniglot_maml.py's R2D2); its encoder (RRNet: --backbone rrnet at --hidden 64)
     "r2d2-miniimagenet": {"dataset": "mini-imagenet", "algorithm": "r2d2", "ways": 5,
                           "backbone": "rrnet", "hidden": 64,
-                          "train_ways": 16, "shots": 5, "query": 10, "eval_query": 15,
+                          "train_ways": 16, "shots": 5, "train_shots": 9,
+                          "train_min_shots": 1, "query": 6, "eval_query": 15,
                           "scale": 1e-4, "meta_batch": 1, "outer_lr": 5e-3,
                           "lr_schedule": "step", "step_size": 20, "gamma": 0.5,
                           "schedule_every": 100, "iterations": 40_000, "val_every": 100,

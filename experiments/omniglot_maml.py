@@ -180,7 +180,8 @@ REPTILE = dict(algorithm="reptile", train_shots=10, query=1, meta_batch=5, eval_
 REPTILE_20W = dict(ways=20, inner_lr=5e-4, inner_steps=10, inner_batch=20, eval_inner_batch=10,
                    iterations=200_000)  # fmt: skip
 # ProtoNet's and R2-D2's Omniglot training: 60-way episodes of 5 queries (R2-D2: 10 examples
-# a class), one a step, Adam halved every 20 epochs of 100 episodes, validated every epoch
+# a class, 1-9 of them support), one a step, Adam halved every 20 epochs of 100 episodes,
+# validated every epoch
 # (jakesnell/prototypical-networks, scripts/train/few_shot/run_train.py; bertinetto/r2d2,
 # scripts/train/experiments.sh and conf/fewshots.yaml). Both stop when validation has not
 # improved for 200 epochs; 40,000 steps here, where the step is 2^-20 of its start and
@@ -190,8 +191,8 @@ PROTONET = dict(algorithm="protonet", train_ways=60, shots=5, query=5, eval_quer
                 meta_batch=1, outer_lr=1e-3, lr_schedule="step", step_size=20, gamma=0.5,
                 schedule_every=100, iterations=40_000, val_every=100, checkpoint_every=1000,
                 val_tasks=100, test_tasks=1000)  # fmt: skip
-R2D2 = dict(algorithm="r2d2", backbone="rrnet", hidden=64, train_ways=60, shots=5, query=5,
-            eval_query=15, meta_batch=1,
+R2D2 = dict(algorithm="r2d2", backbone="rrnet", hidden=64, train_ways=60, shots=5,
+            train_shots=9, train_min_shots=1, query=1, eval_query=15, meta_batch=1,
             outer_lr=5e-3, lr_schedule="step", step_size=20, gamma=0.5, schedule_every=100,
             iterations=40_000, val_every=100, checkpoint_every=1000, val_tasks=200,
             test_tasks=10_000)  # fmt: skip

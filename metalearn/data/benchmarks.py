@@ -172,6 +172,7 @@ def image_set_samplers(
     device: torch.device | str | None = None,
     train_ways: int | None = None,
     train_shots: int | None = None,
+    train_min_shots: int | None = None,
     **options,
 ) -> dict[str, EpisodicSampler]:
     """An `EpisodicSampler` per split, as an experiment trains, validates and tests on them.
@@ -193,6 +194,8 @@ def image_set_samplers(
             head per task.
         train_shots: K of the training tasks (None: ``shots``), e.g. MetaOptNet's training
             with more shots than it tests.
+        train_min_shots: random shots for the training tasks (`EpisodicSampler`'s
+            ``min_shots``; None: every training task ``train_shots``).
         options: for the loader (``cache_dir``, ``workers``, ...).
 
     Returns:
@@ -217,8 +220,9 @@ def image_set_samplers(
             evaluation = omniglot_samplers(data, omniglot_split, queries=eval_queries, ways=ways,
                                            **common)  # fmt: skip
             samplers.update({s: v for s, v in evaluation.items() if s != "train"})
-        if (train_ways, train_shots) != (ways, shots):
+        if (train_ways, train_shots, train_min_shots) != (ways, shots, None):
             wide = omniglot_samplers(data, omniglot_split, queries=queries, ways=train_ways,
+                                     min_shots=train_min_shots,
                                      **{**common, "shots": train_shots})  # fmt: skip
             samplers["train"] = wide["train"]
         samplers["train"].augment = augmentation if augment else None
@@ -231,6 +235,7 @@ def image_set_samplers(
             queries=queries if split == "train" else eval_queries,
             augment=augmentation if augment and split == "train" else None,
             ways=train_ways if split == "train" else ways,
+            min_shots=train_min_shots if split == "train" else None,
             **{**common, "shots": train_shots if split == "train" else shots},
         )
         for split in map(check_split, splits)

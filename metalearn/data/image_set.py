@@ -130,6 +130,7 @@ class ImageSet:
         augment: Augmentation | None = None,
         dtype: torch.dtype = torch.float32,
         device: torch.device | str | None = None,
+        min_shots: int | None = None,
     ) -> EpisodicSampler:
         """An `EpisodicSampler` over this set's classes (images in [0, 1] as ``dtype``)."""
         return EpisodicSampler(
@@ -142,6 +143,7 @@ class ImageSet:
             dtype=dtype,
             augment=augment,
             class_names=self.class_names,
+            min_shots=min_shots,
         )
 
     def __repr__(self) -> str:

@@ -389,6 +389,7 @@ def omniglot_samplers(
     augment: Augmentation | None = None,
     dtype: torch.dtype = torch.float32,
     device: torch.device | str | None = None,
+    min_shots: int | None = None,
 ) -> dict[str, EpisodicSampler]:
     """One `EpisodicSampler` per non-empty set of `omniglot_splits`.
 
@@ -401,6 +402,7 @@ def omniglot_samplers(
         augment: for the ``"train"`` sampler only (e.g. `metalearn.data.SmallAffine`).
         dtype: of the task images (in [0, 1], strokes 1, background 0).
         device: where the images stay resident and tasks are made.
+        min_shots: for the ``"train"`` sampler only: random shots (`EpisodicSampler`).
 
     Returns:
         ``{"train": ..., "val": ..., "test": ...}`` (``"val"`` absent when empty).
@@ -414,5 +416,6 @@ def omniglot_samplers(
             samplers[name] = EpisodicSampler(
                 images, ways=ways, shots=shots, queries=queries, rotations=rotations, dtype=dtype,
                 augment=augment if name == "train" else None,
+                min_shots=min_shots if name == "train" else None,
             )  # fmt: skip
     return samplers

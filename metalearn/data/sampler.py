@@ -27,6 +27,14 @@ each task draws one seed from the generator after its indices, and its images ar
 augmented with a generator of that seed, so a task's augmentation depends on neither the
 other tasks nor how a meta-batch is split. `tasks_from_indices` alone (evaluation,
 distributed ranks) never augments unless given the seeds.
+
+Random shots (``min_shots``, off by default) draw each task's support size ``K_t``
+uniformly from ``[min_shots, shots]`` after its indices (and seed): the task keeps its
+``shots + queries`` examples a class, the first ``K_t`` as support, the rest as queries, as
+R2-D2's training episodes (bertinetto/r2d2 fc0c13e, ``fewshots/data/SetupEpisode.py``: a
+fixed number of images per episode, the shot drawn from ``range(shot_min, shot_max)``).
+Only `batch` and `draw` draw them; `tasks_from_indices` without ``shots`` builds every
+task at ``K = shots``.
 """
 
 from __future__ import annotations
@@ -74,6 +82,9 @@ class EpisodicSampler:
         augment: applied to each task's images in `batch` and `sample` (None: off; keep
             it off for evaluation samplers).
         class_names: of the base classes, to name a class that is too small in errors.
+        min_shots: set: each task `batch` draws has ``K_t`` support examples a class, drawn
+            uniformly from ``[min_shots, shots]``, and ``shots + queries - K_t`` queries
+            (None: every task ``shots``).
 
     Raises:
         ValueError: ``ways`` above the number of classes, ``shots + queries`` above a
@@ -92,6 +103,7 @@ class EpisodicSampler:
         counts: Tensor | Sequence[int] | None = None,
         augment: Augmentation | None = None,
         class_names: Sequence[str] | None = None,
+        min_shots: int | None = None,
     ) -> None:
         rotations = tuple(int(r) for r in rotations)
         if counts is not None:
@@ -100,7 +112,10 @@ class EpisodicSampler:
             if len(counts) and bool((counts == counts[0]).all()):  # equal: the [C, M] path
                 images, counts = images.reshape(len(counts), -1, *images.shape[1:]), None
         _check_arguments(images, ways, shots, queries, rotations, counts, class_names)
+        if min_shots is not None and not 1 <= min_shots <= shots:
+            raise ValueError(f"min_shots={min_shots} must be in [1, shots={shots}]; or None")
         self.ways, self.shots, self.queries, self.rotations = ways, shots, queries, rotations
+        self.min_shots = min_shots
         self.augment = augment
         if dtype is None:
             dtype = images.dtype if images.is_floating_point() else torch.float32
@@ -140,7 +155,11 @@ class EpisodicSampler:
         return classes, examples
 
     def tasks_from_indices(
-        self, classes: Tensor, examples: Tensor, augment_seeds: Tensor | None = None
+        self,
+        classes: Tensor,
+        examples: Tensor,
+        augment_seeds: Tensor | None = None,
+        shots: Tensor | None = None,
     ) -> list[Task]:
         """Build the tasks of `sample_indices`' output (class-major within each set).
 
@@ -149,6 +168,8 @@ class EpisodicSampler:
             augment_seeds: long ``[T]``, one per task: augment task ``t``'s images with
                 ``torch.Generator().manual_seed(seed[t])`` (ignored when ``augment`` is None;
                 None: no augmentation).
+            shots: long ``[T]``, task ``t``'s support examples a class ``K_t`` (the first
+                ``K_t`` of each class's examples; the rest are its queries); None: ``shots``.
 
         The tasks' images are slices of one batch tensor and their label tensors are shared:
         treat tasks as read-only (nothing in the engine writes to them).
@@ -156,41 +177,49 @@ class EpisodicSampler:
         device = self._rows.device
         starts = self._starts.to(device)[classes.to(device)]
         rows = starts[..., None] + examples.to(device)  # [T, N, K+Q]
-        tasks, ways, _ = rows.shape
-        k = self.shots
+        tasks, ways, n = rows.shape
+        ks = [self.shots] * tasks if shots is None else [int(k) for k in shots]
         # Support rows of every task, then query rows: both sets are then views, no copies.
-        order = torch.cat([rows[..., :k].flatten(1), rows[..., k:].flatten(1)], dim=1)
+        order = torch.stack([torch.cat([r[:, :k].flatten(), r[:, k:].flatten()]) for r, k in
+                             zip(rows, ks)])  # fmt: skip
         x = self._rows.index_select(0, order.flatten()).to(self.dtype)
         if self._divisor is not None:
             x = x.div_(self._divisor)
         x = x.view(tasks, -1, *self.image_shape)
         if self.augment is not None and augment_seeds is not None:
             x = torch.stack([self._augmented(x[t], int(s)) for t, s in enumerate(augment_seeds)])
-        labels = torch.arange(ways, device=device).repeat_interleave(self.shots + self.queries)
-        labels = labels.view(ways, -1)
-        support_y, query_y = labels[:, :k].flatten(), labels[:, k:].flatten()
+        labels = {k: _labels(ways, n, k, device) for k in set(ks)}  # shared by equal K
         return [
-            Task(support=(x[t, : ways * k], support_y), query=(x[t, ways * k :], query_y))
-            for t in range(tasks)
+            Task(support=(x[t, : ways * k], labels[k][0]), query=(x[t, ways * k :], labels[k][1]))
+            for t, k in enumerate(ks)
         ]
 
     def batch(self, tasks: int, generator: torch.Generator) -> list[Task]:
-        """``tasks`` tasks: support ``([N*K, ch, H, W], [N*K])``, query ``([N*Q, ...], [N*Q])``.
+        """``tasks`` tasks: support ``([N*K, ch, H, W], [N*K])``, query ``([N*Q, ...], [N*Q])``
+        (with ``min_shots``, task ``t``'s ``K_t`` and ``shots + queries - K_t``).
 
         With ``augment`` set, one seed per task is drawn after the indices (see the module
-        docstring); without it the generator advances exactly as `sample_indices` moves it.
+        docstring), and with ``min_shots`` one support size per task after that; without
+        either the generator advances exactly as `sample_indices` moves it.
         """
         return self.tasks_from_indices(*self.draw(generator, tasks))
 
-    def draw(self, generator: torch.Generator, tasks: int) -> tuple[Tensor, Tensor, Tensor | None]:
+    def draw(
+        self, generator: torch.Generator, tasks: int
+    ) -> tuple[Tensor, Tensor, Tensor | None, Tensor | None]:
         """What `batch` draws, unbuilt: `sample_indices`' output, then (with ``augment``
-        set) one augmentation seed per task, long ``[T]``; else None. A caller that builds
-        only some of the tasks (a rank of a distributed run) slices all three alike."""
+        set) one augmentation seed per task, long ``[T]``, else None, then (with
+        ``min_shots`` set) one support size per task, long ``[T]``, else None. A caller
+        that builds only some of the tasks (a rank of a distributed run) slices all four
+        alike."""
         classes, examples = self.sample_indices(generator, tasks)
-        seeds = None
+        seeds = shots = None
         if self.augment is not None:
             seeds = torch.randint(2**62, (tasks,), generator=generator, device=generator.device)
-        return classes, examples, seeds
+        if self.min_shots is not None:
+            shots = torch.randint(self.min_shots, self.shots + 1, (tasks,), generator=generator,
+                                  device=generator.device)  # fmt: skip
+        return classes, examples, seeds, shots
 
     def sample(self, generator: torch.Generator) -> Task:
         """One task (``batch(1, generator)[0]``)."""
@@ -214,6 +243,13 @@ class EpisodicSampler:
             f"{self.num_classes} classes of {sizes}, rotations={self.rotations}, "
             f"augment={self.augment})"
         )
+
+
+def _labels(ways: int, n: int, k: int, device: torch.device) -> tuple[Tensor, Tensor]:
+    """Support and query labels ``[N*k]``, ``[N*(n-k)]`` of a task of ``n`` examples a
+    class, its first ``k`` the support: class-major, as `tasks_from_indices` orders rows."""
+    labels = torch.arange(ways, device=device).repeat_interleave(n).view(ways, n)
+    return labels[:, :k].flatten(), labels[:, k:].flatten()
 
 
 def _bank(

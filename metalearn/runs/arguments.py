@@ -47,6 +47,10 @@ class DataArgs:
     train_shots: int | None = None
     """Support examples per class of training tasks; none: --shots. MetaOptNet trains
     15-shot for its 1- and 5-shot tests; validation and test tasks keep --shots."""
+    train_min_shots: int | None = None
+    """Random shots: each training task draws its support examples a class uniformly from
+    [this, --train-shots] and has the rest of its --train-shots + --query examples a class
+    as queries, as R2-D2's training episodes; none: every training task --train-shots."""
     query: int = 5
     """Query examples per class during meta-training."""
     eval_query: int = 15

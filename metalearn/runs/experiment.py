@@ -74,9 +74,9 @@ RESUMABLE = (
     "dist_timeout", "data_root", "out_dir", "resume",
 )  # fmt: skip
 _AT_LEAST_ONE = (
-    "ways", "train_ways", "shots", "train_shots", "query", "eval_query", "meta_batch",
-    "iterations", "hidden", "val_every", "val_tasks", "test_tasks", "checkpoint_every",
-    "inner_steps", "curvature_tasks", "chunk_size", "msl_steps", "lora_rank",
+    "ways", "train_ways", "shots", "train_shots", "train_min_shots", "query", "eval_query",
+    "meta_batch", "iterations", "hidden", "val_every", "val_tasks", "test_tasks",
+    "checkpoint_every", "inner_steps", "curvature_tasks", "chunk_size", "msl_steps", "lora_rank",
 )  # fmt: skip
 
 
@@ -124,14 +124,18 @@ def run_name(args: Any) -> str:
 
     ``algorithm-NwKs-lrLR-stepsS-seedS``: the values a grid usually varies (no lr and steps
     for a learner without an inner loop; ``-trainMw`` when training tasks are wider,
-    ``-trainJs`` when they have other shots), after
+    ``-trainJs`` when they have other shots, ``-trainI-Js`` when random ones), after
     ``dataset-backbone-`` for an experiment with a choice of data set.
     """
     a = flatten(args)
     inner = "" if a["inner_lr"] is None else f"-lr{a['inner_lr']:g}-steps{a['inner_steps']}"
     wide, more = a.get("train_ways"), a.get("train_shots")
     train = f"-train{wide}w" if wide not in (None, a["ways"]) else ""
-    train += f"-train{more}s" if more not in (None, a["shots"]) else ""
+    low = a.get("train_min_shots")
+    if low is not None:
+        train += f"-train{low}-{a['shots'] if more is None else more}s"
+    elif more not in (None, a["shots"]):
+        train += f"-train{more}s"
     name = f"{a['algorithm']}-{a['ways']}w{a['shots']}s{train}{inner}-seed{a['seed']}"
     return f"{a['dataset']}-{a['backbone']}-{name}" if "dataset" in a else name
 
@@ -183,6 +187,21 @@ def check_args(exp: Experiment, args: Any) -> None:
     _check_run_folder(a["out_dir"], a["run_name"], a["resume"])
     exp.check(args)
     _check_task_sizes(a)
+    _check_random_shots(a)
+
+
+def _check_random_shots(a: Mapping[str, Any]) -> None:
+    """Random shots need a range and episodic training tasks (the within-alphabet sampler
+    has no random shots)."""
+    low = a.get("train_min_shots")
+    if low is None:
+        return
+    top = a["shots"] if a.get("train_shots") is None else a["train_shots"]
+    require(low <= top, f"--train-min-shots {low}: must be at most --train-shots "
+                        f"{top}, the most support examples a training task draws")  # fmt: skip
+    train_tasks = a.get("train_tasks", "episodic")
+    require(train_tasks == "episodic", f"--train-min-shots with --train-tasks {train_tasks}: "
+                                       "random shots need --train-tasks episodic")  # fmt: skip
 
 
 def require_at_least_one(values: Mapping[str, Any], names: Iterable[str]) -> None:

@@ -180,13 +180,14 @@ def my_tasks(sampler: EpisodicSampler, meta_batch: int, gen: torch.Generator) ->
     Every rank draws the whole meta-batch's indices from the same generator (microseconds
     per task) and builds only its own tasks, so N ranks train on exactly the tasks one
     process would, and the generator state is the same on every rank (resume, any N).
-    With augmentation, each task's seed is drawn with its indices, as `EpisodicSampler.batch`
-    draws it, so a rank's tasks are augmented as one process would augment them.
+    With augmentation or random shots, each task's seed and support size are drawn with its
+    indices, as `EpisodicSampler.batch` draws them, so a rank's tasks are those one process
+    would build.
     """
-    classes, examples, seeds = sampler.draw(gen, meta_batch)  # seeds: None unless augmenting
+    # seeds, shots: None unless augmenting, drawing random shots
+    drawn = sampler.draw(gen, meta_batch)
     part = distributed.shard_slice(meta_batch)
-    mine = None if seeds is None else seeds[part]
-    return sampler.tasks_from_indices(classes[part], examples[part], mine)
+    return sampler.tasks_from_indices(*(None if d is None else d[part] for d in drawn))
 
 
 def check_finite_gradient(learner: MetaLearner) -> None:

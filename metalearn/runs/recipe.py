@@ -120,6 +120,9 @@ class DataRecipe:
         train_shots: support examples per class of a training task (``shots`` unless the
             run trains with others; None only in records written before it, read as
             ``shots``).
+        train_min_shots: set: each training task's support examples a class are drawn
+            uniformly from ``[train_min_shots, train_shots]``, the rest of its
+            ``train_shots + query`` examples a class its queries (None: ``train_shots``).
     """
 
     dataset: str
@@ -135,6 +138,7 @@ class DataRecipe:
     image: ImageFormat
     train_ways: int | None = None
     train_shots: int | None = None
+    train_min_shots: int | None = None
 
 
 @dataclass(frozen=True)
@@ -390,6 +394,7 @@ def recipe_from_args(experiment: str, args: Mapping[str, Any]) -> Recipe:
         eval_protocol=args.get("eval_protocol", "episodic"), ways=ways, shots=args["shots"],
         query=args["query"], eval_query=args["eval_query"], augment=bool(args.get("augment")),
         image=image, train_ways=args["train_ways"], train_shots=args["train_shots"],
+        train_min_shots=args.get("train_min_shots"),
     )  # fmt: skip
     backbone, head = args.get("backbone", "conv4"), args.get("head", "mean")
     side = args.get("image_size")  # Omniglot's experiment has no flag: its images' side
@@ -558,6 +563,7 @@ def build_samplers(
             eval_queries=data.eval_query, augment=data.augment, image_size=data.image.size,
             channels=data.image.channels, splits=splits, device=device,
             train_ways=data.train_ways, train_shots=data.train_shots,
+            train_min_shots=data.train_min_shots,
         )  # fmt: skip
     images = load_omniglot(
         root,
@@ -571,6 +577,8 @@ def build_samplers(
     if "train" in splits:
         augment = standard_augmentation("character") if data.augment else None
         wide = {**common, "ways": data.train_ways, "shots": data.train_shots}
+        if data.train_min_shots is not None:  # episodic training tasks only (checked)
+            wide["min_shots"] = data.train_min_shots
         train = draw[data.train_tasks](images, data.split, queries=data.query, augment=augment,
                                        **wide)  # fmt: skip
         samplers["train"] = train["train"]

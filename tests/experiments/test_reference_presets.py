@@ -71,8 +71,10 @@ def test_r2d2_presets_are_its_scripts(experiment, name, train_ways, episode, sca
     assert (recipe.model.backbone, build_model(recipe).head.in_features) == ("rrnet", features)
     assert (a["ridge_form"], a["lam"], a["learn_lambda"], a["scale"]) == ("rrnet", 50.0, False,
                                                                           scale)  # fmt: skip
-    # data.way, data.batch_size 600 (Omniglot) or 240 (mini-ImageNet) examples an episode
-    assert (d.train_ways, d.train_ways * (d.shots + d.query)) == (train_ways, episode)
+    # data.way, data.batch_size 600 (Omniglot) or 240 (mini-ImageNet) examples an episode,
+    # the shots drawn from range(data.shot_min 1, data.shot_max 10), tested at 5
+    assert (d.train_ways, d.train_ways * (d.train_shots + d.query)) == (train_ways, episode)
+    assert (d.train_min_shots, d.train_shots, d.shots) == (1, 9, 5)
     assert (t.outer_optimizer, t.outer_lr, t.lr_schedule) == ("adam", 5e-3, "step")
     assert (t.step_size, t.gamma, t.schedule_every, t.meta_batch) == (20, 0.5, 100, 1)
     learner = make_learner("r2d2", build_model(recipe), a)

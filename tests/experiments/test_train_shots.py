@@ -99,3 +99,46 @@ def test_omniglot_trains_r2d2s_encoder_and_a_flattened_conv4(tmp_path, overrides
     results = om.main(args)
     saved = load_checkpoint(tmp_path / "net" / "checkpoint.pt")
     assert saved["recipe"]["model"]["image_size"] == 28 and 0 <= results["test/acc"] <= 1
+
+
+@needs_omniglot
+def test_random_training_shots_are_recorded_drawn_and_trained(tmp_path):
+    """--train-min-shots: each training task's support size is drawn in [min, train_shots],
+    its queries the rest of train_shots + query; evaluation tasks keep --shots."""
+    args = tiny(tmp_path, algorithm="protonet", shots=1, train_shots=4, train_min_shots=2,
+                query=1, meta_batch=8, run_name="random")  # fmt: skip
+    recipe = recipe_of(om, args)
+    assert (recipe.data.train_min_shots, recipe.data.train_shots) == (2, 4)
+    samplers = samplers_of(om, args)
+    assert samplers["train"].min_shots == 2 and samplers["test"].min_shots is None
+    tasks = samplers["train"].batch(8, torch.Generator().manual_seed(0))
+    supports = {len(t.support[0]) // 5 for t in tasks}
+    assert supports <= {2, 3, 4} and len(supports) > 1
+    assert all(len(t.support[0]) + len(t.query[0]) == 5 * 5 for t in tasks)
+    name = om.resolve_args(tiny(tmp_path, algorithm="protonet", train_shots=4,
+                                train_min_shots=2)).tracking.run_name  # fmt: skip
+    assert re.fullmatch(r"protonet-5w1s-train2-4s-seed0-[a-z0-9]{8}", name), name
+    results = om.main(args)
+    saved = load_checkpoint(tmp_path / "random" / "checkpoint.pt")
+    assert saved["recipe"]["data"]["train_min_shots"] == 2 and 0 <= results["test/acc"] <= 1
+    record = dict(saved["recipe"])
+    record["data"] = {k: v for k, v in record["data"].items() if k != "train_min_shots"}
+    assert read_recipe({"recipe": record}).data.train_min_shots is None  # older records
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [({"train_min_shots": 0}, "--train-min-shots 0: must be at least 1"),
+     ({"train_min_shots": 3, "train_shots": 2},
+      "--train-min-shots 3: must be at most --train-shots 2, the most support examples a "
+      "training task draws"),
+     ({"train_min_shots": 1, "train_shots": 2, "train_tasks": "within-alphabet",
+       "split": "alphabet"},
+      "--train-min-shots with --train-tasks within-alphabet: random shots need --train-tasks "
+      "episodic")],
+)  # fmt: skip
+def test_bad_random_shots_are_refused(tmp_path, overrides, message):
+    with pytest.raises(UserError) as info:
+        om.resolve_args(tiny(tmp_path, **overrides))
+    assert str(info.value) == message
+    assert list(tmp_path.iterdir()) == []
