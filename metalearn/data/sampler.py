@@ -178,10 +178,13 @@ class EpisodicSampler:
         starts = self._starts.to(device)[classes.to(device)]
         rows = starts[..., None] + examples.to(device)  # [T, N, K+Q]
         tasks, ways, n = rows.shape
-        ks = [self.shots] * tasks if shots is None else [int(k) for k in shots]
-        # Support rows of every task, then query rows: both sets are then views, no copies.
-        order = torch.stack([torch.cat([r[:, :k].flatten(), r[:, k:].flatten()]) for r, k in
-                             zip(rows, ks)])  # fmt: skip
+        k = torch.full((tasks,), self.shots) if shots is None else shots.cpu()
+        # Support rows of every task, then query rows, each class-major: both sets are then
+        # views, no copies. A row's place sorts by (query?, class, example).
+        example = torch.arange(n)
+        key = (example >= k[:, None, None]) * (ways * n) + torch.arange(ways)[:, None] * n + example
+        order = rows.flatten(1).gather(1, key.flatten(1).argsort(dim=1).to(device))
+        ks = k.tolist()
         x = self._rows.index_select(0, order.flatten()).to(self.dtype)
         if self._divisor is not None:
             x = x.div_(self._divisor)
