@@ -673,13 +673,17 @@ def test_seam(cell, experiment, folder, tmp_path, capsys):
 
 # Outer-loop settings (`metalearn.runs.outer_loop`), each run end to end on MAML: the
 # references' optimizers and schedules (MetaOptNet's SGD with Nesterov momentum and weight
-# decay; MAML++'s cosine to a minimum, stepped per epoch; ProtoNet's StepLR).
+# decay; MAML++'s cosine to a minimum, stepped per epoch, and its meta-gradient clamp
+# against torch's clip_grad_value_; ProtoNet's StepLR).
 OUTER_CELLS: dict[str, dict] = {
     "sgd-nesterov+cosine": dict(outer_optimizer="sgd", outer_momentum=0.9, nesterov=True,
                                 weight_decay=5e-4, outer_lr=0.1, lr_schedule="cosine",
                                 eta_min=1e-3, schedule_every=2),
     "adam+step": dict(weight_decay=1e-3, lr_schedule="step", step_size=1, gamma=0.5,
                       schedule_every=2),
+    # MAML++'s meta-gradient clamp (its mini-ImageNet meta_update), bounding most entries
+    "sgd+grad-clamp": dict(outer_optimizer="sgd", outer_lr=0.1, lr_schedule="cosine",
+                           eta_min=1e-3, schedule_every=2, grad_clamp=1e-3),
 }  # fmt: skip
 
 
@@ -712,11 +716,14 @@ def test_seam_outer(cell, experiment, folder, tmp_path):
     sampler = load_samplers(recipe, "cpu")["train"]
     gen = torch.Generator().manual_seed(t.seed)
     opt, sched = torch_outer(learner, t)
-    lrs = []
+    lrs, clamped = [], 0
     for step in range(t.iterations):
         lrs.append(opt.param_groups[0]["lr"])
         opt.zero_grad(set_to_none=True)
         learner.backward(my_tasks(sampler, t.meta_batch, gen))
+        if t.grad_clamp is not None:  # the network's weights (MAML: the model's)
+            clamped += sum(int((p.grad.abs() > t.grad_clamp).sum()) for p in learner.parameters())
+            torch.nn.utils.clip_grad_value_(learner.model.parameters(), t.grad_clamp)
         opt.step()
         if (step + 1) % t.schedule_every == 0:
             sched.step()
@@ -727,6 +734,7 @@ def test_seam_outer(cell, experiment, folder, tmp_path):
     recorded = [row["train/outer_lr"] for row in saved["history"] if "train/outer_lr" in row]
     assert recorded == pytest.approx(lrs, rel=1e-12)
     assert len(set(recorded)) > 1
+    assert clamped > 0 or t.grad_clamp is None  # the clamp bound something
     # torch's cosine is a recurrence, metalearn's the closed form: lrs equal to float64
     # rounding, so the weights to float32's.
     for name, p in learner.named_parameters():
