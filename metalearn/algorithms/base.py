@@ -138,6 +138,10 @@ class MetaLearner(nn.Module, abc.ABC):
         not_compiled: why the learner's meta-step cannot run under ``torch.compile``
             (`metalearn.algorithms.compiled.compile_blocker` refuses it, naming this); None
             when it can.
+        scores_adapted_weights: the query predictions `evaluate` scores are the network's
+            output at `adapt`'s weights, so `query_logits` gives them (an ensemble of
+            checkpoints averages them, `metalearn.runs.evaluation`); False for the solved
+            heads and Reptile, which score queries otherwise.
         has_inner_loop: the learner adapts by inner gradient steps (takes ``inner_lr`` and
             ``inner_steps``); False for the solved heads.
         takes_inner_optimizer: the inner loop's optimizer is chosen (``inner_optimizer`` and
@@ -158,6 +162,7 @@ class MetaLearner(nn.Module, abc.ABC):
     has_inner_loop: ClassVar[bool] = True
     takes_inner_optimizer: ClassVar[bool] = False
     measures_curvature: ClassVar[bool] = False
+    scores_adapted_weights: ClassVar[bool] = True
 
     def __init__(
         self,
@@ -329,6 +334,27 @@ class MetaLearner(nn.Module, abc.ABC):
                 model_kwargs=task.model_kwargs,
             )  # fmt: skip
         return detached(fast)
+
+    def query_logits(self, task: Task, steps: int | None = None) -> Tensor:
+        """The network's output on ``task``'s query inputs at `adapt`'s weights, ``[Q, C]``:
+        the predictions `evaluate` scores (for a learner with ``scores_adapted_weights``).
+
+        Raises:
+            ValueError: a learner that scores queries otherwise (solved heads, Reptile).
+        """
+        if not self.scores_adapted_weights:
+            raise ValueError(f"{type(self).__name__} does not score queries with the network at "
+                             "adapted weights, so it has no query_logits")  # fmt: skip
+        fast = self.adapt(task, steps)
+        with torch.no_grad():
+            return functional_call(self.model, {**self.buffers_dict(), **fast},
+                                   (task.query[0],), dict(task.model_kwargs))  # fmt: skip
+
+    def network_parameters(self) -> list[Tensor]:
+        """The meta-parameters that are the network's weights (the model's; MAML++ adds its
+        per-step batch-norm copies), not the inner loop's learned rates: what a meta-gradient
+        clamp bounds (`metalearn.runs.outer_loop.clamp_meta_gradient`)."""
+        return list(self.model.parameters())
 
     def evaluate(self, tasks: Sequence[Task], steps: int | None = None) -> tuple[Tensor, Tensor]:
         """Query loss and accuracy per task after ``steps`` inner steps: ``([T], [T])``.

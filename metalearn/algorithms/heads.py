@@ -157,6 +157,7 @@ class HeadLearner(MetaLossLearner):
     head_sized_per_task = True
     has_inner_loop = False
     measures_curvature = False  # no inner loop: no support Hessian where it starts
+    scores_adapted_weights = False  # the query is scored by the solved head
 
     def __init__(self, model: nn.Module, head: str = "head", **kwargs: Any) -> None:
         params = dict(model.named_parameters())

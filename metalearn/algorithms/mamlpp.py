@@ -375,6 +375,11 @@ class MAMLpp(MetaLossLearner):
                 fast, _ = _one_step(self.model, {**fast, **_at(step_params, s)}, call, s)
         return {**fast, **_at(step_params, max(steps - 1, 0))}
 
+    def network_parameters(self) -> list[Tensor]:
+        """The model's weights and the per-step batch-norm copies (BNWB): the reference's
+        classifier, whose gradients its ``meta_update`` clamps; not the LSLR rates."""
+        return [*self.model.parameters(), *self.bn.values()]
+
     def evaluate(self, tasks: Sequence[Task], steps: int | None = None) -> tuple[Tensor, Tensor]:
         """Query loss and accuracy per task after ``steps`` inner steps: ``([T], [T])``.
 

@@ -65,13 +65,16 @@ Algorithm = Literal[ALGORITHMS]  # type: ignore[valid-type]
 LOSSES = {"cross_entropy": F.cross_entropy, "mse": F.mse_loss}
 """Loss functions a record names (``loss_fn`` is recorded by name)."""
 
-Capability = Literal["inner_loop", "inner_optimizer", "curvature", "head_sized_per_task"]
+Capability = Literal["inner_loop", "inner_optimizer", "curvature", "head_sized_per_task",
+                     "query_logits"]  # fmt: skip
 """What a learner may be able to do: an inner loop of gradient steps, a chosen inner
-optimizer, curvature measured (`metalearn.algorithms.curvature`), a head sized per task."""
+optimizer, curvature measured (`metalearn.algorithms.curvature`), a head sized per task,
+query predictions of the network at adapted weights (`MetaLearner.query_logits`)."""
 
 _ATTRIBUTES: Mapping[str, str] = {
     "inner_loop": "has_inner_loop", "inner_optimizer": "takes_inner_optimizer",
     "curvature": "measures_curvature", "head_sized_per_task": "head_sized_per_task",
+    "query_logits": "scores_adapted_weights",
 }  # fmt: skip
 
 

@@ -234,6 +234,7 @@ class Reptile(MetaLearner):
                         "eval_inner_batch": None, "transductive": True}  # fmt: skip
     default_outer_lr = 1.0  # the reference's --meta-step 1 (every README command)
     default_outer_optimizer = "sgd"  # plain SGD: exactly Alg. 2's update
+    scores_adapted_weights = False  # each query is scored beside the support set
 
     @property
     def carries_state(self) -> bool:

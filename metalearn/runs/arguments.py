@@ -209,6 +209,13 @@ class TrainingArgs:
     """--lr-schedule step: the decay factor (ProtoNet's 0.5)."""
     schedule_every: int = 1
     """Meta-steps per scheduler step (1: every meta-step; MAML++'s epochs: 500)."""
+    grad_clamp: float | None = None
+    """Clamp each entry of the network's meta-gradient to [-grad_clamp, grad_clamp] before
+    the optimizer step (MAML++'s reference on mini-ImageNet: 10); none: no clamp."""
+    ensemble_top_k: int = 1
+    """Test the K best-validation weights as one ensemble: each query's logits averaged
+    over the K models, then argmax (MAML++'s reference tests its top 5); 1: the best
+    weights alone. At most the run's number of validations."""
 
 
 @dataclass

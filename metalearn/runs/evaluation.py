@@ -10,13 +10,21 @@ same numbers.
 
 The interval is the normal approximation over tasks, ``1.96 * std / sqrt(T)`` (the
 experiment's reporting, as in Finn et al., 2017, Sec. 5.2).
+
+An ensemble (``ensemble=``: several state dicts of one learner, ``--ensemble-top-k``) scores
+each task as MAML++'s reference tests its top models (HowToTrainYourMAMLPytorch,
+experiment_builder.py, ``evaluated_test_set_using_the_best_models``): every model adapts to
+the task and gives its query logits, the logits are averaged over the models, and a query
+is right when the argmax of the average (the first class among equal maxima, as
+``np.argmax``) is its label (`ensemble_accuracies`). The reference's accuracy is the mean
+over all queries, which, every task having the same queries, is the mean over tasks here.
 """
 
 from __future__ import annotations
 
 import contextlib
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from typing import Protocol
 
 import torch
@@ -27,7 +35,8 @@ from metalearn import distributed
 from metalearn.algorithms import MetaLearner
 from metalearn.engine import Task
 
-__all__ = ["TEST_SEED", "VAL_SEED", "TaskSource", "accuracy_interval", "evaluate_tasks"]
+__all__ = ["TEST_SEED", "VAL_SEED", "TaskSource", "accuracy_interval", "ensemble_accuracies",
+           "evaluate_tasks"]  # fmt: skip
 
 VAL_SEED = 1
 """Seed of the validation tasks: every validation of a run sees the same tasks."""
@@ -57,6 +66,7 @@ def evaluate_tasks(
     chunk: int = 50,
     progress: bool | Callable[[int], object] = True,
     desc: str = "evaluate",
+    ensemble: Sequence[Mapping[str, Tensor]] | None = None,
 ) -> tuple[float, float]:
     """Mean query accuracy of ``learner`` over ``tasks`` tasks, and its 95% half-width.
 
@@ -71,6 +81,9 @@ def evaluate_tasks(
             callable: called with the number of tasks after each chunk (e.g. the update of
             a bar the caller owns).
         desc: the bar's label.
+        ensemble: state dicts of ``learner`` whose averaged query logits score each task
+            (`ensemble_accuracies`; the learner is left holding the first); None: the
+            learner as it is.
 
     Returns:
         ``(mean, ci95)``: the mean of the ``[T]`` per-task accuracies and
@@ -98,7 +111,10 @@ def evaluate_tasks(
             local = torch.empty(0)
             if part.stop > part.start:
                 batch = source.tasks_from_indices(classes[mine], examples[mine])
-                local = learner.evaluate(batch, steps=steps)[1].detach().cpu()
+                if ensemble is None:
+                    local = learner.evaluate(batch, steps=steps)[1].detach().cpu()
+                else:
+                    local = ensemble_accuracies(learner, ensemble, batch, steps)
             accs.append(distributed.gather_tensor(local.float()))
             progress(stop - start)
     acc = torch.cat(accs).double()
@@ -110,3 +126,31 @@ def accuracy_interval(accuracies: Tensor) -> float:
     if len(accuracies) < 2:
         return float("nan")
     return 1.96 * accuracies.double().std().item() / math.sqrt(len(accuracies))
+
+
+def ensemble_accuracies(
+    learner: MetaLearner, states: Sequence[Mapping[str, Tensor]], tasks: Sequence[Task], steps: int
+) -> Tensor:
+    """Query accuracy of each task under the ensemble of ``states``, ``[T]`` (float64).
+
+    Each state is loaded into ``learner`` in turn and gives every task's query logits
+    (`MetaLearner.query_logits`, ``[Q, C]``); their mean over the states, in float64, is
+    argmaxed (the first of equal maxima). A task whose mean logits are not finite scores
+    NaN. ``learner`` is left holding ``states[0]``.
+
+    Raises:
+        ValueError: no states, or a learner without ``query_logits``.
+    """
+    if not states:
+        raise ValueError("an ensemble needs at least one set of weights")
+    total: list[Tensor] = []
+    for state in reversed(states):  # ends on states[0]
+        learner.load_state_dict(state)
+        logits = [learner.query_logits(task, steps).detach().double().cpu() for task in tasks]
+        total = logits if not total else [a + b for a, b in zip(total, logits, strict=True)]
+    accs = []
+    for summed, task in zip(total, tasks, strict=True):
+        mean = summed / len(states)
+        right = (mean.argmax(dim=-1) == task.query[1].cpu()).double().mean()
+        accs.append(right if mean.isfinite().all() else torch.tensor(float("nan")))
+    return torch.stack(accs) if accs else torch.empty(0, dtype=torch.float64)

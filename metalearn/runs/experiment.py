@@ -32,7 +32,7 @@ from typing import Any
 
 import torch
 
-from metalearn.algorithms.registry import make_learner
+from metalearn.algorithms.registry import ALGORITHMS, algorithms_that, can, make_learner
 from metalearn.checkpoint import load_checkpoint
 from metalearn.data import check_task_sizes
 from metalearn.runs.cli import flag, flatten, parse_dataclass, unflatten
@@ -77,6 +77,7 @@ _AT_LEAST_ONE = (
     "ways", "train_ways", "shots", "train_shots", "train_min_shots", "query", "eval_query",
     "meta_batch", "iterations", "hidden", "val_every", "val_tasks", "test_tasks",
     "checkpoint_every", "inner_steps", "curvature_tasks", "chunk_size", "msl_steps", "lora_rank",
+    "ensemble_top_k",
 )  # fmt: skip
 
 
@@ -183,6 +184,7 @@ def check_args(exp: Experiment, args: Any) -> None:
     require(a["threads"] >= 0,
             f"--threads {a['threads']}: must be at least 1, or 0 for torch's default")  # fmt: skip
     require(0 <= a["seed"] < 2**32, f"--seed {a['seed']}: must be in [0, 2**32)")
+    _check_ensemble(a)
     _check_device(a["device"])
     _check_run_folder(a["out_dir"], a["run_name"], a["resume"])
     exp.check(args)
@@ -219,6 +221,25 @@ def require_positive_finite(values: Mapping[str, Any], names: Iterable[str]) -> 
         value = values.get(name)
         require(value is None or (math.isfinite(value) and value > 0),
                 f"{flag(name)} {value}: must be a positive finite number")  # fmt: skip
+
+
+def _check_ensemble(a: Mapping[str, Any]) -> None:
+    """Refuse an ensemble larger than the run's validations (each ranks one set of weights)
+    or of a learner whose query predictions are not the network's (`MetaLearner.query_logits`)."""
+    k = a.get("ensemble_top_k", 1)
+    if k is None or k <= 1:
+        return
+    iterations, every = a["iterations"], a["val_every"]
+    validations = math.ceil(iterations / every) if iterations >= 1 and every >= 1 else 0
+    require(k <= validations,
+            f"--ensemble-top-k {k} is more than the {validations} validations the run does "
+            f"(--iterations {iterations}, --val-every {every}); pass at most {validations} or "
+            "validate more often")  # fmt: skip
+    algorithm = a["algorithm"]
+    require(algorithm not in ALGORITHMS or can(algorithm, "query_logits"),
+            f"--ensemble-top-k {k} averages the query logits of the network at adapted "
+            f"weights; {algorithm} scores queries otherwise: drop --ensemble-top-k or use one "
+            f"of {', '.join(algorithms_that('query_logits'))}")  # fmt: skip
 
 
 def _check_task_sizes(a: Mapping[str, Any]) -> None:

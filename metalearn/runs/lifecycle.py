@@ -128,6 +128,9 @@ class RunState:
         wandb_id: the W&B run id, so a resume continues the same run.
         history: the metrics logged at every completed step, in order (each with "step").
         results: the test results once the run finished, else None.
+        top: with ``--ensemble-top-k K`` above 1, the K best validations so far, best first
+            (ties: the earlier), each ``{"iteration", "val", "learner"}``; the first is
+            ``best_*`` (its weights the same tensors). Empty otherwise.
     """
 
     run_name: str
@@ -138,6 +141,7 @@ class RunState:
     wandb_id: str | None = None
     history: list[dict[str, float]] = field(default_factory=list)
     results: dict[str, float] | None = None
+    top: list[dict[str, Any]] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
         """The state as plain containers (a checkpoint's entries); shares the tensors."""

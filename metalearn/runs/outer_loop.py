@@ -3,7 +3,8 @@ the parts of a meta-step around ``learner.backward``.
 
 An experiment's ``meta_step`` draws this rank's share of the meta-batch (`my_tasks`), fills
 ``.grad`` (``learner.backward``, averaged over the ranks by `metalearn.distributed`), checks
-it (`check_finite_gradient`) and steps the optimizer. It sets the outer step size of
+it (`check_finite_gradient`), clamps it with ``--grad-clamp`` (`clamp_meta_gradient`) and
+steps the optimizer. It sets the outer step size of
 meta-step ``t`` (0-based) to
 
     lr_t = `scheduled_lr` (training, t) * learner.outer_lr_factor(t, iterations)
@@ -46,7 +47,7 @@ from metalearn.data import EpisodicSampler
 from metalearn.runs.lifecycle import NonFiniteGradientError
 
 __all__ = ["OUTER_OPTIMIZERS", "SCHEDULES", "build_outer_optimizer", "check_finite_gradient",
-           "check_outer_loop", "my_tasks", "scheduled_lr"]  # fmt: skip
+           "check_outer_loop", "clamp_meta_gradient", "my_tasks", "scheduled_lr"]  # fmt: skip
 
 OUTER_OPTIMIZERS = ("adam", "sgd")
 SCHEDULES = ("constant", "cosine", "step", "linear", "piecewise")
@@ -110,6 +111,10 @@ def check_outer_loop(a: Mapping[str, Any]) -> None:
         ValueError: one line.
     """
     schedule, every, iterations = a["lr_schedule"], a["schedule_every"], a["iterations"]
+    clamp = a.get("grad_clamp")
+    if clamp is not None and not (math.isfinite(clamp) and clamp > 0):
+        raise ValueError(f"--grad-clamp {clamp}: must be a positive finite number (the bound "
+                         "of each meta-gradient entry; leave it out for no clamp)")  # fmt: skip
     smoothing = a.get("label_smoothing")
     if smoothing is not None and not 0 <= smoothing < 1:
         raise ValueError(f"--label-smoothing {smoothing}: must be in [0, 1) (0: none)")
@@ -197,3 +202,19 @@ def check_finite_gradient(learner: MetaLearner) -> None:
     if not named or bool(torch.stack([g.isfinite().all() for _, g in named]).all()):
         return
     raise NonFiniteGradientError([name for name, g in named if not g.isfinite().all()])
+
+
+def clamp_meta_gradient(learner: MetaLearner, bound: float | None) -> None:
+    """Clamp every entry of the network's meta-gradient to ``[-bound, bound]`` in place
+    (``--grad-clamp``; None: nothing), before the optimizer step.
+
+    MAML++'s reference does this on ImageNet-like data (``'imagenet' in dataset_name``) to
+    its classifier's parameters, not its learned inner rates (HowToTrainYourMAMLPytorch,
+    few_shot_learning_system.py, ``meta_update``: ``param.grad.data.clamp_(-10, 10)``), so
+    it bounds `MetaLearner.network_parameters` (torch's ``clip_grad_value_`` of those).
+    """
+    if bound is None:
+        return
+    for p in learner.network_parameters():
+        if p.grad is not None:
+            p.grad.clamp_(-bound, bound)

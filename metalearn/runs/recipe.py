@@ -83,7 +83,7 @@ EXPERIMENTS = ("omniglot_maml", "fewshot_maml")
 # The outer loop's fields of `TrainingRecipe`, each set by the flag of its name.
 _OUTER_FIELDS = ("outer_optimizer", "outer_momentum", "nesterov", "weight_decay", "lr_schedule",
                  "eta_min", "step_size", "gamma", "schedule_every", "lr_milestones",
-                 "lr_factors")  # fmt: skip
+                 "lr_factors", "grad_clamp")  # fmt: skip
 # The flags that set a learner argument, each named after the argument it sets, in three
 # groups, each flag written once. A switch (bool) that is off and a value left at None set
 # nothing: the learner's default stands (and is recorded).
@@ -190,6 +190,8 @@ class TrainingRecipe:
     schedule_every: int = 1
     lr_milestones: tuple[int, ...] = ()
     lr_factors: tuple[float, ...] = ()
+    grad_clamp: float | None = None  # the meta-gradient's bound (None: no clamp)
+    ensemble_top_k: int = 1  # best-validation weights the test ensembles (1: the best)
 
     def __post_init__(self) -> None:
         # a W&B config or a JSON record holds lists: the same recipe either way
@@ -414,6 +416,7 @@ def recipe_from_args(experiment: str, args: Mapping[str, Any]) -> Recipe:
         test_tasks=args["test_tasks"], checkpoint_every=args["checkpoint_every"],
         curvature_every=args.get("curvature_every", 0),
         curvature_tasks=args.get("curvature_tasks", 4),
+        ensemble_top_k=args.get("ensemble_top_k", 1),
         **{name: args[name] for name in _OUTER_FIELDS if name in args},
     )  # fmt: skip
     recipe = Recipe(experiment, data, model, learner_recipe(args), training)

@@ -86,7 +86,7 @@ from metalearn.runs.tracking import (
     run_group,
 )
 
-__all__ = ["Run", "load_samplers", "meta_gradient", "run_lock"]
+__all__ = ["Run", "load_samplers", "meta_gradient", "run_lock", "top_k"]
 
 _DIVERGED = (NonFiniteLossError, AllTasksSkippedError, NonFiniteGradientError)
 
@@ -178,6 +178,10 @@ class Run:
                 checkpoint holds their state.
             validates: whether the run has a validation split (for the bar's total).
         """
+        k = self.recipe.training.ensemble_top_k
+        require(validates or k == 1,
+                f"--ensemble-top-k {k} ranks the run's validations, and this split has no "
+                "validation classes; drop --ensemble-top-k")  # fmt: skip
         saved = self.saved
         if saved is not None:
             learner.load_state_dict(saved["learner"])
@@ -233,16 +237,25 @@ class Run:
     def keep_best(self, learner: MetaLearner, accuracy: float | None) -> float:
         """Remember the weights of the step being run if ``accuracy`` is the best validation
         so far (a NaN accuracy never is); with None (no validation split), keep the latest.
+        With ``--ensemble-top-k K`` above 1, also keep them among the K best validations
+        (`RunState.top`).
 
         Returns:
             The best validation accuracy so far (NaN while none is finite).
         """
         state, step = self.state, self.state.iteration + 1
+        weights = None
         if accuracy is None or (
             not math.isnan(accuracy) and (state.best_val is None or accuracy > state.best_val)
         ):
             state.best_val = state.best_val if accuracy is None else accuracy
-            state.best_iteration, state.best_learner = step, _cpu_state(learner)
+            weights = _cpu_state(learner)
+            state.best_iteration, state.best_learner = step, weights
+        k = self.recipe.training.ensemble_top_k
+        if k > 1 and accuracy is not None and not math.isnan(accuracy):
+            kept = weights  # the best's copy, if just taken: one copy for both
+            state.top = top_k(state.top, step, accuracy, k,
+                              lambda: _cpu_state(learner) if kept is None else kept)  # fmt: skip
         return math.nan if state.best_val is None else state.best_val
 
     def load_best(self, learner: MetaLearner) -> None:
@@ -259,6 +272,13 @@ class Run:
                 "--outer-lr")  # fmt: skip
         if state.best_learner is not None:
             learner.load_state_dict(state.best_learner)
+
+    def ensemble(self) -> list[dict[str, torch.Tensor]] | None:
+        """The weights the test ensembles (`RunState.top`, best first), or None with
+        ``--ensemble-top-k 1``: the best weights alone (`load_best`)."""
+        if self.recipe.training.ensemble_top_k == 1:
+            return None
+        return [entry["learner"] for entry in self.state.top]
 
     # ----------------------------------------------------------------------- finish
 
@@ -377,7 +397,8 @@ class Run:
         The history is copied as a list of the same rows (rows are never changed once
         logged), so a snapshot costs O(steps) pointers, not a deep copy of every metric.
         """
-        fields = {**self.state.to_dict(), "history": list(self.state.history)}
+        state = self.state  # lists copied: rows and top entries are replaced, not changed
+        fields = {**state.to_dict(), "history": list(state.history), "top": list(state.top)}
         return {
             **self._record, **fields, "learner": _cpu_state(self._learner),
             "optimizer": copy.deepcopy(self._opt.state_dict()),
@@ -415,6 +436,29 @@ def meta_gradient(args: Any, learner: MetaLearner) -> Any:
         return CompiledMetaGradient(learner)
     except ValueError as err:
         raise UserError(f"--compile with --algorithm {args.learner.algorithm}: {err}") from None
+
+
+def top_k(
+    top: list[dict[str, Any]], step: int, accuracy: float, k: int, weights: Any
+) -> list[dict[str, Any]]:
+    """``top`` (the best validations, best first) with the one at ``step`` ranked in, cut to
+    ``k``: a new list (a snapshot holding the old one keeps it).
+
+    Ranked by accuracy, the earlier step first among equal ones, as the best-validation
+    weights are chosen (so the first entry is always theirs). MAML++'s reference ranks its
+    epochs by ``np.argsort`` of their validation accuracies, reversed, whose order of equal
+    accuracies is not defined (numpy's default sort is not stable).
+
+    Args:
+        top: ``[{"iteration", "val", "learner"}, ...]``, best first.
+        step, accuracy: the validation to rank.
+        k: entries kept.
+        weights: ``() -> state dict`` of the step's weights, called only if they are kept.
+    """
+    if len(top) >= k and (accuracy, -step) <= (top[-1]["val"], -top[-1]["iteration"]):
+        return top  # not among the k best: no copy of the weights taken
+    entry = {"iteration": step, "val": accuracy, "learner": weights()}
+    return sorted([*top, entry], key=lambda e: (-e["val"], e["iteration"]))[:k]
 
 
 def _cpu_state(learner: MetaLearner) -> dict[str, torch.Tensor]:

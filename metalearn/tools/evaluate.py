@@ -22,6 +22,7 @@ Command (NAME: a run's folder name, as the run printed it):
     metalearn-evaluate --artifact NAME-model:best
     metalearn-evaluate --checkpoint runs/NAME/checkpoint.pt \\
         --tasks 2000 --steps 20 --shots 5 --which last
+    metalearn-evaluate --checkpoint runs/NAME/checkpoint.pt --which ensemble  # --ensemble-top-k
     metalearn-evaluate --checkpoint runs/NAME/checkpoint.pt \\
         --protocol within-alphabet --tasks 1000   # Lake et al.'s 20-way protocol
     metalearn-evaluate --data-root /data/cifar --checkpoint runs/NAME/checkpoint.pt
@@ -67,8 +68,10 @@ class Args:
     out_dir: str = "runs"
     """Where the runs are: offline, --artifact is found in its wandb/ folder, and an
     evaluation of a checkpoint outside its run folder is logged there."""
-    which: Literal["best", "last"] = "best"
-    """best: the best-validation weights (what the run tested); last: the latest."""
+    which: Literal["best", "last", "ensemble"] = "best"
+    """best: the best-validation weights (what a run of --ensemble-top-k 1 tested); last: the
+    latest; ensemble: the K best-validation weights a run of --ensemble-top-k K kept, their
+    query logits averaged (what it tested)."""
     tasks: int = 600
     """Test tasks; the interval shrinks as 1/sqrt(tasks)."""
     steps: int | None = None
@@ -223,7 +226,9 @@ def evaluate(args: Args) -> dict[str, float]:
         torch.set_num_threads(args.threads)
     path, origin, artifact = model_source(args)
     saved = read_run_checkpoint(path)
-    learner, recipe = learner_from(saved, args.which, args.device, source=str(path))
+    which = "best" if args.which == "ensemble" else args.which
+    learner, recipe = learner_from(saved, which, args.device, source=str(path))
+    ensemble = kept_ensemble(saved, path) if args.which == "ensemble" else None
     data, steps = test_data(args, recipe)
     source = task_source(data, args.device)
     print(
@@ -238,7 +243,8 @@ def evaluate(args: Args) -> dict[str, float]:
             wandb_run.use_artifact(artifact)  # the lineage: this model, evaluated by this run
     try:
         generator = torch.Generator().manual_seed(seed)
-        acc, half = evaluate_tasks(learner, source, args.tasks, steps, generator, desc="test")
+        acc, half = evaluate_tasks(learner, source, args.tasks, steps, generator, desc="test",
+                                   ensemble=ensemble)  # fmt: skip
         results = {"test/acc": acc, "test/acc_ci95": half}
         if wandb_run is not None:
             wandb_run.summary.update(results)
@@ -247,6 +253,19 @@ def evaluate(args: Args) -> dict[str, float]:
             wandb_run.finish()
     print(f"test/acc: {acc:.4f} ± {half:.4f}")
     return results
+
+
+def kept_ensemble(saved: Mapping[str, Any], path: Path) -> list[Any]:
+    """The best-validation weights a run of ``--ensemble-top-k K`` kept, best first.
+
+    Raises:
+        ValueError: the run kept none (``--ensemble-top-k 1``, or no validation yet).
+    """
+    top = saved.get("top") or []
+    if not top:
+        raise ValueError(f"{path} kept no ensemble (its run had --ensemble-top-k 1, or no "
+                         "validation yet); pass --which best")  # fmt: skip
+    return [entry["learner"] for entry in top]
 
 
 def _start_run(

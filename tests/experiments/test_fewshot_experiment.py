@@ -256,6 +256,9 @@ def test_mamlpp_presets_are_the_references_mini_imagenet_configs(shots):
     assert (a["inner_lr"], a["inner_steps"], a["eval_inner_steps"]) == (0.1, 5, 5)
     assert (a["msl_steps"], a["msl_epoch_length"], a["first_order_steps"]) == (7500, 500, 0)
     assert (a["query"], a["eval_query"], a["iterations"], a["outer_lr"]) == (15, 15, 50_000, 1e-3)
+    # few_shot_learning_system.py, meta_update: clamp_(-10, 10) when 'imagenet' in
+    # dataset_name (mini_imagenet_full_size); experiment_builder.py: the top 5 tested
+    assert (a["grad_clamp"], a["ensemble_top_k"]) == (10.0, 5)
     assert (a["hidden"], a["pool"], a["head"], a["activation"]) == (48, "max", "flatten",
                                                                    "leaky_relu")  # fmt: skip
     learner = learner_of(fs, replace_flat(args, device="cpu"))

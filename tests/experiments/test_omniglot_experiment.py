@@ -517,6 +517,9 @@ def test_mamlpp_presets_are_the_references_final_configs(preset):
     t = recipe.training
     assert (t.meta_batch, t.iterations, t.outer_lr, t.eval_inner_steps) == (8, 50_000, 1e-3, 5)
     assert (t.lr_schedule, t.eta_min, t.schedule_every) == ("cosine", 1e-5, 500)
+    # experiment_builder.py: evaluated_test_set_using_the_best_models(top_n_models=5); the
+    # clamp of meta_update is for ImageNet only ('imagenet' in dataset_name)
+    assert (t.ensemble_top_k, t.grad_clamp) == (5, None)
     assert (recipe.data.ways, recipe.data.shots, recipe.data.query) == (ways, shots, 1)
     assert recipe.data.eval_query == 1
     m = recipe.model
@@ -534,4 +537,5 @@ def test_the_cpu_mamlpp_preset_shrinks_the_schedules_alike():
     t, learner = recipe.training, recipe.learner.arguments
     assert t.iterations // t.schedule_every == 100  # the reference's 100 epochs
     assert learner["msl_steps"] // learner["msl_epoch_length"] == 10  # and 10 of MSL
+    assert t.ensemble_top_k == 3 <= t.iterations // t.val_every  # of its 5 validations
     assert (recipe.model.pool, recipe.model.activation) == ("max", "leaky_relu")

@@ -29,7 +29,10 @@ Beyond one cell per algorithm, `VARIANTS` runs MAML with other inner optimizers
 and MAML++ on its presets' network (max-pool, leaky ReLU), and Reptile scoring its queries
 in one batch (for (d)). Reptile's (b) runs in float64 (`Float64Tasks`). A new algorithm in
 `metalearn.algorithms.registry.LEARNERS` without a row here fails
-`test_every_registered_algorithm_has_a_row`.
+`test_every_registered_algorithm_has_a_row`. `test_seam_outer` runs the outer loop's settings
+(MAML++'s meta-gradient clamp among them) against torch's optimizers, schedulers and
+``clip_grad_value_``; `test_seam_ensemble` the test's ensemble of the best validations
+(``--ensemble-top-k``) against the query logits written out.
 """
 
 from __future__ import annotations
@@ -38,6 +41,7 @@ import math
 from dataclasses import replace
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -47,6 +51,7 @@ from metalearn.algorithms.curvature import PROBE_SEED
 from metalearn.algorithms.registry import LEARNERS
 from metalearn.checkpoint import load_checkpoint
 from metalearn.deploy import adapt_to_support, adapted_model, load_learner
+from metalearn.runs.evaluation import TEST_SEED
 from metalearn.runs.outer_loop import my_tasks
 from metalearn.runs.run import load_samplers
 from tests.algorithms.test_heads import svm_query_loss
@@ -673,13 +678,17 @@ def test_seam(cell, experiment, folder, tmp_path, capsys):
 
 # Outer-loop settings (`metalearn.runs.outer_loop`), each run end to end on MAML: the
 # references' optimizers and schedules (MetaOptNet's SGD with Nesterov momentum and weight
-# decay; MAML++'s cosine to a minimum, stepped per epoch; ProtoNet's StepLR).
+# decay; MAML++'s cosine to a minimum, stepped per epoch, and its meta-gradient clamp
+# against torch's clip_grad_value_; ProtoNet's StepLR).
 OUTER_CELLS: dict[str, dict] = {
     "sgd-nesterov+cosine": dict(outer_optimizer="sgd", outer_momentum=0.9, nesterov=True,
                                 weight_decay=5e-4, outer_lr=0.1, lr_schedule="cosine",
                                 eta_min=1e-3, schedule_every=2),
     "adam+step": dict(weight_decay=1e-3, lr_schedule="step", step_size=1, gamma=0.5,
                       schedule_every=2),
+    # MAML++'s meta-gradient clamp (its mini-ImageNet meta_update), bounding most entries
+    "sgd+grad-clamp": dict(outer_optimizer="sgd", outer_lr=0.1, lr_schedule="cosine",
+                           eta_min=1e-3, schedule_every=2, grad_clamp=1e-3),
 }  # fmt: skip
 
 
@@ -712,11 +721,14 @@ def test_seam_outer(cell, experiment, folder, tmp_path):
     sampler = load_samplers(recipe, "cpu")["train"]
     gen = torch.Generator().manual_seed(t.seed)
     opt, sched = torch_outer(learner, t)
-    lrs = []
+    lrs, clamped = [], 0
     for step in range(t.iterations):
         lrs.append(opt.param_groups[0]["lr"])
         opt.zero_grad(set_to_none=True)
         learner.backward(my_tasks(sampler, t.meta_batch, gen))
+        if t.grad_clamp is not None:  # the network's weights (MAML: the model's)
+            clamped += sum(int((p.grad.abs() > t.grad_clamp).sum()) for p in learner.parameters())
+            torch.nn.utils.clip_grad_value_(learner.model.parameters(), t.grad_clamp)
         opt.step()
         if (step + 1) % t.schedule_every == 0:
             sched.step()
@@ -727,8 +739,55 @@ def test_seam_outer(cell, experiment, folder, tmp_path):
     recorded = [row["train/outer_lr"] for row in saved["history"] if "train/outer_lr" in row]
     assert recorded == pytest.approx(lrs, rel=1e-12)
     assert len(set(recorded)) > 1
+    assert clamped > 0 or t.grad_clamp is None  # the clamp bound something
     # torch's cosine is a recurrence, metalearn's the closed form: lrs equal to float64
     # rounding, so the weights to float32's.
     for name, p in learner.named_parameters():
         torch.testing.assert_close(saved["learner"][name], p.detach(), rtol=1e-5, atol=1e-7,
                                    msg=lambda m, name=name: f"{name}: {m}")  # fmt: skip
+
+
+# --------------------------------------------------------------------------- the test's ensemble
+
+
+@pytest.mark.parametrize("experiment", EXPERIMENTS)
+def test_seam_ensemble(experiment, folder, tmp_path):
+    """``--ensemble-top-k 2`` from the command line's arguments to the recorded test
+    accuracy: the record keeps the 2 best validations, and the run's test accuracy is the
+    one of the 2 models' query logits, each written out here (MAML's inner steps by
+    autograd on the hand-written Conv4, float64), averaged and argmaxed as MAML++'s
+    reference (experiment_builder.py, evaluated_test_set_using_the_best_models). On
+    Omniglot the two models' ensemble and the best alone score these tasks differently (a
+    test of the best alone fails this cell); on the tiny folder they agree."""
+    exp, args = arguments(experiment, "maml", folder, tmp_path, iterations=3, ensemble_top_k=2,
+                          eval_inner_steps=2, test_tasks=3)  # fmt: skip
+    results = exp.main(args)
+    saved = load_checkpoint(tmp_path / "r" / "checkpoint.pt")
+    recipe = recipe_of(exp, args)
+    assert saved["recipe"] == recipe.to_dict() and recipe.training.ensemble_top_k == 2
+    vals = [(row["step"], row["val/acc"]) for row in saved["history"] if "val/acc" in row]
+    kept = sorted(vals, key=lambda v: (-v[1], v[0]))[:2]
+    assert [(e["iteration"], e["val"]) for e in saved["top"]] == kept
+
+    learner = seeded_learner(recipe)
+    sampler = load_samplers(recipe, "cpu")["test"]
+    t = recipe.training
+    classes, examples = sampler.sample_indices(torch.Generator().manual_seed(TEST_SEED),
+                                               t.test_tasks)  # fmt: skip
+    tasks = sampler.tasks_from_indices(classes, examples)
+    per_model = []
+    for entry in saved["top"]:
+        theta = {k.removeprefix("model."): v.to(F64) for k, v in entry["learner"].items()
+                 if k.startswith("model.")}  # fmt: skip
+        keys = norm_free(list(theta), learner)  # MAML: batch norm held at theta's
+        logits = []
+        for task in tasks:
+            support, query = as64(task)
+            p = {k: v.clone().requires_grad_(k in keys) for k, v in theta.items()}
+            fast = inner_descent(p, keys, dict.fromkeys(keys, float(learner.inner_lr)),
+                                 support, learner.model, t.eval_inner_steps, False)  # fmt: skip
+            logits.append(conv4(fast, query[0], learner.model).detach().numpy())
+        per_model.append(logits)
+    preds = np.argmax(np.mean(np.array(per_model), axis=0), axis=2)
+    targets = np.array([task.query[1].numpy() for task in tasks])
+    assert results["test/acc"] == pytest.approx(np.equal(targets, preds).mean(), abs=1e-7)

@@ -14,11 +14,11 @@ import pytest
 import torch
 import wandb
 
-from metalearn.algorithms import MAML, Reptile
+from metalearn.algorithms import MAML, MAMLpp, Reptile
 from metalearn.checkpoint import load_checkpoint
 from metalearn.models import Conv4
 from metalearn.runs.lifecycle import UserError
-from metalearn.runs.outer_loop import build_outer_optimizer, scheduled_lr
+from metalearn.runs.outer_loop import build_outer_optimizer, clamp_meta_gradient, scheduled_lr
 from metalearn.runs.recipe import Recipe, read_recipe
 from metalearn.runs.records import read_offline_run
 from metalearn.runs.run import load_samplers
@@ -288,3 +288,47 @@ def test_the_outer_settings_are_in_the_wandb_config(tmp_path):
         assert record.config[name] == value, name
     assert record.config["outer_momentum"] == 0.0 and record.config["eta_min"] == 0.0
     assert record.series("train/outer_lr")[1] == [1e-3, 1e-3, 5e-4, 5e-4]
+
+
+# --------------------------------------------------------------------------- --grad-clamp
+
+
+def test_grad_clamp_is_torchs_clip_grad_value_of_the_network_only():
+    """MAML++'s meta_update clamps its classifier's gradients (the network and its per-step
+    batch-norm copies) to [-10, 10], not its LSLR rates: torch's clip_grad_value_ of those."""
+    learner = MAMLpp(_conv4(), inner_steps=2)
+    g = torch.Generator().manual_seed(0)
+    for p in learner.parameters():
+        p.grad = 30 * torch.randn(p.shape, generator=g)
+    grads = {k: p.grad.clone() for k, p in learner.named_parameters()}
+    clamp_meta_gradient(learner, 10.0)
+    network = {k for k, _ in learner.named_parameters() if k.startswith(("model.", "bn."))}
+    assert any(k.startswith("lrs.") for k in grads) and any(k.startswith("bn.") for k in network)
+    for name, p in learner.named_parameters():
+        torchs = torch.zeros_like(p, requires_grad=True)
+        torchs.grad = grads[name].clone()
+        if name in network:
+            torch.nn.utils.clip_grad_value_([torchs], 10.0)
+        assert torch.equal(p.grad, torchs.grad), name  # the rates' gradients unchanged
+    assert max(float(grads[k].abs().max()) for k in network) > 10  # the clamp bound something
+
+
+def test_grad_clamp_equals_clip_grad_value_and_none_is_no_clamp():
+    learner = MAML(_conv4())
+    g = torch.Generator().manual_seed(1)
+    for p in learner.parameters():
+        p.grad = torch.randn(p.shape, generator=g)
+    copies = [p.detach().clone().requires_grad_() for p in learner.parameters()]
+    for c, p in zip(copies, learner.parameters(), strict=True):
+        c.grad = p.grad.clone()
+    clamp_meta_gradient(learner, None)
+    assert all(torch.equal(c.grad, p.grad) for c, p in zip(copies, learner.parameters()))
+    clamp_meta_gradient(learner, 0.5)
+    torch.nn.utils.clip_grad_value_(copies, 0.5)
+    assert all(torch.equal(c.grad, p.grad) for c, p in zip(copies, learner.parameters()))
+
+
+@pytest.mark.parametrize("bound", ["0", "-1", "nan", "inf"])
+def test_a_grad_clamp_that_bounds_nothing_sensible_is_refused(bound):
+    with pytest.raises(UserError, match="--grad-clamp .*positive finite"):
+        om.resolve_args(om.parse_args(["--grad-clamp", bound, "--no-track"]))

@@ -133,14 +133,20 @@ def test_flags_of_another_algorithm_and_unknown_algorithms_are_refused():
 def test_a_nan_validation_is_never_the_best_and_all_nan_has_no_best():
     """`Run.keep_best` on a run's sequence of validations: NaN never replaces (or becomes)
     the best; the test loads the weights of the best finite one; every validation NaN is
-    refused in one line."""
+    refused in one line; with --ensemble-top-k, NaN never enters the kept best either."""
+    import dataclasses
+
     from torch import nn
 
     from metalearn.algorithms import MAML
     from metalearn.runs.run import Run
-    from tests.helpers.run_helpers import om
+    from tests.helpers.run_helpers import om, recipe_of
 
     run = Run(om.EXPERIMENT, om.Args())
+    recipe = recipe_of(om, om.Args())
+    run.recipe = dataclasses.replace(
+        recipe, training=dataclasses.replace(recipe.training, ensemble_top_k=3)
+    )
     run.state = RunState("r")
     learner = MAML(nn.Linear(2, 2))
 
@@ -161,6 +167,8 @@ def test_a_nan_validation_is_never_the_best_and_all_nan_has_no_best():
         learner.model.weight.add_(1.0)
     assert validated(float("nan")) == 0.3 and validated(0.2) == 0.3
     assert run.state.best_iteration == 2
+    assert [(e["iteration"], e["val"]) for e in run.state.top] == [(2, 0.3), (4, 0.2)]
+    assert run.state.top[0]["learner"] is run.state.best_learner  # one copy of the weights
     run.load_best(learner)
     assert torch.equal(learner.model.weight, best_weight)
 
