@@ -153,11 +153,12 @@ class Args(ExperimentArgs):
 # 10 at test (update_lr 0.01 on the sum over N K examples over K: 5 x 0.01 = 0.05 on the
 # mean loss, `MAML`'s docstring), 60k meta-steps of Adam 1e-3. Queries as cbfinn/maml's main.py
 # draws them: 15 per class in training (`DataGenerator(FLAGS.update_batch_size+15, ...)`),
-# K at test (`DataGenerator(FLAGS.update_batch_size*2, ...)`).
+# K at test (`DataGenerator(FLAGS.update_batch_size*2, ...)`). Each meta-gradient entry
+# clamped to [-10, 10] on mini-ImageNet (maml.py line 148, `tf.clip_by_value`).
 PAPER = dict(dataset="mini-imagenet", backbone="conv4", hidden=32, head="flatten", pool="max",
              iterations=60_000, query=15, inner_lr=0.05, inner_steps=5,
              eval_inner_steps=10, outer_lr=1e-3, val_every=1000, checkpoint_every=1000,
-             val_tasks=600, test_tasks=600, ways=5)  # fmt: skip
+             val_tasks=600, test_tasks=600, ways=5, grad_clamp=10.0)  # fmt: skip
 # Reptile's mini-ImageNet commands (openai/supervised-reptile, README.md): MAML's network
 # (32 filters, max-pool), --train-shots 15 examples a class in the inner loop (one query a
 # class drawn beside them for the held-out training metrics), 8 Adam iterations at 1e-3 on

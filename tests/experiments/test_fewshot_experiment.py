@@ -165,6 +165,7 @@ def test_paper_presets_build_the_papers_network():
         4, 0.05, 5, 10,
     )  # fmt: skip  # cbfinn/maml's update_lr 0.01 on N = 5 times the mean loss
     assert (a["query"], a["iterations"], a["outer_lr"], a["hidden"]) == (15, 60_000, 1e-3, 32)
+    assert a["grad_clamp"] == 10.0  # maml.py line 148: tf.clip_by_value(grad, -10, 10)
     assert (a["channels"], a["image_size"], a["head"], a["pool"]) == (3, 84, "flatten", "max")
     # cbfinn/maml's main.py: K + 15 examples per class in training, 2K at test (K queries).
     assert a["eval_query"] == 1
