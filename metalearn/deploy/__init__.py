@@ -26,19 +26,19 @@ it, self-checked). Image folders are read by `metalearn.data.folders`;
 
 **Batch norm at inference.** Conv4's `MetaBatchNorm` is transductive: it normalises with
 the statistics of the batch it is given, in training and in evaluation alike, so an
-image's logits depend on the other images in its batch. ``norm="support"`` (the default)
-freezes each batch norm's statistics at those of the support set (`FrozenBatchNorm`), so
-every image is classified on its own, whatever else is in its batch.
-``norm="transductive"`` keeps the training behaviour exactly: the exported program takes
-any batch size and normalises each call's batch together, which is right for a whole
-balanced query set in one call and wrong for one image at a time.
-``norm="beside_support"`` classifies each image as the last row of a batch of the
-support set and that image (`BesideSupport`: batch norm sees the support set plus that one
-image), which is how Reptile's default evaluation scores queries: a Reptile learner gets
-it by default (`default_norm`), so its deployed network reproduces its `evaluate`.
-Measured on 200 Omniglot 5-way 1-shot test tasks (``docs/deploy.md``): transductive with
-the 75 query images in one batch 88.6%, frozen support statistics 86.1%, transductive one
-image per call 18.3% (chance is 20%).
+image's logits depend on the other images in its batch. ``norm="support"`` (the default,
+but for a learner evaluated as the third reading reads) freezes each batch norm's
+statistics at those of the support set (`FrozenBatchNorm`), so every image is classified
+on its own, whatever else is in its batch. ``norm="transductive"`` keeps the training
+behaviour exactly: the exported program takes any batch size and normalises each call's
+batch together, which is right for a whole balanced query set in one call and wrong for
+one image at a time. ``norm="beside_support"`` classifies each image as the last row of a
+batch of the support set and that image (`BesideSupport`: batch norm sees the support set
+plus that one image), which is how Reptile's default evaluation scores queries: a Reptile
+learner gets it by default (`default_norm`), so its deployed network reproduces its
+`evaluate`. Measured for the first two on 200 Omniglot 5-way 1-shot test tasks
+(``docs/deploy.md``): transductive with the 75 query images in one batch 88.6%, frozen
+support statistics 86.1%, transductive one image per call 18.3% (chance is 20%).
 """
 
 from metalearn.data.folders import IMAGE_SUFFIXES, SupportSet, load_support_folder

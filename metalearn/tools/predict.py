@@ -18,8 +18,8 @@ support set (``norm: beside_support``, Reptile's default) classifies each image 
 in batches of ``--batch`` (or of the size a ``--no-dynamic-batch`` program takes, the last
 padded); one exported with ``--norm transductive`` normalises each call's batch together,
 so the whole folder is classified in one call (as balanced a query set as its training
-tasks, or the numbers mean little). An AOTInductor package is native code: no command loads one
-(`metalearn.deploy.load_aot` with ``trust=True`` in Python does).
+tasks, or the numbers mean little). An AOTInductor package is native code: no command loads
+one (`metalearn.deploy.load_aot` with ``trust=True`` in Python does).
 An existing ``--out`` is replaced only with ``--overwrite``. Bad input ends with a one-line
 error and exit code 2, nothing written.
 """
