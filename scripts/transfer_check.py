@@ -6,17 +6,23 @@ each as a user would hold it: a support folder of image files (one sub-folder pe
 and a folder of query files, in the file convention of the run's data (Omniglot: dark ink
 on white, which its decoding inverts). The model is then adapted through `metalearn.deploy`
 exactly as a deployed model is (`load_support_folder` with the run's image format,
-`adapt_to_support`, `adapted_model`) and the queries are classified two ways:
+`adapt_to_support`, `adapted_model`) and the queries are classified three ways, one per
+batch-norm reading of `metalearn.deploy.adapted_model`:
 
 * ``one at a time`` (``norm="support"``): batch norm frozen at the support set's
   statistics, each query image in its own call, as a deployed model sees them;
 * ``all at once`` (``norm="transductive"``): the whole query set in one call, batch norm on
-  its statistics, which is what the experiment's test measures.
+  its statistics, which is what most learners' test measures;
+* ``beside support`` (``norm="beside_support"``): each query image in its own call, batch
+  norm on the support set plus that image, which is what Reptile's test measures by
+  default (``transductive=False``).
 
-It prints both accuracies with their 95% intervals over tasks, and the experiment's own
-evaluation (`MetaLearner.evaluate`) of the same tasks from the sampler's tensors. The files,
-their decoding and the deploy path must change nothing: the last line is
-``deploy_matches_evaluate: true`` when every task's all-at-once accuracy equals its
+It prints each accuracy with its 95% interval over tasks, and the experiment's own
+evaluation (`MetaLearner.evaluate`) of the same tasks from the sampler's tensors. The
+reading compared with it is the one the learner evaluates with
+(`MetaLearner.evaluation_norm`, printed as ``evaluate_reads``); the other two are extra
+rows. The files, their decoding and the deploy path must change nothing: the last line is
+``deploy_matches_evaluate: true`` when every task's accuracy in that reading equals its
 evaluation, else ``false`` and the exit code is 1.
 
 Command:
@@ -50,6 +56,10 @@ from metalearn.engine import Task
 from metalearn.runs.cli import parse_dataclass
 from metalearn.runs.evaluation import TEST_SEED, accuracy_interval
 from metalearn.runs.recipe import build_samplers
+
+READINGS = {"one_at_a_time": "support", "all_at_once": "transductive",
+            "beside_support": "beside_support"}  # fmt: skip
+"""Each printed row and the `adapted_model` reading it classifies the queries with."""
 
 
 @dataclass
@@ -111,9 +121,10 @@ def write_task(task: Task, ways: int, out: Path, image: ImageFormat) -> list[Pat
     return queries
 
 
-def check(args: Args) -> dict[str, float]:
-    """Run the check; returns the three accuracies, their half-widths and whether the
-    deployed all-at-once accuracy equals the evaluation task by task."""
+def check(args: Args) -> dict[str, float | bool | str]:
+    """Run the check; returns the four accuracies (`READINGS` and ``evaluate``), their
+    half-widths, the row compared with the evaluation (``evaluate_reads``) and whether
+    its accuracy equals the evaluation task by task (``deploy_matches_evaluate``)."""
     if args.checkpoint is None:
         raise ValueError("--checkpoint is required: pass runs/<run_name>/checkpoint.pt")
     if args.tasks < 1 or args.query < 1:
@@ -127,7 +138,7 @@ def check(args: Args) -> dict[str, float]:
     steps = recipe.training.eval_inner_steps if args.steps is None else args.steps
     sampler = build_samplers(data, splits=("test",))["test"]
     classes, examples = sampler.sample_indices(torch.Generator().manual_seed(args.seed), args.tasks)
-    alone, together, reference = [], [], []
+    rows: dict[str, list[Tensor]] = {name: [] for name in (*READINGS, "evaluate")}
     for t in tqdm(range(args.tasks), desc="transfer", unit="task"):
         task = sampler.tasks_from_indices(classes[t : t + 1], examples[t : t + 1])[0]
         with tempfile.TemporaryDirectory() as tmp:
@@ -136,29 +147,31 @@ def check(args: Args) -> dict[str, float]:
             queries = load_images(query_files, data.image)
         labels = task.query[1]
         params = adapt_to_support(learner, support.x, support.y, steps=steps)
-        frozen = adapted_model(learner, params, norm="support", support_x=support.x)
-        batch = adapted_model(learner, params, norm="transductive")
-        with torch.inference_mode():
-            one = torch.cat([frozen(q[None]) for q in queries]).argmax(1)
-            alone.append((one == labels).double().mean())
-            together.append((batch(queries).argmax(1) == labels).double().mean())
-        reference.append(learner.evaluate([task], steps=steps)[1][0].double())
-    results: dict[str, float] = {}
-    for name, accs in (("one_at_a_time", alone), ("all_at_once", together),
-                       ("evaluate", reference)):  # fmt: skip
+        for name, norm in READINGS.items():
+            net = adapted_model(learner, params, norm=norm, support_x=support.x)
+            with torch.inference_mode():  # the whole set in one call, or each image alone
+                logits = (net(queries) if norm == "transductive"
+                          else torch.cat([net(q[None]) for q in queries]))  # fmt: skip
+            rows[name].append((logits.argmax(1) == labels).double().mean())
+        rows["evaluate"].append(learner.evaluate([task], steps=steps)[1][0].double())
+    results: dict[str, float | bool | str] = {}
+    for name, accs in rows.items():
         acc = torch.stack(accs)
         results[name], results[f"{name}_ci95"] = acc.mean().item(), accuracy_interval(acc)
+    compared = next(name for name, norm in READINGS.items() if norm == learner.evaluation_norm)
     # Compared as numbers of right answers per task: evaluate's accuracy is a float32 mean.
     answers = len(labels)
-    right = [(torch.stack(accs) * answers).round() for accs in (together, reference)]
+    right = [(torch.stack(rows[name]) * answers).round() for name in (compared, "evaluate")]
+    results["evaluate_reads"] = compared
     results["deploy_matches_evaluate"] = bool(torch.equal(*right))
     print(
         f"{args.checkpoint}: {args.tasks} {data.eval_protocol} {data.ways}-way {data.shots}-shot "
         f"test tasks of {data.dataset}, {args.query} query per class, {steps} inner steps, "
         f"seed {args.seed}"
     )
-    for name in ("one_at_a_time", "all_at_once", "evaluate"):
+    for name in rows:
         print(f"{name}: {results[name]:.4f} ± {results[name + '_ci95']:.4f}")
+    print(f"evaluate_reads: {compared} (norm={learner.evaluation_norm!r})")
     print(f"deploy_matches_evaluate: {str(results['deploy_matches_evaluate']).lower()}")
     return results
 

@@ -202,6 +202,15 @@ class MetaLearner(nn.Module, abc.ABC):
         self.on_nonfinite = on_nonfinite
         self.chunk_size = chunk_size
 
+    @property
+    def evaluation_norm(self) -> str:
+        """How `evaluate` batches a task's query examples, which batch norm sees:
+        ``"transductive"``, the whole query set in one batch. Named as
+        `metalearn.deploy.adapted_model`'s ``norm``, so a deployed network can be read the
+        same way (Reptile's default scores each query beside the support set:
+        ``"beside_support"``)."""
+        return "transductive"
+
     @abc.abstractmethod
     def backward(self, tasks: Sequence[Task]) -> StepMetrics:
         """Accumulate the meta-gradient of a meta-batch into ``.grad`` (like loss.backward)."""

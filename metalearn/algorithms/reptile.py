@@ -241,6 +241,12 @@ class Reptile(MetaLearner):
         """Whether the inner Adam's state carries on from task to task (`AdamSlots`)."""
         return self.inner_optimizer == "adam" and self.inner_state == "carried"
 
+    @property
+    def evaluation_norm(self) -> str:
+        """``"transductive"`` (the query set in one batch) or, by default,
+        ``"beside_support"``: each query example in a batch with the support set (`_logits`)."""
+        return "transductive" if self.transductive else "beside_support"
+
     def _adapted(self) -> list[str]:
         """The names of the parameters the inner loop trains (``adapt_keys``; None: all)."""
         return list(self.theta()) if self.adapt_keys is None else list(self.adapt_keys)

@@ -17,8 +17,8 @@ The pipeline, one function per step (``metalearn-export`` is the command line, a
     package, meta = load_aot("adapted.aoti.pt2", trust=True)     # native code: trusted only
 
 One concept per module: `run_checkpoint` (a run's checkpoint and the learner in it),
-`adapt` (the inner loop on a support set), `model` (the adapted network, batch norm
-frozen or not), `export` (the ``.pt2``, never written over data unasked), `aot` (the
+`adapt` (the inner loop on a support set), `model` (the adapted network in one of three
+batch-norm readings), `export` (the ``.pt2``, never written over data unasked), `aot` (the
 program compiled ahead of time by AOTInductor), `tensorrt` (a TensorRT engine, CUDA only),
 `latency` (per-image latency of each form, as a table), `predict`, and `pipeline` (all of
 it, self-checked). Image folders are read by `metalearn.data.folders`;
@@ -26,15 +26,19 @@ it, self-checked). Image folders are read by `metalearn.data.folders`;
 
 **Batch norm at inference.** Conv4's `MetaBatchNorm` is transductive: it normalises with
 the statistics of the batch it is given, in training and in evaluation alike, so an
-image's logits depend on the other images in its batch. ``norm="support"`` (the default)
-freezes each batch norm's statistics at those of the support set (`FrozenBatchNorm`), so
-every image is classified on its own, whatever else is in its batch.
-``norm="transductive"`` keeps the training behaviour exactly: the exported program takes
-any batch size and normalises each call's batch together, which is right for a whole
-balanced query set in one call and wrong for one image at a time.
-Measured on 200 Omniglot 5-way 1-shot test tasks (``docs/deploy.md``): transductive with
-the 75 query images in one batch 88.6%, frozen support statistics 86.1%, transductive one
-image per call 18.3% (chance is 20%).
+image's logits depend on the other images in its batch. ``norm="support"`` (the default,
+but for a learner evaluated as the third reading reads) freezes each batch norm's
+statistics at those of the support set (`FrozenBatchNorm`), so every image is classified
+on its own, whatever else is in its batch. ``norm="transductive"`` keeps the training
+behaviour exactly: the exported program takes any batch size and normalises each call's
+batch together, which is right for a whole balanced query set in one call and wrong for
+one image at a time. ``norm="beside_support"`` classifies each image as the last row of a
+batch of the support set and that image (`BesideSupport`: batch norm sees the support set
+plus that one image), which is how Reptile's default evaluation scores queries: a Reptile
+learner gets it by default (`default_norm`), so its deployed network reproduces its
+`evaluate`. Measured for the first two on 200 Omniglot 5-way 1-shot test tasks
+(``docs/deploy.md``): transductive with the 75 query images in one batch 88.6%, frozen
+support statistics 86.1%, transductive one image per call 18.3% (chance is 20%).
 """
 
 from metalearn.data.folders import IMAGE_SUFFIXES, SupportSet, load_support_folder
@@ -42,7 +46,15 @@ from metalearn.deploy.adapt import adapt_to_support
 from metalearn.deploy.aot import aot_package_path, compile_aot, is_aot_package, load_aot
 from metalearn.deploy.export import check_export_target, export_adapted, load_exported
 from metalearn.deploy.latency import latency_table, latency_table_path, measure_latency
-from metalearn.deploy.model import FrozenBatchNorm, adapted_model
+from metalearn.deploy.model import (
+    NORMS,
+    BesideSupport,
+    FrozenBatchNorm,
+    GroupBatchNorm,
+    Norm,
+    adapted_model,
+    default_norm,
+)
 from metalearn.deploy.pipeline import ExportReport, export_from_checkpoint
 from metalearn.deploy.predict import Prediction, predict
 from metalearn.deploy.run_checkpoint import (
@@ -54,7 +66,11 @@ from metalearn.deploy.run_checkpoint import (
 from metalearn.deploy.tensorrt import check_tensorrt, compile_tensorrt
 
 __all__ = [
+    "NORMS",
+    "BesideSupport",
     "FrozenBatchNorm",
+    "GroupBatchNorm",
+    "Norm",
     "IMAGE_SUFFIXES",
     "Prediction",
     "SupportSet",
@@ -66,6 +82,7 @@ __all__ = [
     "check_tensorrt",
     "compile_aot",
     "compile_tensorrt",
+    "default_norm",
     "export_adapted",
     "export_from_checkpoint",
     "is_aot_package",

@@ -33,7 +33,7 @@ from metalearn.deploy.latency import (
     latency_table_path,
     measure_latency,
 )
-from metalearn.deploy.model import adapted_model
+from metalearn.deploy.model import Norm, adapted_model, check_norm, default_norm
 from metalearn.deploy.run_checkpoint import load_learner
 from metalearn.deploy.tensorrt import check_tensorrt, compile_tensorrt
 
@@ -67,6 +67,10 @@ class ExportReport(NamedTuple):
     """The latency table written (with ``aot`` or ``tensorrt``)."""
     latency: str | None = None
     """That table's markdown."""
+    norm: str | None = None
+    """The batch-norm reading exported (`adapted_model`'s ``norm``)."""
+    evaluation_norm: str | None = None
+    """The reading the learner's `evaluate` uses (`MetaLearner.evaluation_norm`)."""
 
 
 def export_from_checkpoint(
@@ -76,7 +80,7 @@ def export_from_checkpoint(
     *,
     which: Literal["best", "last"] = "best",
     steps: int | None = None,
-    norm: Literal["support", "transductive"] = "support",
+    norm: Norm | None = None,
     dynamic_batch: bool = True,
     mixed_sizes: bool = False,
     device: torch.device | str = "cpu",
@@ -94,7 +98,10 @@ def export_from_checkpoint(
         out: the ``.pt2`` to write.
         which: ``"best"`` or ``"last"`` weights.
         steps: inner steps (None: the run's ``eval_inner_steps``, as its test used).
-        norm: batch norm at inference, see `adapted_model`.
+        norm: batch norm at inference, see `adapted_model` (None: `default_norm`, the
+            learner's own evaluation reading where that classifies each image on its own,
+            else frozen support statistics). The metadata records it as ``norm`` and the
+            learner's evaluation reading as ``evaluation_norm``.
         dynamic_batch: the program takes any batch size.
         mixed_sizes: resize support images of different sizes instead of refusing them
             (recorded in the program's metadata).
@@ -110,9 +117,11 @@ def export_from_checkpoint(
 
     Raises:
         FileExistsError: an output is refused (`check_export_target`), before any work.
-        ValueError: ``aot`` without a C++ compiler, ``tensorrt`` without its needs, or
-            ``latency_repeats < 1``, before any work.
+        ValueError: ``aot`` without a C++ compiler, ``tensorrt`` without its needs,
+            ``latency_repeats < 1`` or an unknown ``norm``, before any work.
     """
+    if norm is not None:
+        check_norm(norm)
     aot_path, latency_path = _check_outputs(checkpoint, out, aot, tensorrt, latency_repeats,
                                             overwrite)  # fmt: skip
     learner, recipe = load_learner(checkpoint, which=which, device=device)
@@ -122,8 +131,10 @@ def export_from_checkpoint(
     x, y = support.x.to(device), support.y.to(device)
     steps = recipe.training.eval_inner_steps if steps is None else steps
     params = adapt_to_support(learner, x, y, steps=steps)
+    norm = default_norm(learner) if norm is None else norm
     model = adapted_model(learner, params, norm=norm, support_x=x)
-    meta = {"class_names": list(support.class_names), "norm": norm, "steps": steps,
+    meta = {"class_names": list(support.class_names), "norm": norm,
+            "evaluation_norm": learner.evaluation_norm, "steps": steps,
             "algorithm": recipe.learner.algorithm, "which": which, "checkpoint": str(checkpoint),
             "dataset": recipe.data.dataset, "image_size": image.size, "channels": image.channels,
             "invert": image.invert, "resample": image.resample,
@@ -138,6 +149,8 @@ def export_from_checkpoint(
         steps,
         _max_abs_diff(program.module(), model, x),
         (_logits(model, x).argmax(-1) == y).double().mean().item(),
+        norm=norm,
+        evaluation_norm=learner.evaluation_norm,
     )
     if latency_path is None:
         return report

@@ -37,7 +37,8 @@ def predict(
         model: an adapted module, an ``ExportedProgram``, a loaded AOT package (`load_aot`),
             or the path of an exported ``.pt2`` or of an AOT package (``.aoti.pt2``).
         x: images ``[B, C, H, W]``. Under ``norm="transductive"`` the batch is normalised
-            together (predict a query set in one call); under ``"support"`` each image alone.
+            together (predict a query set in one call); under ``"support"`` and
+            ``"beside_support"`` each image alone.
         trust: load an AOT package's path (its native code runs); a ``.pt2`` needs none.
 
     Returns:

@@ -62,9 +62,12 @@ class Args:
     """best: the best-validation weights (what the run tested); last: the latest."""
     steps: int | None = None
     """Inner steps on the support set (default: the run's eval_inner_steps)."""
-    norm: Literal["support", "transductive"] = "support"
-    """Batch norm: frozen support-set statistics (each image alone) or, as in training, each
-    call's batch statistics (then classify a whole balanced query set per call)."""
+    norm: Literal["support", "transductive", "beside_support"] | None = None
+    """Batch norm: support (frozen support-set statistics, each image alone), transductive
+    (each call's batch statistics, as in training: classify a whole balanced query set per
+    call) or beside_support (each image in a batch with the support set alone). Default:
+    the learner's own evaluation reading where it classifies each image alone (Reptile's
+    beside_support), else support."""
     dynamic_batch: bool = True
     """Export for any batch size (--no-dynamic-batch: the support set's size only)."""
     mixed_sizes: bool = False
@@ -93,6 +96,7 @@ def export(args: Args) -> ExportReport:
     print(f"exported: {report.path}")
     print(f"classes: {', '.join(f'{i}={n}' for i, n in enumerate(report.class_names))}")
     print(f"inner steps: {report.steps}, support accuracy: {report.support_accuracy:.3f}")
+    print(f"batch norm: {report.norm} (the learner's evaluate reads {report.evaluation_norm})")
     print(
         f"self-check: max |exported - eager| logit on the support set = {report.max_abs_diff:.3g}"
     )

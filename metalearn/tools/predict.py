@@ -13,12 +13,13 @@ Command:
 
 ``--images`` holds image files (sorted by name; hidden files skipped; any other file, a sub-
 folder or an empty folder is refused, named). A model exported with frozen support
-statistics (``norm: support``, the default) classifies each image on its own, in batches of
-``--batch`` (or of the size a ``--no-dynamic-batch`` program takes, the last padded); one
-exported with ``--norm transductive`` normalises each call's batch together, so the whole
-folder is classified in one call (as balanced a query set as its training tasks, or the
-numbers mean little). An AOTInductor package is native code: no command loads one
-(`metalearn.deploy.load_aot` with ``trust=True`` in Python does).
+statistics (``norm: support``, the default of most learners) or with each image beside the
+support set (``norm: beside_support``, Reptile's default) classifies each image on its own,
+in batches of ``--batch`` (or of the size a ``--no-dynamic-batch`` program takes, the last
+padded); one exported with ``--norm transductive`` normalises each call's batch together,
+so the whole folder is classified in one call (as balanced a query set as its training
+tasks, or the numbers mean little). An AOTInductor package is native code: no command loads
+one (`metalearn.deploy.load_aot` with ``trust=True`` in Python does).
 An existing ``--out`` is replaced only with ``--overwrite``. Bad input ends with a one-line
 error and exit code 2, nothing written.
 """
@@ -40,7 +41,12 @@ from metalearn.runs.cli import parse_dataclass
 PROG = "metalearn-predict"
 
 IMAGE_KEYS = ("class_names", "image_size", "channels", "invert", "resample", "norm")
-"""What `metalearn.deploy.export_from_checkpoint` records and decoding needs."""
+"""What `metalearn.deploy.export_from_checkpoint` records and decoding needs (a package
+also records ``evaluation_norm``, the reading its learner evaluates with; one written
+before that field loads without it)."""
+NORMS = ("support", "transductive", "beside_support")
+"""The readings a package's ``norm`` may name (`metalearn.deploy.model.NORMS`; written out
+here so that ``--help`` loads no torch)."""
 
 
 @dataclass
@@ -59,8 +65,8 @@ class Args:
     overwrite: bool = False
     """Replace an existing --out."""
     batch: int = 64
-    """Images per call (a model with frozen support statistics; a transductive one takes the
-    whole folder in one call)."""
+    """Images per call (a model reading support or beside_support; a transductive one takes
+    the whole folder in one call; beside_support runs support + 1 images per image)."""
     mixed_sizes: bool = False
     """Resize images of different sizes instead of refusing them."""
 
@@ -106,13 +112,18 @@ def image_format(meta: dict[str, Any], model: Path) -> Any:
     """The `metalearn.data.ImageFormat` the package's metadata records.
 
     Raises:
-        ValueError: metadata without the decoding (not written by ``metalearn-export``).
+        ValueError: metadata without the decoding (not written by ``metalearn-export``) or
+            naming a reading that is none of `NORMS`.
     """
     from metalearn.data import ImageFormat
 
     if missing := [k for k in IMAGE_KEYS if k not in meta]:
         raise ValueError(f"--model {model}: its metadata has no {', '.join(missing)}; export "
                          "the model with metalearn-export")  # fmt: skip
+    if meta["norm"] not in NORMS:
+        raise ValueError(f"--model {model}: its metadata's norm {meta['norm']!r} is none of "
+                         f"{', '.join(NORMS)}; export the model again with this "
+                         "metalearn-export")  # fmt: skip
     return ImageFormat(size=int(meta["image_size"]), channels=int(meta["channels"]),
                        invert=bool(meta["invert"]), resample=str(meta["resample"]))  # fmt: skip
 

@@ -207,7 +207,7 @@ def test_adapt_to_support_is_the_learners_inner_loop(adapted) -> None:
         torch.testing.assert_close(params[key], fast[key], atol=1e-6, rtol=1e-5)
 
 
-@pytest.mark.parametrize("norm", ["support", "transductive"])
+@pytest.mark.parametrize("norm", ["support", "transductive", "beside_support"])
 def test_exported_program_equals_the_adapted_model(adapted, norm) -> None:
     learner, support, params, query, tmp = adapted
     model = adapted_model(learner, params, norm=norm, support_x=support.x)

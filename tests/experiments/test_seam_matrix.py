@@ -19,9 +19,10 @@ For each cell:
     loop starts (Proto-MAML's prototype head, MAML++'s step-0 batch-norm copies, LoRA's
     adapters and head), on the loop's probe tasks, at the checkpoint's theta;
 (d) the run's checkpoint through deploy (``scripts/transfer_check.py``: adapt, build the
-    deployed network, predict) gives what `evaluate` gives on the same tasks (a learner
-    scoring each query beside the support set alone, Reptile's default: the deployed
-    network scored so, `deployed_beside_support`).
+    deployed network, predict) gives what `evaluate` gives on the same tasks, in the
+    batch-norm reading the learner evaluates with (a learner scoring each query beside the
+    support set alone, Reptile's default: also against a written-out loop,
+    `deployed_beside_support`).
 
 Beyond one cell per algorithm, `VARIANTS` runs MAML with other inner optimizers
 (``--inner-optimizer``), and MAML and Meta-SGD with the norm layers adapted
@@ -559,18 +560,22 @@ def check_slots(learner, slots: tuple) -> None:
 
 def deployed_beside_support(learner, recipe) -> None:
     """(d) for a learner scoring each query as the last row of a batch of the support set
-    and that query (Reptile's default, the reference's ``_test_predictions``): the deploy
-    path (`adapt_to_support`, `adapted_model` with batch statistics) scored so gives
-    `evaluate`'s query loss and accuracy on two test tasks."""
+    and that query (Reptile's default, the reference's ``_test_predictions``): the deployed
+    network in that reading (`adapted_model`'s default for it, ``norm="beside_support"``)
+    gives the logits of a loop written out here (one transductive forward of the support
+    set plus each query) and `evaluate`'s query loss and accuracy on two test tasks."""
     steps = recipe.training.eval_inner_steps
     tasks = load_samplers(recipe, "cpu")["test"].batch(2, torch.Generator().manual_seed(5))
     losses, accs = learner.evaluate(tasks, steps=steps)
     for task, loss, acc in zip(tasks, losses, accs):
         (xs, ys), (xq, yq) = task.support, task.query
-        net = adapted_model(learner, adapt_to_support(learner, xs, ys, steps=steps),
-                            norm="transductive")  # fmt: skip
+        params = adapt_to_support(learner, xs, ys, steps=steps)
+        net = adapted_model(learner, params, support_x=xs)
+        batch = adapted_model(learner, params, norm="transductive")
         with torch.no_grad():
-            logits = torch.stack([net(torch.cat([xs, q[None]]))[-1] for q in xq])
+            logits = net(xq)
+            loop = torch.stack([batch(torch.cat([xs, q[None]]))[-1] for q in xq])
+        torch.testing.assert_close(logits, loop, rtol=1e-5, atol=1e-5)
         assert float(F.cross_entropy(logits, yq)) == pytest.approx(float(loss), rel=1e-5)
         assert float((logits.argmax(1) == yq).double().mean()) == pytest.approx(float(acc))
 
@@ -661,13 +666,11 @@ def test_seam(cell, experiment, folder, tmp_path, capsys):
         assert row["curv/support_top_eig"] == pytest.approx(sum(tops) / len(tops), rel=2e-3)
         assert math.isfinite(row["curv/meta_top_eig"])
 
-    # (d) deploy equals evaluate on the same tasks. transfer_check compares the deployed
-    # model's all-at-once (transductive) predictions with `evaluate`; a learner evaluating
-    # each query beside the support set alone (Reptile's default) has no counterpart there
-    # (its cell "reptile+transductive" runs it), so its deployed model scores each query so.
-    if getattr(rebuilt, "transductive", True) is False:
+    # (d) deploy equals evaluate on the same tasks: transfer_check compares the deployed
+    # model in the reading the learner evaluates with (all at once, or each query beside the
+    # support set: Reptile's default) with `evaluate`; the latter also against a loop.
+    if rebuilt.evaluation_norm == "beside_support":
         deployed_beside_support(rebuilt, recipe)
-        return
     capsys.readouterr()
     code = transfer_check.cli(["--checkpoint", str(path), "--tasks", "2", "--seed", "5"])
     assert capsys.readouterr().out.strip().splitlines()[-1] == "deploy_matches_evaluate: true"

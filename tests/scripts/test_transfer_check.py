@@ -59,10 +59,29 @@ def test_all_at_once_equals_the_experiments_evaluation(tmp_path, capsys, run):
     kind, _, split = run.partition("-")
     checkpoint = omniglot_run(tmp_path, split) if kind == "omniglot" else fewshot_run(tmp_path, run)
     code, found, last = _check(capsys, checkpoint, "--query", "2")
-    assert set(found) == {"one_at_a_time", "all_at_once", "evaluate"}
+    assert set(found) == {"one_at_a_time", "all_at_once", "beside_support", "evaluate"}
     assert found["all_at_once"] == found["evaluate"]
-    assert 0.0 <= found["one_at_a_time"] <= 1.0
+    assert 0.0 <= found["one_at_a_time"] <= 1.0 and 0.0 <= found["beside_support"] <= 1.0
     assert last == "deploy_matches_evaluate: true" and code == 0
+
+
+@pytest.mark.parametrize("transductive", [False, True])
+def test_reptile_is_compared_in_the_reading_it_evaluates_with(tmp_path, capsys, transductive):
+    """Reptile's default scores each query beside the support set: that row, not the
+    all-at-once one, is compared with its evaluation (``--transductive``: all at once)."""
+    if not HAS_OMNIGLOT:
+        pytest.skip(NO_OMNIGLOT)
+    om.main(make(om, **TINY, algorithm="reptile", ways=4, hidden=8, transductive=transductive,
+                 data_root=str(DATA), out_dir=str(tmp_path), run_name="r"))  # fmt: skip
+    capsys.readouterr()  # the run's own output
+    code = script.cli(["--checkpoint", str(tmp_path / "r" / "checkpoint.pt"), "--tasks", "4",
+                       "--seed", "5", "--query", "2"])  # fmt: skip
+    lines = capsys.readouterr().out.strip().splitlines()
+    found = {m.group(1): float(m.group(2)) for m in LINE.finditer("\n".join(lines))}
+    compared, norm = ("all_at_once", "transductive") if transductive else ("beside_support",) * 2
+    assert lines[-2] == f"evaluate_reads: {compared} (norm={norm!r})"
+    assert found[compared] == found["evaluate"]
+    assert lines[-1] == "deploy_matches_evaluate: true" and code == 0
 
 
 def test_a_decoding_that_differs_from_training_is_caught(tmp_path, capsys, monkeypatch):
