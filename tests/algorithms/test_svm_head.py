@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from metalearn.algorithms.metaoptnet import smoothed_cross_entropy, solve_dual, svm_classifier
+from tests.conftest import ROOT
 
 F64 = torch.float64
 C_REG, RIDGE = 0.1, 1.0
@@ -145,3 +146,23 @@ def test_label_smoothing_is_metaoptnets():
     torch.testing.assert_close(smoothed_cross_entropy(masked, labels, 0.1), expected)
     torch.testing.assert_close(smoothed_cross_entropy(logits, labels, 0.0),
                                F.cross_entropy(logits, labels))  # fmt: skip
+
+
+def test_a_degenerate_float32_task_is_solved_within_the_reference_steps():
+    """A 5-way 1-shot task met at meta-step ~470 of a 600-step Omniglot training: one
+    variable sits at its bound with a multiplier of about 0, which the interior point's
+    partition leaves undecided for 17 iterations at the float64 tolerance. Its float32
+    features cannot tell the two faces apart, so the float32 tolerance accepts the face at
+    15 steps, and the answer equals the exact optimum to float32 rounding."""
+    saved = torch.load(ROOT / "tests" / "fixtures" / "svm" / "degenerate_omniglot_task.pt",
+                       weights_only=True)  # fmt: skip
+    x, labels = saved["support"], saved["labels"]
+    assert x.dtype == torch.float32
+    solved = solve_dual(x, labels, 5, c_reg=C_REG, ridge=RIDGE, ipm_steps=15)
+    qp = reference_qp(x.to(F64), labels, 5)
+    assert kkt_violation(solved.alpha.reshape(-1), *qp) < 1e-6
+    with pytest.raises(ValueError, match="no optimal face in 15 iterations"):
+        solve_dual(x.to(F64), labels, 5, c_reg=C_REG, ridge=RIDGE, ipm_steps=15)
+    exact = solve_dual(x.to(F64), labels, 5, c_reg=C_REG, ridge=RIDGE, ipm_steps=30)
+    assert exact.iterations == 17 and kkt_violation(exact.alpha.reshape(-1), *qp) < 1e-10
+    torch.testing.assert_close(solved.alpha, exact.alpha, rtol=0, atol=1e-7)
