@@ -3,8 +3,10 @@
 An experiment's arguments are one dataclass of groups (`ExperimentArgs`): data, model,
 learner, training, tracking and system. Each experiment subclasses the groups it extends
 (Omniglot's data adds its split and protocols; the few-shot experiment's adds the data set
-and image shape, its model the backbone) and gives each group its defaults, which are its
-default preset: ``Args()`` is what the command line gives with no flags. Every leaf name is
+and image shape, its model the backbone) and gives each group its defaults, which its
+default preset extends: ``Args()`` under that preset is what the command line gives with no
+flags (the Omniglot ``cpu`` preset adds the Proto-MAML its documented result was measured
+with; a learner value left open is the learner's own default). Every leaf name is
 unique, so each is a flat flag (``--inner-lr``), a flat key in checkpoints and the W&B
 config (`metalearn.runs.cli.flatten`), and a name ``scripts/grid.py --set`` takes.
 """
