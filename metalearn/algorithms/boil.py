@@ -12,7 +12,12 @@ so a task can only be fitted by changing its representation, not the decision bo
 The outer loop meta-learns both, through the inner loop (second order unless
 ``first_order``). The paper's reference code (github.com/HJ-Yoo/BOIL, ``maml/utils.py``)
 writes the head's inner step size as 0 (``--classifier-step-size 0``); leaving the head
-out of the adapted set is the same update.
+out of the adapted set is the same update. Its body includes the batch-norm layers'
+weights and biases: ``update_parameters`` steps every parameter of
+``model.meta_named_parameters()`` not named ``classifier``, and torchmeta's
+``MetaBatchNorm2d`` is a ``MetaModule`` whose affine parameters are among them (its
+``torchmeta/modules/module.py``, ``batchnorm.py``), so ``adapt_norm`` is True by default,
+unlike MAML's references.
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ from typing import Any
 from torch import nn
 
 from metalearn.algorithms.inner_optimizer import InnerOptimizerLearner
+from metalearn.models import norm_parameter_names
 
 __all__ = ["BOIL"]
 
@@ -35,6 +41,8 @@ class BOIL(InnerOptimizerLearner):
             at theta in the inner loop.
         inner_lr: the body's inner step size; 0.5, the reference's ``--extractor-step-size``
             (``run_4conv.sh``).
+        adapt_norm: the normalisation layers' weights are part of the adapted body; True,
+            the reference's (its batch norm's affine parameters are meta-parameters).
         **kwargs: as for `metalearn.algorithms.inner_optimizer.InnerOptimizerLearner` (an
             inner optimizer other than SGD included).
 
@@ -47,11 +55,18 @@ class BOIL(InnerOptimizerLearner):
     arguments_before = {"inner_lr": 0.4}  # MAML's Omniglot rate, before the reference's
 
     def __init__(
-        self, model: nn.Module, head: str = "head", *, inner_lr: float = 0.5, **kwargs: Any
+        self,
+        model: nn.Module,
+        head: str = "head",
+        *,
+        inner_lr: float = 0.5,
+        adapt_norm: bool = True,
+        **kwargs: Any,
     ) -> None:
         names = [n for n, _ in model.named_parameters()]
-        body = [n for n in names if not (n == head or n.startswith(head + "."))]
-        if len(body) == len(names):
+        held = set() if adapt_norm else set(norm_parameter_names(model))
+        body = [n for n in names if not (n == head or n.startswith(head + ".")) and n not in held]
+        if not any(n == head or n.startswith(head + ".") for n in names):
             raise ValueError(
                 f"no parameter of the model is named {head!r} or starts with {head + '.'!r}; "
                 "pass head= the prefix of the classifier's parameters"
@@ -63,3 +78,4 @@ class BOIL(InnerOptimizerLearner):
             )
         super().__init__(model, adapt_keys=body, inner_lr=inner_lr, **kwargs)
         self.head = head
+        self.adapt_norm = adapt_norm

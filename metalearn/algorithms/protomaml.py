@@ -15,6 +15,16 @@ Sec. 4, "Proto-MAML"). The inner loop then adapts every weight, head included, a
 does. The prototypes depend on theta, and the meta-gradient flows through them exactly
 (second order unless ``first_order``): nothing is detached.
 
+The defaults are the reference's learner configuration (google-research/meta-dataset,
+``meta_dataset/learn/gin/learners/maml_init_with_proto_config.gin``, its
+``MAMLLearner``): first order (fo-Proto-MAML), 5 inner steps at 0.01 on the mean support
+loss, batch norm's offset and scale held at theta in the inner loop
+(``adapt_batch_norm = False``: ``gradient_descent_step`` in
+``meta_dataset/learners/optimization_learners.py`` skips variables named ``offset`` or
+``scale``). docs/algorithms.md lists each value with its line; the ``cpu`` preset of
+``experiments/omniglot_maml.py`` names the learner its documented result was measured with
+(0.4, 1 step, second order, norm layers adapted).
+
 The meta-learned head of the model is not used: `prototype_head` replaces it, and its
 parameters get no gradient. ``f`` is computed by calling the model with an identity head,
 so any model whose head is a ``nn.Linear`` named ``head`` (`metalearn.models.Conv4`,
@@ -30,7 +40,7 @@ import torch
 from torch import Tensor, nn
 from torch.func import functional_call
 
-from metalearn.algorithms.base import MetaLossLearner
+from metalearn.algorithms.base import MetaLossLearner, adapted_keys
 from metalearn.engine import TaskCall
 
 __all__ = ["ProtoMAML", "prototype_head"]
@@ -83,21 +93,48 @@ class ProtoMAML(MetaLossLearner):
     Args:
         model: the network, with a linear classifier named ``head``.
         head: the classifier's name.
-        **kwargs: as for `metalearn.algorithms.base.MetaLearner`.
+        inner_lr: the inner step size on the mean support loss; 0.01, the reference's
+            ``MAMLLearner.alpha`` (its loss is ``tf.losses.softmax_cross_entropy``, the mean).
+        inner_steps: inner steps in training; 5, its ``num_update_steps`` (it evaluates
+            with the same: ``additional_evaluation_update_steps = 0``).
+        first_order: treat the inner gradients as constants; True, its ``first_order``
+            (the prototypes still carry the meta-gradient to theta, as in the reference).
+        adapt_norm: adapt the normalisation layers' weights in the inner loop too; False,
+            its ``adapt_batch_norm``.
+        **kwargs: as for `metalearn.algorithms.base.MetaLearner` (``adapt_keys`` may not
+            name a normalisation parameter unless ``adapt_norm``).
 
     Raises:
         ValueError: the model has no ``{head}.weight`` of shape ``[N, D]``.
     """
 
-    def __init__(self, model: nn.Module, head: str = "head", **kwargs: Any) -> None:
+    # records written before: MAML's 0.4 and 1 step, second order, norm layers adapted
+    arguments_before = {"inner_lr": 0.4, "inner_steps": 1, "first_order": False,
+                        "adapt_norm": True}  # fmt: skip
+
+    def __init__(
+        self,
+        model: nn.Module,
+        head: str = "head",
+        *,
+        inner_lr: float = 0.01,
+        inner_steps: int = 5,
+        first_order: bool = True,
+        adapt_norm: bool = False,
+        **kwargs: Any,
+    ) -> None:
         weight = dict(model.named_parameters()).get(f"{head}.weight")
         if weight is None or weight.dim() != 2:
             raise ValueError(
                 f"Proto-MAML sets a linear head from prototypes, but the model has no 2-d "
                 f"parameter {head + '.weight'!r}; pass head= the linear classifier's name"
             )
-        super().__init__(model, **kwargs)
+        kwargs["adapt_keys"] = adapted_keys(model, kwargs.get("adapt_keys"), adapt_norm)
+        super().__init__(
+            model, inner_lr=inner_lr, inner_steps=inner_steps, first_order=first_order, **kwargs
+        )
         self.head = head
+        self.adapt_norm = adapt_norm
 
     def start(
         self, model: nn.Module, params: Mapping[str, Tensor], call: TaskCall

@@ -3,8 +3,10 @@
 An experiment's arguments are one dataclass of groups (`ExperimentArgs`): data, model,
 learner, training, tracking and system. Each experiment subclasses the groups it extends
 (Omniglot's data adds its split and protocols; the few-shot experiment's adds the data set
-and image shape, its model the backbone) and gives each group its defaults, which are its
-default preset: ``Args()`` is what the command line gives with no flags. Every leaf name is
+and image shape, its model the backbone) and gives each group its defaults, which its
+default preset extends: ``Args()`` under that preset is what the command line gives with no
+flags (the Omniglot ``cpu`` preset adds the Proto-MAML its documented result was measured
+with; a learner value left open is the learner's own default). Every leaf name is
 unique, so each is a flat flag (``--inner-lr``), a flat key in checkpoints and the W&B
 config (`metalearn.runs.cli.flatten`), and a name ``scripts/grid.py --set`` takes.
 """
@@ -84,9 +86,11 @@ class LearnerArgs:
     metaoptnet have no inner loop)."""
     inner_steps: int | None = None
     """Inner steps during meta-training; none: the learner's."""
-    first_order: bool = False
-    """First-order meta-gradient (no second derivatives: less memory and time); not for
-    fomaml (first order by definition), reptile, or mamlpp (see --first-order-steps)."""
+    first_order: bool | None = None
+    """First-order meta-gradient (True: no second derivatives, less memory and time) or exact
+    second order (False); none: the learner's (protomaml True, the reference's fo-Proto-MAML;
+    the others False). Not for fomaml (first order by definition), reptile, or mamlpp (see
+    --first-order-steps)."""
     eval_inner_steps: int = 10
     """Inner steps at validation and test time."""
     on_nonfinite: Literal["raise", "skip"] = "raise"
@@ -110,8 +114,9 @@ class LearnerArgs:
     """MAML++ only: meta-steps of first-order meta-gradients before exact second order;
     none: the learner's (0: the reference's final configs are second order throughout)."""
     adapt_norm: bool | None = None
-    """maml, fomaml, metasgd, mamlpp: adapt the normalisation layers' weights in the inner
-    loop too (True); none: the learner's (False: meta-learned only, as the references)."""
+    """maml, fomaml, metasgd, mamlpp, protomaml, boil: adapt the normalisation layers' weights
+    in the inner loop too (True); none: the learner's (as its reference: False, meta-learned
+    only; boil True)."""
     inner_optimizer: Literal["sgd", "momentum", "nesterov", "adam", "rmsprop"] | None = None
     """maml, fomaml, anil: the inner loop's differentiable optimizer (metalearn.optim), its
     step size --inner-lr (Adam and RMSprop move each entry by about that much: try 0.01);

@@ -7,7 +7,9 @@ system), which ``--help`` shows as groups, and every leaf name is unique, so the
 flat (tyro's ``OmitArgPrefixes``). The string literal under each field is its help text.
 Types drive parsing: ``bool`` fields are ``--flag`` / ``--no-flag`` and also take
 ``--flag=True`` / ``--flag=False`` (what a W&B sweep passes), ``Literal`` fields take their
-choices, ``X | None`` takes ``None`` (or ``none``).
+choices, ``X | None`` takes ``None`` (or ``none``). A ``bool | None`` field (none: the
+learner's default) takes ``--flag True`` / ``--flag False``, and ``--flag`` alone and
+``--no-flag`` as a switch's.
 
 Defaults come from an instance: a preset applied to the dataclass's defaults (``--preset
 NAME``, read from the command line first so ``--preset X --help`` shows X's values), or a
@@ -200,15 +202,26 @@ def _optional(tp: Any) -> bool:
     return origin in (typing.Union, types.UnionType) and type(None) in typing.get_args(tp)
 
 
+def _optional_bool(tp: Any) -> bool:
+    return _optional(tp) and set(typing.get_args(tp)) == {bool, type(None)}
+
+
 def _normalised(cls: type, argv: Sequence[str]) -> list[str]:
-    """``--flag=True``/``--flag=False`` as ``--flag``/``--no-flag``, ``none`` as ``None``."""
+    """``--flag=True``/``--flag=False`` as ``--flag``/``--no-flag``, ``none`` as ``None``;
+    an optional switch (``bool | None``) given alone as ``--flag True``, ``--no-flag`` as
+    ``--flag False``."""
     leaf = {flag(n): tp for n, tp in _leaf_types(cls).items()}
     leaf.update({"--" + n: tp for n, tp in _leaf_types(cls).items()})
     out: list[str] = []
     for i, arg in enumerate(argv):
         name, eq, value = arg.partition("=")
         tp = leaf.get(name)
-        if tp is bool and eq:
+        negated = leaf.get("--" + name[5:]) if name.startswith("--no-") and not eq else None
+        if _optional_bool(negated):
+            out += ["--" + name[5:], "False"]
+        elif _optional_bool(tp) and not eq and (i + 1 == len(argv) or argv[i + 1].startswith("-")):
+            out += [arg, "True"]
+        elif tp is bool and eq:
             if value.lower() not in ("true", "false"):
                 _fail(f"{arg}: {name} is a switch; give {name}=True or {name}=False, or "
                       f"{flag(name[2:])} / --no-{name[2:].replace('_', '-')}")  # fmt: skip
@@ -226,7 +239,8 @@ def _check_flags(cls: type, argv: Sequence[str]) -> None:
     """Refuse an unknown flag in one line, with the closest known ones."""
     names = _leaf_types(cls)
     known = {flag(n) for n in names} | {"--" + n for n in names}
-    known |= {"--no-" + n.replace("_", "-") for n, tp in names.items() if tp is bool}
+    known |= {"--no-" + n.replace("_", "-") for n, tp in names.items()
+              if tp is bool or _optional_bool(tp)}  # fmt: skip
     for arg in argv:
         if not arg.startswith("--"):
             continue

@@ -25,6 +25,7 @@ import math
 import os
 import re
 import secrets
+import sys
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -39,6 +40,7 @@ from metalearn.runs.cli import flag, flatten, parse_dataclass, unflatten
 from metalearn.runs.lifecycle import UserError, merge_resumed_args, require
 from metalearn.runs.outer_loop import check_outer_loop
 from metalearn.runs.recipe import (
+    LEARNER_FLAGS,
     Recipe,
     build_model,
     read_recipe,
@@ -422,6 +424,28 @@ SavedArgs = Callable[[Experiment, Path], Mapping[str, Any]]
 checked to be a run of ``exp`` (a one-line `UserError` otherwise)."""
 
 
+def presets_for(exp: Experiment, argv: Sequence[str]) -> Mapping[str, Mapping[str, Any]]:
+    """``exp.presets``, less the default preset's learner settings (`LEARNER_FLAGS`) when
+    ``argv`` names another ``--algorithm`` than that preset's: they are the learner its
+    documented result was measured with (the Omniglot ``cpu`` preset's Proto-MAML), so
+    ``--algorithm maml`` with no preset trains MAML at its own defaults, as a preset of
+    another algorithm would not change them."""
+    if "preset" not in flatten(exp.args_type()):
+        return exp.presets
+    default = flatten(exp.args_type())["preset"]
+    preset = exp.presets.get(default, {})
+    named = None
+    for i, arg in enumerate(argv):
+        if arg == "--algorithm" and i + 1 < len(argv):
+            named = argv[i + 1]
+        elif arg.startswith("--algorithm="):
+            named = arg.split("=", 1)[1]
+    if "algorithm" not in preset or named in (None, preset["algorithm"]):
+        return exp.presets
+    kept = {k: v for k, v in preset.items() if k not in LEARNER_FLAGS}
+    return {**exp.presets, default: kept}
+
+
 def saved_run_args(exp: Experiment, path: Path) -> dict[str, Any]:
     """A supervised run's saved flat arguments under today's flag names (`upgrade_args`),
     refused unless its checkpoint holds a recipe ``exp`` wrote."""
@@ -444,7 +468,9 @@ def parse_args(
             (`metalearn.runs.policy_run.saved_args`: no recipe to check).
     """
     description = exp.description.split("\n\n")[0]
-    args = parse_dataclass(exp.args_type, argv, description=description, presets=exp.presets)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    presets = presets_for(exp, argv)
+    args = parse_dataclass(exp.args_type, argv, description=description, presets=presets)
     if not args.tracking.resume:
         return args
     # Only the run's folder is checked here: the other checks need the saved values

@@ -85,8 +85,9 @@ _OUTER_FIELDS = ("outer_optimizer", "outer_momentum", "nesterov", "weight_decay"
                  "eta_min", "step_size", "gamma", "schedule_every", "lr_milestones",
                  "lr_factors", "grad_clamp")  # fmt: skip
 # The flags that set a learner argument, each named after the argument it sets, in three
-# groups, each flag written once. A switch (bool) that is off and a value left at None set
-# nothing: the learner's default stands (and is recorded).
+# groups, each flag written once. A value left at None sets nothing: the learner's default
+# stands (and is recorded); a resolved False is passed on (Proto-MAML's ``first_order``
+# defaults to True).
 # `MetaLearner`'s own arguments, which every learner takes:
 _SHARED_FLAGS = ("inner_lr", "inner_steps", "first_order", "vectorize", "chunk_size",
                  "gradient_checkpointing", "on_nonfinite")  # fmt: skip
@@ -286,7 +287,7 @@ def resolve_learner_args(args: Mapping[str, Any]) -> dict[str, Any]:
     own = complete_arguments(algorithm, {})
     _check_head_flags(algorithm, resolved, own)
     _check_optimizer_flags(algorithm, resolved, own)
-    for flag_name in ("inner_lr", "inner_steps"):
+    for flag_name in ("inner_lr", "inner_steps", "first_order"):
         if flag_name in own and resolved.get(flag_name) is None:
             resolved[flag_name] = own[flag_name]
     for flag_name in _OWN_FLAGS:
@@ -298,7 +299,7 @@ def resolve_learner_args(args: Mapping[str, Any]) -> dict[str, Any]:
                              f"it for {algorithm}")  # fmt: skip
         if flag_name in own and resolved[flag_name] is None:
             resolved[flag_name] = own[flag_name]
-    if resolved.get("first_order") and "first_order" not in own:
+    if resolved.get("first_order") is not None and "first_order" not in own:
         scheduled = "first_order_steps" in own
         hint = " (first order until --first-order-steps)" if scheduled else ""
         raise ValueError(f"{algorithm} sets its own derivative order{hint}; drop --first-order")
@@ -370,7 +371,7 @@ def learner_recipe(args: Mapping[str, Any]) -> LearnerRecipe:
     given = {}
     for argument in LEARNER_FLAGS:
         value = args.get(argument)
-        if value is None or value is False or argument not in takes:
+        if value is None or argument not in takes:
             continue
         given[argument] = value
     return LearnerRecipe(algorithm, complete_arguments(algorithm, given))
@@ -477,6 +478,14 @@ def upgrade_args(args: Mapping[str, Any]) -> dict[str, Any]:
         # arguments added or changed since: the values the run had (`arguments_before`)
         before = LEARNERS[upgraded["algorithm"]].arguments_before
         upgraded.update({k: v for k, v in before.items() if upgraded.get(k) is None})
+        # --first-order was a switch, off (False) or absent: the learner's own order, which
+        # is today's unless `arguments_before` says otherwise; a learner that sets its own
+        # takes no first_order
+        takes = "first_order" in complete_arguments(upgraded["algorithm"], {})
+        if not takes:
+            upgraded["first_order"] = None
+        elif upgraded.get("first_order") is None:
+            upgraded["first_order"] = complete_arguments(upgraded["algorithm"], {})["first_order"]
     if "label_smoothing" not in upgraded and upgraded.get("algorithm") == "metaoptnet":
         # written before the flag existed: the learner's own (no flag could set it)
         upgraded["label_smoothing"] = complete_arguments("metaoptnet", {})["label_smoothing"]

@@ -3,6 +3,10 @@
 The reference is the update written out in float64: a Conv4 forward by hand (``F.conv2d``,
 batch norm from its formula), inner steps on the body by ``torch.autograd.grad`` with
 ``create_graph=True``, the head held at theta, the query loss's gradient w.r.t. all of theta.
+The body includes batch norm's weight and bias, as in HJ-Yoo/BOIL (cba95c1), whose
+``update_parameters`` (``maml/utils.py`` lines 175-184) steps every parameter of
+``model.meta_named_parameters()`` but the ``classifier``'s, its ``MetaBatchNorm2d``'s
+affine ones included.
 """
 
 from __future__ import annotations
@@ -52,13 +56,17 @@ def _forward(p: dict, x: torch.Tensor, model: Conv4) -> torch.Tensor:
     return h @ p["head.weight"].T + p["head.bias"]
 
 
-def _reference(model: Conv4, tasks: list[Task], lr: float, steps: int) -> dict:
-    """Mean query loss after ``steps`` body-only SGD steps, differentiated w.r.t. theta."""
+NORMS = {f"features.{i}.norm.{w}" for i in range(4) for w in ("weight", "bias")}
+
+
+def _reference(model: Conv4, tasks: list[Task], lr: float, steps: int, norms: bool = True) -> dict:
+    """Mean query loss after ``steps`` body-only SGD steps (the norm layers' weights among
+    the body's unless ``norms`` is False), differentiated w.r.t. theta."""
     theta = {k: v.detach().clone().requires_grad_() for k, v in model.named_parameters()}
     total = 0.0
     for task in tasks:
         phi = dict(theta)
-        body = [k for k in theta if k not in HEAD]
+        body = [k for k in theta if k not in HEAD and (norms or k not in NORMS)]
         for _ in range(steps):
             loss = F.cross_entropy(_forward(phi, task.support[0], model), task.support[1])
             grads = torch.autograd.grad(loss, [phi[k] for k in body], create_graph=True)
@@ -79,6 +87,20 @@ def test_meta_gradient_equals_the_body_only_inner_loop_written_out(vectorize):
         torch.testing.assert_close(p.grad, expected[key], rtol=1e-9, atol=1e-12, msg=name)
     # The head is meta-learned: the outer loop reaches it through the query loss.
     assert float(learner.model.head.weight.grad.abs().max()) > 1e-6
+
+
+def test_norm_weights_adapt_by_default_as_the_reference_and_adapt_norm_false_holds_them():
+    model, tasks = _conv4(), _tasks(2)
+    assert BOIL(model).adapt_norm and NORMS <= set(BOIL(model).adapt_keys)
+    held = BOIL(model, inner_lr=0.3, inner_steps=2, adapt_norm=False, vectorize="loop")
+    assert NORMS.isdisjoint(held.adapt_keys) and "features.0.conv.weight" in held.adapt_keys
+    held.backward(tasks)
+    expected = _reference(model, tasks, 0.3, 2, norms=False)
+    for name, p in held.named_parameters():
+        key = name.removeprefix("model.")
+        torch.testing.assert_close(p.grad, expected[key], rtol=1e-9, atol=1e-12, msg=name)
+    adapted = _reference(model, tasks, 0.3, 2)
+    assert max(float((adapted[k] - expected[k]).abs().max()) for k in expected) > 1e-4
 
 
 def test_adaptation_moves_the_body_and_keeps_the_head():

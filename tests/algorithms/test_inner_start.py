@@ -120,8 +120,9 @@ def reference(name: str, learner, t: Task) -> tuple:
         return (lambda p: support_loss(p, t)), theta, ["head.weight", "head.bias"]
     if name == "boil":  # the body only: the head stays theta's
         return (lambda p: support_loss(p, t)), theta, [k for k in theta if "head" not in k]
-    if name == "protomaml":
-        return (lambda p: support_loss(p, t)), prototype_start(theta, t), everything
+    if name == "protomaml":  # the norm layer stays out (adapt_norm=False, meta-dataset's)
+        keys = [k for k in theta if not k.startswith("norm.")]
+        return (lambda p: support_loss(p, t)), prototype_start(theta, t), keys
     if name == "mamlpp":  # BNWB: step 0's copies, meta-learned, not adapted
         bn = {"norm.weight": learner.bn["norm__weight"][0].detach(),
               "norm.bias": learner.bn["norm__bias"][0].detach()}  # fmt: skip

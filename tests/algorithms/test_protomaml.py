@@ -1,8 +1,14 @@
 """Proto-MAML against independent references, in float64.
 
 References: prototypes and nearest-prototype distances computed from Conv4's own feature
-stack (not the identity-head trick); the meta-gradient of a hand-written second-order
-Proto-MAML step with ``torch.autograd.grad``; the loop path for vmap; a build round trip.
+stack (not the identity-head trick); the meta-gradient of Proto-MAML written out with
+``torch.autograd.grad``: second order with every weight adapted (the learner before its
+defaults followed the reference), and the defaults, google-research/meta-dataset's
+``MAMLLearner`` with ``proto_maml_fc_layer_init`` (``learners/optimization_learners.py``
+lines 118-145 and 510-579; ``learn/gin/learners/maml_init_with_proto_config.gin``): each
+inner gradient a constant (``tf.stop_gradient`` when ``first_order``), batch norm's
+offset and scale never stepped (``adapt_batch_norm = False``), 5 steps at 0.01; the loop
+path for vmap; a build round trip.
 """
 
 from __future__ import annotations
@@ -58,8 +64,21 @@ def test_prototype_head_classifies_by_nearest_prototype():
     torch.testing.assert_close(logits, shift - distance, atol=1e-10, rtol=0)
 
 
-def reference_meta_gradient(model: Conv4, tasks_: list[Task], lr: float) -> dict[str, Tensor]:
-    """Second-order Proto-MAML with one inner step, written out with autograd.grad."""
+NORMS = {f"features.{i}.norm.{w}" for i in range(4) for w in ("weight", "bias")}
+
+
+def reference_meta_gradient(
+    model: Conv4,
+    tasks_: list[Task],
+    lr: float,
+    steps: int = 1,
+    first_order: bool = False,
+    adapt_norm: bool = True,
+) -> dict[str, Tensor]:
+    """Proto-MAML written out with autograd.grad: ``steps`` inner steps from the prototype
+    head, the norm layers' weights held at theta unless ``adapt_norm``, each inner gradient
+    a constant when ``first_order`` (the fast weights, and the prototypes, stay functions
+    of theta)."""
     theta = dict(model.named_parameters())
     body = {k: v for k, v in theta.items() if not k.startswith("head.")}
     total = 0.0
@@ -69,22 +88,23 @@ def reference_meta_gradient(model: Conv4, tasks_: list[Task], lr: float) -> dict
         protos = torch.stack([f[ys == k].mean(0) for k in range(WAYS)])
         # The inner loop's variables: copies of theta's body (so that the inner gradient is
         # the partial one, the head held fixed) and the prototype head.
-        start = {k: v * 1.0 for k, v in body.items()}
-        start.update({"head.weight": 2 * protos, "head.bias": -(protos**2).sum(1)})
-        support_loss = F.cross_entropy(functional_call(model, start, (xs,)), ys)
-        steps = torch.autograd.grad(support_loss, list(start.values()), create_graph=True)
-        fast = {k: v - lr * g for (k, v), g in zip(start.items(), steps)}
+        fast = {k: v * 1.0 for k, v in body.items()}
+        fast.update({"head.weight": 2 * protos, "head.bias": -(protos**2).sum(1)})
+        adapted = [k for k in fast if adapt_norm or k not in NORMS]
+        for _ in range(steps):
+            support_loss = F.cross_entropy(functional_call(model, fast, (xs,)), ys)
+            grads = torch.autograd.grad(
+                support_loss, [fast[k] for k in adapted], create_graph=not first_order,
+                retain_graph=True,
+            )  # fmt: skip
+            fast = {**fast, **{k: fast[k] - lr * g for k, g in zip(adapted, grads)}}
         total = total + F.cross_entropy(functional_call(model, fast, (xq,)), yq)
     names = list(body)
     grads = torch.autograd.grad(total / len(tasks_), [theta[n] for n in names])
     return dict(zip(names, grads))
 
 
-@pytest.mark.parametrize("vectorize", ["loop", "vmap"])
-def test_meta_gradient_matches_hand_written_second_order(vectorize):
-    model, batch = conv(), tasks()
-    reference = reference_meta_gradient(model, batch, lr=0.3)
-    learner = ProtoMAML(model, inner_lr=0.3, inner_steps=1, vectorize=vectorize)
+def assert_meta_gradient(learner: ProtoMAML, batch: list[Task], reference: dict) -> None:
     learner.zero_grad(set_to_none=True)
     learner.backward(batch)
     for name, p in learner.model.named_parameters():
@@ -92,6 +112,37 @@ def test_meta_gradient_matches_hand_written_second_order(vectorize):
             assert p.grad is None, f"{name}: the prototype head replaces it, so no gradient"
         else:
             torch.testing.assert_close(p.grad, reference[name], atol=1e-10, rtol=1e-9)
+
+
+@pytest.mark.parametrize("vectorize", ["loop", "vmap"])
+def test_meta_gradient_matches_hand_written_second_order(vectorize):
+    model, batch = conv(), tasks()
+    reference = reference_meta_gradient(model, batch, lr=0.3)
+    learner = ProtoMAML(model, inner_lr=0.3, inner_steps=1, first_order=False, adapt_norm=True,
+                        vectorize=vectorize)  # fmt: skip
+    assert_meta_gradient(learner, batch, reference)
+
+
+@pytest.mark.parametrize("vectorize", ["loop", "vmap"])
+def test_defaults_are_meta_datasets_first_order_learner_with_norms_held(vectorize):
+    """fo-Proto-MAML as meta-dataset's configuration runs it: 5 first-order steps at 0.01,
+    batch norm's weights not stepped; at 0.01 the steps move little, so the same learner at
+    a rate of 0.3 is checked too (a mix-up of order or of the held norms would show)."""
+    model, batch = conv(), tasks()
+    learner = ProtoMAML(model, vectorize=vectorize)
+    assert (learner.inner_lr, learner.inner_steps, learner.first_order) == (0.01, 5, True)
+    assert not learner.adapt_norm and NORMS.isdisjoint(learner.adapt_keys)
+    reference = reference_meta_gradient(model, batch, lr=0.01, steps=5, first_order=True,
+                                        adapt_norm=False)  # fmt: skip
+    assert_meta_gradient(learner, batch, reference)
+    faster = ProtoMAML(model, inner_lr=0.3, vectorize=vectorize)
+    reference = reference_meta_gradient(model, batch, lr=0.3, steps=5, first_order=True,
+                                        adapt_norm=False)  # fmt: skip
+    assert_meta_gradient(faster, batch, reference)
+    adapted = reference_meta_gradient(model, batch, lr=0.3, steps=5, first_order=True)
+    second = reference_meta_gradient(model, batch, lr=0.3, steps=5, adapt_norm=False)
+    for other in (adapted, second):  # the controls: the reference tells them apart
+        assert max(float((other[k] - reference[k]).abs().max()) for k in reference) > 1e-4
 
 
 def test_zero_steps_is_a_prototypical_network():
@@ -119,6 +170,6 @@ def test_adapt_equals_evaluate_path():
 
 def test_built_by_name_and_needs_a_linear_head():
     learner = make_learner("protomaml", Conv4(hidden=8), {})
-    assert isinstance(learner, ProtoMAML) and learner.inner_lr == 0.4
+    assert isinstance(learner, ProtoMAML) and learner.inner_lr == 0.01
     with pytest.raises(ValueError, match="no 2-d parameter 'classifier.weight'"):
         ProtoMAML(conv(), head="classifier")

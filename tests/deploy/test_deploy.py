@@ -99,7 +99,7 @@ def test_load_learner_errors(tmp_path) -> None:
     path = experiment_checkpoint(tmp_path, _args(), best=False)
     with pytest.raises(ValueError, match="no best-validation weights yet.*which='last'"):
         load_learner(path)
-    assert load_learner(path, which="last")[0].inner_steps == 1
+    assert load_learner(path, which="last")[0].inner_steps == 5  # Proto-MAML's default
     with pytest.raises(ValueError, match="which='newest'; choose 'best'"):
         load_learner(path, which="newest")
     saved = torch.load(path, weights_only=True)

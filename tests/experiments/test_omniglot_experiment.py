@@ -322,9 +322,12 @@ def test_command_line_forms(tmp_path):
 
 
 def test_defaults_are_the_default_preset():
-    """Args() and the command line with no flags agree on every field (one source)."""
-    assert om.parse_args([]) == om.Args()
+    """Args() under the cpu preset and the command line with no flags agree on every field
+    (one source); the preset adds only the learner values its result was measured with."""
+    assert om.parse_args([]) == replace_flat(om.Args(), **om.PRESETS["cpu"])
     assert flatten(om.Args())["algorithm"] == "protomaml"
+    assert set(om.PRESETS["cpu"]) == {"algorithm", "inner_lr", "inner_steps", "first_order",
+                                      "adapt_norm"}  # fmt: skip
 
 
 def test_help_shows_the_chosen_preset(capsys):

@@ -13,7 +13,7 @@ import pytest
 from metalearn.algorithms import make_learner
 from metalearn.runs.outer_loop import scheduled_lr
 from metalearn.runs.recipe import build_model
-from tests.helpers.run_helpers import fs, om, recipe_of
+from tests.helpers.run_helpers import fs, make, om, recipe_of
 
 # Reptile: preset -> (--classes, --shots, --train-shots, --inner-batch, --inner-iters,
 # --learning-rate, --eval-batch, --meta-iters)
@@ -116,3 +116,46 @@ def test_imaml_presets_are_its_command_and_a_cpu_run():
     assert (a["inner_lr"], a["inner_steps"], a["lam"], a["cg_steps"]) == (0.1, 16, 2.0, 5)
     assert (t.meta_batch, t.outer_lr, t.eval_inner_steps, t.test_tasks) == (32, 1e-3, 16, 600)
     assert preset(om, "imaml-cpu").learner.arguments["inner_steps"] == 5
+
+
+def test_the_cpu_preset_names_the_proto_maml_its_result_was_measured_with():
+    """The default run (no flags) trains the Proto-MAML docs/benchmarks.md measured (0.4, 1
+    step, second order, norm layers adapted); its defaults are meta-dataset's
+    (learn/gin/learners/maml_init_with_proto_config.gin: alpha 0.01, num_update_steps 5,
+    first_order True, adapt_batch_norm False), which Proto-MAML's arguments without a preset
+    hold."""
+    measured = {"inner_lr": 0.4, "inner_steps": 1, "first_order": False, "adapt_norm": True}
+    for argv in ([], ["--preset", "cpu"], ["--algorithm", "protomaml"]):
+        recipe = recipe_of(om, om.parse_args(argv))
+        assert recipe.learner.algorithm == "protomaml"
+        assert {k: recipe.learner.arguments[k] for k in measured} == measured
+    reference = {"inner_lr": 0.01, "inner_steps": 5, "first_order": True, "adapt_norm": False}
+    recipe = recipe_of(om, make(om, algorithm="protomaml"))
+    assert {k: recipe.learner.arguments[k] for k in reference} == reference
+
+
+@pytest.mark.parametrize("algorithm", ["maml", "anil", "protonet", "boil"])
+def test_another_algorithm_without_a_preset_trains_at_its_own_defaults(algorithm):
+    """The cpu preset's learner values are Proto-MAML's: naming another algorithm leaves
+    them out, so its constructor's defaults stand (and a learner without an inner loop is
+    not handed an inner rate)."""
+    for argv in (["--algorithm", algorithm], [f"--algorithm={algorithm}", "--preset", "cpu"]):
+        recipe = recipe_of(om, om.parse_args(argv))
+        own = make_learner(algorithm, build_model(recipe), {})
+        for name in ("inner_lr", "inner_steps", "first_order", "adapt_norm"):
+            if name in recipe.learner.arguments:
+                assert recipe.learner.arguments[name] == getattr(own, name), name
+
+
+@pytest.mark.parametrize(("flags", "first_order"), [
+    (["--first-order", "True"], True), (["--first-order", "False"], False),
+    (["--first-order"], True), (["--no-first-order"], False), (["--first-order=False"], False),
+    ([], True),
+])  # fmt: skip
+def test_first_order_is_a_flag_with_both_values(flags, first_order):
+    """Proto-MAML's default is first order, so second order must be writable: --first-order
+    takes True or False (alone: True; --no-first-order: False); left open, the learner's."""
+    recipe = preset(fs, "cpu", "--algorithm", "protomaml", *flags)
+    assert recipe.learner.arguments["first_order"] is first_order
+    maml = preset(fs, "cpu", "--algorithm", "maml", *flags)
+    assert maml.learner.arguments["first_order"] is (first_order and bool(flags))

@@ -27,6 +27,8 @@ For each cell:
 Beyond one cell per algorithm, `VARIANTS` runs MAML with other inner optimizers
 (``--inner-optimizer``), and MAML and Meta-SGD with the norm layers adapted
 (``--adapt-norm True``; by default they stay out of the inner loop, as in MAML's references),
+and Proto-MAML as the Omniglot ``cpu`` preset trains it (second order, norm layers adapted;
+its defaults are meta-dataset's first-order learner with the norm layers held),
 and MAML++ on its presets' network (max-pool, leaky ReLU), and Reptile scoring its queries
 in one batch (for (d)). Reptile's (b) runs in float64 (`Float64Tasks`). A new algorithm in
 `metalearn.algorithms.registry.LEARNERS` without a row here fails
@@ -79,7 +81,8 @@ ROWS: dict[str, dict] = {
     # iMAML at its own lr on both experiments (the few-shot one's open lr is MAML's 0.01,
     # at which hidden=1's CG bound is too loose to test against).
     "imaml": {"inner_steps": 2, "inner_lr": 0.1},
-    "reptile": {}, "protomaml": {"inner_steps": 1}, "lora": {"inner_steps": 1},
+    # Proto-MAML at its defaults (meta-dataset's): 5 first-order steps at 0.01, norms held.
+    "reptile": {}, "protomaml": {}, "lora": {"inner_steps": 1},
     "protonet": {}, "r2d2": {}, "metaoptnet": {}, "metaoptnet-lr": {}, "boil": {"inner_steps": 2},
 }  # fmt: skip
 # Cells beyond one per algorithm: name -> (algorithm, what its tiny run sets beyond TINY).
@@ -97,6 +100,11 @@ VARIANTS: dict[str, tuple[str, dict]] = {
     # The norm layers in the inner loop (--adapt-norm True; the default keeps them out).
     "maml+adapt-norm": ("maml", {"inner_steps": 2, "adapt_norm": True}),
     "metasgd+adapt-norm": ("metasgd", {"inner_steps": 1, "adapt_norm": True}),
+    # Proto-MAML as the Omniglot cpu preset trains it: second order, norm layers adapted.
+    "protomaml+cpu": (
+        "protomaml",
+        {"inner_steps": 1, "inner_lr": 0.4, "first_order": False, "adapt_norm": True},
+    ),  # fmt: skip
     # MAML++'s network (its presets'): stride-1 convs, max-pool, leaky ReLU.
     "mamlpp+network": ("mamlpp", {"inner_steps": 2, "pool": "max", "activation": "leaky_relu"}),
     # Reptile scoring the query set in one batch: the evaluation (d)'s deploy path measures
@@ -473,8 +481,8 @@ def reference_gradient(algorithm: str, learner, tasks, arguments: dict, draws=No
             keys = list(heads)
         if algorithm == "boil":  # Oh et al. (2021): the body adapts, the head stays theta's
             keys = [k for k in theta if k not in heads]
-        if algorithm in ("maml", "fomaml", "metasgd"):  # batch norm held at theta's
-            keys = norm_free(keys, learner)
+        if algorithm in ("maml", "fomaml", "metasgd", "protomaml", "boil"):
+            keys = norm_free(keys, learner)  # batch norm held at theta's unless adapt_norm
         if algorithm == "protomaml":  # Triantafillou et al. (2020) Sec. 4
             start.update(prototypes(theta, support, model, learner.model.head.out_features))
         if algorithm == "metasgd":  # Li et al. (2017) Eq. 3: alpha elementwise, learned
@@ -499,12 +507,12 @@ def dense_support_top(algorithm: str, learner, task) -> float:
     theta = {k: v.detach().to(F64) for k, v in model.named_parameters()}
     support = (task.support[0].to(F64), task.support[1])
     start, keys = dict(theta), list(theta)
-    if algorithm in ("maml", "fomaml", "metasgd"):
-        keys = norm_free(keys, learner)
     if algorithm == "anil":
         keys = ["head.weight", "head.bias"]
     if algorithm == "boil":
         keys = [k for k in theta if not k.startswith("head.")]
+    if algorithm in ("maml", "fomaml", "metasgd", "protomaml", "boil"):
+        keys = norm_free(keys, learner)
     if algorithm == "protomaml":
         start.update(prototypes(theta, support, model, model.head.out_features))
     if algorithm == "mamlpp":

@@ -198,3 +198,29 @@ def test_a_record_from_before_adapt_norm_adapts_the_norm_layers_as_it_ran():
                                      "arguments": complete_arguments(algorithm, {})}}  # fmt: skip
         assert read_recipe({"recipe": new}).learner.arguments == complete_arguments(algorithm, {})
     assert complete_arguments("maml", {})["adapt_norm"] is False
+
+
+def test_a_proto_maml_record_from_before_the_reference_defaults_reads_as_it_ran():
+    """Proto-MAML trained at 0.4, 1 step, second order, every weight adapted until its
+    defaults became meta-dataset's (0.01, 5 steps, first order, norm layers held): a flat
+    record that left them open (``--first-order`` a switch, off) and a recipe without
+    ``adapt_norm`` read as the former; one written since keeps what it holds."""
+    args = {k: v for k, v in saved("omniglot-maml")["args"].items()
+            if k not in ("inner_lr", "inner_steps")}  # fmt: skip
+    for first_order in ({}, {"first_order": False}):
+        flat = read_recipe({"args": {**args, "algorithm": "protomaml", **first_order}})
+        arguments = flat.learner.arguments
+        assert (arguments["inner_lr"], arguments["inner_steps"]) == (0.4, 1)
+        assert (arguments["first_order"], arguments["adapt_norm"]) == (False, True)
+        assert build_learner(flat).adapt_keys is None  # every parameter adapted, as it ran
+    recipe = read_recipe(saved("folder-maml")).to_dict()
+    before = {**complete_arguments("protomaml", {}), "inner_lr": 0.4, "inner_steps": 1,
+              "first_order": False}  # fmt: skip
+    before.pop("adapt_norm")
+    old = {**recipe, "learner": {"algorithm": "protomaml", "arguments": before}}
+    assert dict(read_recipe({"recipe": old}).learner.arguments) == {**before, "adapt_norm": True}
+    today = complete_arguments("protomaml", {})
+    new = {**recipe, "learner": {"algorithm": "protomaml", "arguments": today}}
+    assert read_recipe({"recipe": new}).learner.arguments == today
+    assert (today["inner_lr"], today["inner_steps"], today["first_order"],
+            today["adapt_norm"]) == (0.01, 5, True, False)  # fmt: skip
