@@ -10,6 +10,7 @@ its implicit gradient against central finite differences of the exact solve.
 
 from __future__ import annotations
 
+import json
 import math
 
 import pytest
@@ -154,10 +155,10 @@ def test_a_degenerate_float32_task_is_solved_within_the_reference_steps():
     partition leaves undecided for 17 iterations at the float64 tolerance. Its float32
     features cannot tell the two faces apart, so the float32 tolerance accepts the face at
     15 steps, and the answer equals the exact optimum to float32 rounding."""
-    saved = torch.load(ROOT / "tests" / "fixtures" / "svm" / "degenerate_omniglot_task.pt",
-                       weights_only=True)  # fmt: skip
-    x, labels = saved["support"], saved["labels"]
-    assert x.dtype == torch.float32
+    saved = json.loads((ROOT / "tests" / "fixtures" / "svm" / "degenerate_omniglot_task.json")
+                       .read_text())  # fmt: skip
+    x = torch.tensor(saved["support"], dtype=torch.float32)  # the decimals are float32 values
+    labels = torch.tensor(saved["labels"])
     solved = solve_dual(x, labels, 5, c_reg=C_REG, ridge=RIDGE, ipm_steps=15)
     qp = reference_qp(x.to(F64), labels, 5)
     assert kkt_violation(solved.alpha.reshape(-1), *qp) < 1e-6
