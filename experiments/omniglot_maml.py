@@ -78,6 +78,7 @@ from metalearn.runs.metrics import (
     VAL_BEST_ACC,
     curvature_probe,
     measure_curvature,
+    solver_metrics,
 )
 from metalearn.runs.outer_loop import (
     build_outer_optimizer,
@@ -322,6 +323,7 @@ def meta_step(
         TRAIN_LOSS: metrics.loss, TRAIN_ACC: metrics.accuracy, TRAIN_OUTER_LR: lr, **scheduled,
         PERF_STEP_S: seconds, PERF_TASKS_PER_S: t.meta_batch / seconds,
         PERF_VECTORIZED_TASKS: metrics.vectorized, TRAIN_SKIPPED: metrics.skipped,
+        **solver_metrics(metrics),  # iMAML's CG: converged, met non-positive curvature
     }  # fmt: skip
 
 

@@ -59,7 +59,13 @@ from torch import Tensor
 from torch.func import grad, jvp, vjp
 
 from metalearn.functional import Tree, tree_axpy, tree_dot, tree_leaves, tree_map, tree_unflatten
-from metalearn.second_order import DEFAULT_HVP_METHOD, HVPMethod, conjugate_gradient, hvp
+from metalearn.second_order import (
+    DEFAULT_HVP_METHOD,
+    HVPMethod,
+    NegativeCurvature,
+    conjugate_gradient,
+    hvp,
+)
 
 __all__ = [
     "SOLVES",
@@ -88,6 +94,10 @@ class LinearSolve(NamedTuple):
     """``||g - ((dF/dx)^T + damping I) u||`` at exit (CG: its recursive residual)."""
     converged: bool
     """Whether the residual reached ``tol * ||g||``."""
+    negative_curvature: int | None = None
+    """CG: the iteration at which it first met non-positive curvature ``p'(dF/dx)^T p <= 0``
+    (under ``on_negative_curvature`` "continue" or "stop"); None when it met none, and for
+    the other solves."""
 
 
 class NotPositiveDefiniteError(ValueError):
@@ -169,6 +179,7 @@ def solve_transposed(
     max_iter: int = 100,
     tol: float = 1e-10,
     neumann_step: float = 1.0,
+    on_negative_curvature: NegativeCurvature = "raise",
 ) -> LinearSolve:
     """Solve ``(J^T + damping I) u = g`` from products ``u -> J^T u`` (and ``v -> J v``).
 
@@ -182,14 +193,19 @@ def solve_transposed(
         max_iter: the most iterations.
         tol: stop at ``||residual|| <= tol * ||g||``.
         neumann_step: the ``a`` of the Neumann series.
+        on_negative_curvature: what ``"cg"`` does at non-positive curvature (J^T not
+            positive definite): ``"raise"`` a `NotPositiveDefiniteError`, ``"continue"`` the
+            plain recurrence, ``"stop"`` truncated CG (`conjugate_gradient`); recorded in
+            the result's ``negative_curvature``.
 
     Returns:
         A `LinearSolve`.
 
     Raises:
         ValueError: an unknown method.
-        NotPositiveDefiniteError: CG met non-positive curvature (J^T is not positive
-            definite; the message names the non-symmetric solves).
+        NotPositiveDefiniteError: CG met non-positive curvature under
+            ``on_negative_curvature="raise"`` (J^T is not positive definite; the message
+            names the non-symmetric solves).
     """
     if method not in SOLVES:
         raise ValueError(f"unknown solve {method!r}; choose one of {', '.join(SOLVES)}")
@@ -200,10 +216,12 @@ def solve_transposed(
 
     if method == "cg":
         try:
-            cg = conjugate_gradient(transposed, g, damping=damping, max_iter=max_iter, tol=tol)
+            cg = conjugate_gradient(transposed, g, damping=damping, max_iter=max_iter, tol=tol,
+                                    on_negative_curvature=on_negative_curvature)  # fmt: skip
         except ValueError as error:
             raise NotPositiveDefiniteError(str(error)) from None
-        return LinearSolve(cg.x, cg.iterations, cg.residual_norm, cg.converged)
+        return LinearSolve(cg.x, cg.iterations, cg.residual_norm, cg.converged,
+                           cg.negative_curvature)  # fmt: skip
     if method == "normal-cg":
         if forward is None:
             raise ValueError("solve='normal-cg' needs forward, the product v -> J v")
@@ -258,6 +276,7 @@ def implicit_vjp(
     max_iter: int = 100,
     tol: float = 1e-10,
     neumann_step: float = 1.0,
+    on_negative_curvature: NegativeCurvature = "raise",
 ) -> tuple[list[Tree], LinearSolve]:
     """The IFT's product: ``dL/dtheta_i = -(dF/dtheta_i)^T u`` with ``(dF/dx)^T u = g``.
 
@@ -270,7 +289,8 @@ def implicit_vjp(
         theta: the condition's other arguments (trees, used as constants).
         cotangent: ``g = dL/dx*``, shaped like ``x``.
         wrt: the positions in ``theta`` to differentiate (None: all).
-        solve, damping, max_iter, tol, neumann_step: the linear solve (`solve_transposed`).
+        solve, damping, max_iter, tol, neumann_step, on_negative_curvature: the linear
+            solve (`solve_transposed`).
 
     Returns:
         ``([dL/dtheta_i for i in wrt], LinearSolve)``.
@@ -282,6 +302,7 @@ def implicit_vjp(
             condition.transposed(x, theta), cotangent, method=solve,
             forward=condition.forward(x, theta) if solve == "normal-cg" else None,
             damping=damping, max_iter=max_iter, tol=tol, neumann_step=neumann_step,
+            on_negative_curvature=on_negative_curvature,
         )  # fmt: skip
         products = condition.theta_vjp(x, theta, solved.u, wrt)
     return [tree_map(torch.neg, p) for p in products], solved

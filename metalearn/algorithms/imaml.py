@@ -48,7 +48,12 @@ from metalearn.engine import (
 from metalearn.functional import detached, tree_dot
 from metalearn.implicit import LinearSolve, NotPositiveDefiniteError, Optimality, implicit_vjp
 from metalearn.optim import Hyperparameter
-from metalearn.second_order import DEFAULT_HVP_METHOD, HVPMethod
+from metalearn.second_order import (
+    DEFAULT_HVP_METHOD,
+    NEGATIVE_CURVATURE_POLICIES,
+    HVPMethod,
+    NegativeCurvature,
+)
 
 __all__ = [
     "IMAML",
@@ -136,6 +141,7 @@ def implicit_meta_gradient(
     cg_steps: int = 5,
     cg_tol: float = 1e-10,
     cg_damping: float = 0.0,
+    cg_negative_curvature: NegativeCurvature = "raise",
     first_order: bool = False,
     hvp_method: HVPMethod = DEFAULT_HVP_METHOD,
     buffers: Mapping[str, Tensor] | None = None,
@@ -162,6 +168,10 @@ def implicit_meta_gradient(
             Conv4, 12 Omniglot 5-way 1-shot tasks at initialisation, lam = 2, 16 inner steps,
             H's lowest eigenvalue after adaptation was -4 to -13, and CG met negative
             curvature in 5 to 10 of the 12 tasks with cg_damping = 0, 2 with 3, none with 10.
+        cg_negative_curvature: what CG does where ``p'(I + H/lam + cg_damping I)p <= 0``:
+            ``"raise"`` a ValueError naming the task, ``"continue"`` the plain recurrence
+            (the reference's CG), ``"stop"`` truncated CG
+            (`metalearn.second_order.conjugate_gradient`); recorded in ``cg``.
         first_order: skip CG and return ``grad L_query(phi_i)`` (the ``lam -> inf`` limit of
             Eq. 6, where ``d phi / d theta -> I``).
         hvp_method: how `metalearn.second_order.hvp` computes ``H u``; by default
@@ -195,18 +205,21 @@ def implicit_meta_gradient(
     anchor = detached(theta)
 
     def inner_objective(p: dict[str, Tensor], th: dict[str, Tensor]) -> Tensor:
-        # Eq. 4's objective: its gradient in phi is the optimality condition F(phi, theta) = 0,
-        # whose Jacobians are dF/dphi = H + lam I and dF/dtheta = -lam I, so the IFT's
-        # -(dF/dtheta)^T (H + lam I)^{-1} g is Eq. 7's (I + H/lam)^{-1} g.
+        # Eq. 4's objective over lam (the same minimiser): its gradient in phi is the
+        # optimality condition F(phi, theta) = 0, whose Jacobians are dF/dphi = I + H/lam
+        # and dF/dtheta = -I, so the IFT's -(dF/dtheta)^T (dF/dphi)^{-1} g is Eq. 7's
+        # (I + H/lam)^{-1} g, and CG runs on Eq. 7's own system: its curvatures p'Ap, and
+        # truncated CG's first-iteration answer g, are on the paper's scale.
         out = functional_call(model, {**buffers, **p}, (support[0],), kwargs)
-        return loss_fn(out, support[1]) + 0.5 * lam * sum(((p[k] - th[k]) ** 2).sum() for k in th)
+        proximal = 0.5 * sum(((p[k] - th[k]) ** 2).sum() for k in th)
+        return loss_fn(out, support[1]) / lam + proximal
 
     condition = Optimality(objective=inner_objective, hvp_method=hvp_method)
     try:
-        # cg_damping is relative to I + H/lam: lam * cg_damping on the unscaled system.
+        # cg_damping is added to I + H/lam, the system CG solves
         (grad,), cg = implicit_vjp(
-            condition, phi, [anchor], g_query, solve="cg", damping=lam * cg_damping,
-            max_iter=cg_steps, tol=cg_tol,
+            condition, phi, [anchor], g_query, solve="cg", damping=cg_damping,
+            max_iter=cg_steps, tol=cg_tol, on_negative_curvature=cg_negative_curvature,
         )  # fmt: skip
     except NotPositiveDefiniteError as error:  # I + H/lam is indefinite
         where = f"task {task_index}" if task_index is not None else "the task"
@@ -229,6 +242,8 @@ class IMAMLMetrics(StepMetrics):
     """Largest relative residual ``||r|| / ||b||`` over the tasks (NaN when first order)."""
     cg_converged: float = math.nan
     """Fraction of tasks whose CG reached ``cg_tol`` (NaN when first order)."""
+    cg_negative_curvature: float = math.nan
+    """Fraction of tasks whose CG met non-positive curvature (NaN when first order)."""
 
 
 class IMAML(MetaLearner):
@@ -255,6 +270,13 @@ class IMAML(MetaLearner):
             with ``d = 2 (lam + 10) / lam - 1 = 11`` at lam = 2 (its solution is 6 times
             this one's). Conv4 on Omniglot needs about 10 at lam = 2 for CG to see no
             negative curvature (measured; see `implicit_meta_gradient`).
+        cg_negative_curvature: what CG does at non-positive curvature ``p'Ap <= 0``: the
+            default ``"continue"`` runs the plain recurrence through it (alpha negative), as
+            the reference's ``cg_solve`` does (aravindr93/imaml_dev, implicit_maml/utils.py
+            lines 79-83: ``alpha = rdotr/(p.dot(Ap))``, no check); ``"stop"`` truncates CG
+            there (Nocedal & Wright, Alg. 7.1); ``"raise"`` stops the run with a ValueError
+            (the behaviour before this argument). `IMAMLMetrics.cg_negative_curvature` is
+            the fraction of tasks where it happened.
         first_order: use ``grad L_query(phi_i)`` as g_i (no CG).
         hvp_method: how ``H u`` is computed (see `implicit_meta_gradient`).
         **kwargs: as for `MetaLearner` (``loss_fn``, ``on_nonfinite``). ``adapt_keys`` is
@@ -263,7 +285,8 @@ class IMAML(MetaLearner):
 
     fixed_arguments = ("adapt_keys",)
     # before the reference's command was the default: 5 steps, damping 10
-    arguments_before = {"inner_steps": 5, "cg_damping": 10.0}
+    # and before the policy was an argument, CG raised at non-positive curvature
+    arguments_before = {"inner_steps": 5, "cg_damping": 10.0, "cg_negative_curvature": "raise"}
 
     def __init__(
         self,
@@ -275,6 +298,7 @@ class IMAML(MetaLearner):
         cg_steps: int = 5,
         cg_tol: float = 1e-10,
         cg_damping: float = 11.0,
+        cg_negative_curvature: NegativeCurvature = "continue",
         first_order: bool = False,
         hvp_method: HVPMethod = DEFAULT_HVP_METHOD,
         **kwargs: Any,
@@ -285,13 +309,14 @@ class IMAML(MetaLearner):
                 "needs mixed second derivatives this implementation does not compute; "
                 "drop adapt_keys"
             )
-        _check_settings(lam, inner_lr, cg_steps, cg_damping)
+        _check_settings(lam, inner_lr, cg_steps, cg_damping, cg_negative_curvature)
         super().__init__(
             model, inner_lr=inner_lr, inner_steps=inner_steps, first_order=first_order, **kwargs
         )
         check_loop_only(self, "IMAML")
         self.lam, self.cg_steps, self.cg_tol = lam, cg_steps, cg_tol
         self.cg_damping, self.hvp_method = cg_damping, hvp_method
+        self.cg_negative_curvature = cg_negative_curvature
 
     def backward(self, tasks: Sequence[Task]) -> IMAMLMetrics:
         """Accumulate ``mean_i g_i`` (Eq. 5-7) into ``.grad`` of theta.
@@ -324,7 +349,8 @@ class IMAML(MetaLearner):
             self.model, theta, task.support, task.query, lam=self.lam,
             inner_steps=self.inner_steps if task.steps is None else task.steps,
             inner_lr=self.learning_rate(), loss_fn=self.loss_fn, cg_steps=self.cg_steps,
-            cg_tol=self.cg_tol, cg_damping=self.cg_damping, first_order=self.first_order,
+            cg_tol=self.cg_tol, cg_damping=self.cg_damping,
+            cg_negative_curvature=self.cg_negative_curvature, first_order=self.first_order,
             hvp_method=self.hvp_method, buffers=dict(self.model.named_buffers()),
             model_kwargs=task.model_kwargs, stop=task.stop, task_index=index,
         )  # fmt: skip
@@ -368,7 +394,8 @@ class IMAML(MetaLearner):
         return torch.stack(losses), torch.stack(accs)
 
 
-def _check_settings(lam: float, inner_lr: float, cg_steps: int, cg_damping: float) -> None:
+def _check_settings(lam: float, inner_lr: float, cg_steps: int, cg_damping: float,
+                    cg_negative_curvature: str) -> None:  # fmt: skip
     if not lam > 0:
         raise ValueError(f"lam must be > 0 (the proximal strength of Eq. 4), got {lam}")
     if isinstance(inner_lr, (int, float)) and inner_lr * lam >= 2:
@@ -380,6 +407,11 @@ def _check_settings(lam: float, inner_lr: float, cg_steps: int, cg_damping: floa
         raise ValueError(f"cg_steps must be >= 1, got {cg_steps}; use first_order=True for none")
     if cg_damping < 0:
         raise ValueError(f"cg_damping must be >= 0, got {cg_damping}")
+    if cg_negative_curvature not in NEGATIVE_CURVATURE_POLICIES:
+        raise ValueError(
+            f"unknown cg_negative_curvature {cg_negative_curvature!r}; choose one of "
+            f"{', '.join(NEGATIVE_CURVATURE_POLICIES)}"
+        )
 
 
 def _metrics(results: Sequence[ImplicitResult], skipped: int) -> IMAMLMetrics:
@@ -398,4 +430,6 @@ def _metrics(results: Sequence[ImplicitResult], skipped: int) -> IMAMLMetrics:
         cg_iterations=sum(r.cg.iterations for r in solves) / len(solves),
         cg_residual=max(relative),
         cg_converged=sum(r.cg.converged for r in solves) / len(solves),
+        cg_negative_curvature=sum(r.cg.negative_curvature is not None for r in solves)
+        / len(solves),
     )  # fmt: skip

@@ -102,6 +102,10 @@ class LearnerArgs:
     cg_damping: float | None = None
     """iMAML only: damping added to the conjugate-gradient system; none: the learner's
     (conv4's adapted support Hessian has eigenvalues below -lambda)."""
+    cg_negative_curvature: Literal["raise", "continue", "stop"] | None = None
+    """iMAML only: what conjugate gradient does at non-positive curvature p'Ap <= 0:
+    continue (the plain recurrence, the reference's CG), stop (truncated CG: the iterate
+    before it) or raise (the run stops); none: the learner's (continue)."""
     lora_rank: int | None = None
     """LoRA only: rank of the low-rank adapters the inner loop adapts; none: the learner's."""
     msl_steps: int | None = None

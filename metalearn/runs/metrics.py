@@ -5,18 +5,20 @@ the experiments and `metalearn.runs` use these constants, never the string. ``tr
 the meta-batch's query loss and accuracy, the outer step size and the learner's schedule;
 ``val/`` and ``test/``: accuracy on held-out tasks with its 95% interval; ``perf/``:
 seconds and rates; ``curv/``: the curvature of the support and meta losses
-(`measure_curvature`).
+(`measure_curvature`); ``train/cg_*``: how iMAML's conjugate gradient solved its tasks'
+linear systems (`solver_metrics`).
 """
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Sequence
 
 import torch
 
 from metalearn import distributed
-from metalearn.algorithms import MetaLearner
+from metalearn.algorithms import IMAMLMetrics, MetaLearner, StepMetrics
 from metalearn.algorithms.curvature import PROBE_SEED, meta_curvature, support_curvature
 from metalearn.algorithms.registry import algorithms_that, can
 from metalearn.runs.lifecycle import require
@@ -38,6 +40,8 @@ __all__ = [
     "TEST_ACC_CI95",
     "TEST_BEST_ITERATION",
     "TRAIN_ACC",
+    "TRAIN_CG_CONVERGED",
+    "TRAIN_CG_NEGATIVE_CURVATURE",
     "TRAIN_LOSS",
     "TRAIN_OUTER_LR",
     "TRAIN_SKIPPED",
@@ -46,12 +50,17 @@ __all__ = [
     "VAL_BEST_ACC",
     "curvature_probe",
     "measure_curvature",
+    "solver_metrics",
 ]
 
 TRAIN_LOSS = "train/loss"
 TRAIN_ACC = "train/acc"
 TRAIN_OUTER_LR = "train/outer_lr"
 TRAIN_SKIPPED = "train/skipped"
+TRAIN_CG_CONVERGED = "train/cg_converged"
+"""iMAML: the fraction of the meta-batch's tasks whose CG reached its tolerance."""
+TRAIN_CG_NEGATIVE_CURVATURE = "train/cg_negative_curvature"
+"""iMAML: the fraction of the meta-batch's tasks whose CG met non-positive curvature."""
 VAL_ACC = "val/acc"
 VAL_ACC_CI95 = "val/acc_ci95"
 VAL_BEST_ACC = "val/best_acc"
@@ -70,6 +79,15 @@ CURV_TWO_OVER_INNER_LR = "curv/two_over_inner_lr"
 CURV_META_TOP_EIG = "curv/meta_top_eig"
 CURV_META_TRACE = "curv/meta_trace"
 CURV_META_TRACE_STD_ERROR = "curv/meta_trace_std_error"
+
+
+def solver_metrics(metrics: StepMetrics) -> dict[str, float]:
+    """The ``train/cg_*`` metrics of a meta-step: iMAML's (`IMAMLMetrics`) when it ran CG,
+    none for the other learners and first-order iMAML."""
+    if not isinstance(metrics, IMAMLMetrics) or math.isnan(metrics.cg_converged):
+        return {}
+    return {TRAIN_CG_CONVERGED: metrics.cg_converged,
+            TRAIN_CG_NEGATIVE_CURVATURE: metrics.cg_negative_curvature}  # fmt: skip
 
 
 def curvature_probe(recipe: Recipe, learner: MetaLearner, sampler) -> list | None:

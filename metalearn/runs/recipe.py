@@ -96,9 +96,10 @@ _OPTIMIZER_FLAGS = ("inner_optimizer", "inner_momentum", "inner_beta1", "inner_b
                     "inner_eps", "inner_alpha", "learn_inner_hyperparameters")  # fmt: skip
 # Flags that belong to the algorithms whose learner takes them (`algorithms_taking`): recorded
 # resolved for those, refused for the others.
-_OWN_FLAGS = ("cg_damping", "lora_rank", "msl_steps", "msl_epoch_length", "first_order_steps",
-              "label_smoothing", "adapt_norm", "inner_batch", "eval_inner_batch", "ridge_form",
-              "lam", "scale", "inner_state", "transductive", "train_on_query")  # fmt: skip
+_OWN_FLAGS = ("cg_damping", "cg_negative_curvature", "lora_rank", "msl_steps",
+              "msl_epoch_length", "first_order_steps", "label_smoothing", "adapt_norm",
+              "inner_batch", "eval_inner_batch", "ridge_form", "lam", "scale", "inner_state",
+              "transductive", "train_on_query")  # fmt: skip
 LEARNER_FLAGS = _SHARED_FLAGS + _OPTIMIZER_FLAGS + _OWN_FLAGS
 
 

@@ -25,15 +25,22 @@ from metalearn.second_order.hessian_vector import (
     hvp,
     hvp_double_backward,
 )
-from metalearn.second_order.solve import CGResult, conjugate_gradient
+from metalearn.second_order.solve import (
+    NEGATIVE_CURVATURE_POLICIES,
+    CGResult,
+    NegativeCurvature,
+    conjugate_gradient,
+)
 from metalearn.second_order.trace import TraceEstimate, hessian_trace
 
 __all__ = [
     "DEFAULT_HVP_METHOD",
     "HVP_METHODS",
+    "NEGATIVE_CURVATURE_POLICIES",
     "CGResult",
     "EigenResult",
     "HVPMethod",
+    "NegativeCurvature",
     "TraceEstimate",
     "conjugate_gradient",
     "hessian",

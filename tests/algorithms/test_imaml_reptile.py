@@ -16,6 +16,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.func import functional_call
 from torch.profiler import ProfilerActivity, profile
 
 from metalearn.algorithms.base import StepMetrics
@@ -27,6 +28,7 @@ from metalearn.models import MLP
 from metalearn.models.norm import MetaBatchNorm
 from metalearn.second_order import HVP_METHODS
 from tests.helpers.reptile_batches import mini_batches
+from tests.helpers.written_out_cg import first_negative_curvature, written_out_cg
 
 F64 = torch.float64
 
@@ -258,12 +260,93 @@ def test_imaml_forward_mode_through_mse_loss_equals_reverse_mode() -> None:
 
 
 def test_imaml_names_the_task_when_cg_meets_negative_curvature() -> None:
-    """Maximising the MSE makes H negative definite; with lam small, I + H/lam is too."""
+    """Maximising the MSE makes H negative definite; with lam small, I + H/lam is too.
+    Under cg_negative_curvature="raise" (what every run did before the argument) the run
+    stops with the message it had then."""
     model = nn.Linear(3, 1).double()
     tasks = _regression_tasks(torch.Generator().manual_seed(6), 2, 3)
-    learner = IMAML(model, lam=1e-3, inner_steps=0, loss_fn=lambda o, y: -_mse(o, y))
+    learner = IMAML(model, lam=1e-3, inner_steps=0, loss_fn=lambda o, y: -_mse(o, y),
+                    cg_negative_curvature="raise")  # fmt: skip
     with pytest.raises(ValueError, match="task 0.*indefinite.*Pass cg_damping > 0"):
         learner.backward(tasks)
+
+
+def _flat_support_hessian_and_query_grad(model: nn.Module, fast: dict[str, Tensor],
+                                         task: Task) -> tuple[Tensor, Tensor]:  # fmt: skip
+    """Dense float64 Hessian of the support MSE at phi, and the query gradient there."""
+    names = [n for n, _ in model.named_parameters()]
+    flat = torch.cat([fast[n].reshape(-1) for n in names])
+
+    def loss(v: Tensor, data: tuple[Tensor, Tensor]) -> Tensor:
+        params, start = {}, 0
+        for name, p in model.named_parameters():
+            params[name] = v[start : start + p.numel()].reshape(p.shape)
+            start += p.numel()
+        return _mse(functional_call(model, params, (data[0],)), data[1])
+
+    hessian = torch.func.hessian(loss)(flat, task.support)
+    return hessian, torch.func.grad(loss)(flat, task.query)
+
+
+def test_imaml_default_runs_cg_through_negative_curvature_as_the_reference() -> None:
+    """A tanh MLP, small lam and large steps: at the default cg_damping (11), the first
+    task's (1 + cg_damping) I + H/lam is indefinite, the second's positive definite (dense
+    eigenvalues). By default iMAML's CG runs on through p'Ap <= 0 as the reference's cg_solve
+    does (written out, tests.helpers.written_out_cg), so the meta-gradient is its 3-step
+    iterate; the one task whose CG met non-positive curvature is reported (1/2)."""
+    torch.manual_seed(4)
+    model = nn.Sequential(nn.Linear(2, 3), nn.Tanh(), nn.Linear(3, 1)).double()
+    gen = torch.Generator().manual_seed(4)
+
+    def data(n: int) -> tuple[Tensor, Tensor]:
+        x = torch.randn(n, 2, generator=gen, dtype=F64)
+        return x, torch.sin(3 * x[:, :1]) + x[:, 1:] ** 2
+
+    tasks = [Task(data(6), data(5)) for _ in range(2)]
+    lam, steps = 0.2, 3
+    learner = IMAML(model, lam=lam, inner_lr=1.0, inner_steps=3, cg_steps=steps, loss_fn=_mse)
+    assert (learner.cg_negative_curvature, learner.cg_damping) == ("continue", 11.0)
+    expected, met, indefinite = [], [], []
+    for task in tasks:
+        hessian, g = _flat_support_hessian_and_query_grad(model, learner.adapt(task), task)
+        system = (1 + learner.cg_damping) * torch.eye(len(g), dtype=F64) + hessian / lam
+        eigenvalues = torch.linalg.eigvalsh(system)
+        indefinite.append(bool(eigenvalues.min() < 0 < eigenvalues.max()))
+        iterates = written_out_cg(system, g, steps)
+        expected.append(iterates[-1][0])
+        met.append(first_negative_curvature(iterates) is not None)
+    metrics = learner.backward(tasks)
+    torch.testing.assert_close(_flat_grad(model), torch.stack(expected).mean(0), rtol=1e-9,
+                               atol=1e-12)  # fmt: skip
+    assert indefinite == met == [True, False]
+    assert metrics.cg_negative_curvature == 0.5 and metrics.cg_converged == 0.0
+
+
+def test_imaml_stop_truncates_cg_before_negative_curvature() -> None:
+    """cg_negative_curvature="stop": the meta-gradient is the iterate before the first
+    p'Ap <= 0 (g_query itself when it is the first direction), from the written-out CG."""
+    torch.manual_seed(4)
+    model = nn.Sequential(nn.Linear(2, 3), nn.Tanh(), nn.Linear(3, 1)).double()
+    gen = torch.Generator().manual_seed(4)
+    x = torch.randn(11, 2, generator=gen, dtype=F64)
+    y = torch.sin(3 * x[:, :1]) + x[:, 1:] ** 2
+    task = Task((x[:6], y[:6]), (x[6:], y[6:]))
+    lam = 0.2
+    learner = IMAML(model, lam=lam, inner_lr=1.0, inner_steps=3, cg_steps=3, cg_damping=0.0,
+                    loss_fn=_mse, cg_negative_curvature="stop")  # fmt: skip
+    hessian, g = _flat_support_hessian_and_query_grad(model, learner.adapt(task), task)
+    iterates = written_out_cg(torch.eye(len(g), dtype=F64) + hessian / lam, g, 3)
+    first = first_negative_curvature(iterates)
+    assert first is not None
+    metrics = learner.backward([task])
+    expected = g if first == 0 else iterates[first][0]
+    torch.testing.assert_close(_flat_grad(model), expected, rtol=1e-9, atol=1e-12)
+    assert metrics.cg_negative_curvature == 1.0
+
+
+def test_an_unknown_cg_negative_curvature_is_refused() -> None:
+    with pytest.raises(ValueError, match="unknown cg_negative_curvature 'skip'; choose one of"):
+        IMAML(nn.Linear(2, 1), cg_negative_curvature="skip")
 
 
 # --------------------------------------------------------------------------- Reptile

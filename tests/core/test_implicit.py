@@ -20,7 +20,7 @@ from torch.func import functional_call
 
 from metalearn.algorithms.imaml import IMAML, proximal_adapt
 from metalearn.engine import Task
-from metalearn.implicit import NotPositiveDefiniteError, argmin, root
+from metalearn.implicit import NotPositiveDefiniteError, Optimality, argmin, implicit_vjp, root
 from metalearn.models import MLP
 from metalearn.second_order import HVP_METHODS, conjugate_gradient, hvp
 from tests.conftest import ROOT
@@ -171,6 +171,33 @@ def test_cg_on_a_non_symmetric_jacobian_names_the_other_solves() -> None:
     z = root(condition, lambda a, b: torch.linalg.solve(a, b))(a, b)
     with pytest.raises(NotPositiveDefiniteError, match="solve='normal-cg' or 'neumann'"):
         z.sum().backward()
+
+
+@pytest.mark.parametrize("policy", ["continue", "stop"])
+def test_cg_through_negative_curvature_is_recorded(policy: str) -> None:
+    """A symmetric indefinite Jacobian: "continue" runs CG through p'Ap < 0 to (dF/dx)^-1 g
+    in n steps; "stop" returns the iterate before it, b itself when it is the first
+    direction (conjugate_gradient's own tests check the iterates); "raise", the default,
+    raises."""
+    q, _ = torch.linalg.qr(torch.randn(4, 4, generator=torch.Generator().manual_seed(5),
+                                       dtype=F64))  # fmt: skip
+    a = q @ torch.diag(torch.tensor([-2.0, 0.5, 1.0, 3.0], dtype=F64)) @ q.T
+    g = torch.tensor([1.0, -0.5, 0.25, 2.0], dtype=F64)
+    condition = Optimality(F=lambda z, b: a @ z - b)  # dF/db = -I: dL/db = u = a^-1 g
+    z, b = torch.linalg.solve(a, torch.ones(4, dtype=F64)), torch.ones(4, dtype=F64)
+    with pytest.raises(NotPositiveDefiniteError, match="non-positive curvature"):
+        implicit_vjp(condition, z, [b], g, max_iter=4)
+    (grad,), solved = implicit_vjp(condition, z, [b], g, max_iter=4,
+                                   on_negative_curvature=policy)  # fmt: skip
+    first = conjugate_gradient(lambda u: a @ u, g, max_iter=4, on_negative_curvature=policy)
+    assert solved.negative_curvature is not None
+    assert solved.negative_curvature == first.negative_curvature
+    if policy == "continue":
+        assert solved.converged and solved.iterations == 4
+        torch.testing.assert_close(grad, torch.linalg.solve(a, g), rtol=0, atol=1e-10)
+    else:
+        assert not solved.converged
+        torch.testing.assert_close(grad, first.x, rtol=0, atol=0)
 
 
 def test_a_solver_that_did_not_converge_is_named_with_its_residual() -> None:

@@ -24,7 +24,12 @@ from metalearn.algorithms import IMAML, Reptile
 from metalearn.checkpoint import load_checkpoint
 from metalearn.runs.cli import flatten, replace_flat
 from metalearn.runs.lifecycle import UserError, latest_segment
-from metalearn.runs.recipe import build_learner, read_recipe, recipe_from_args
+from metalearn.runs.recipe import (
+    build_learner,
+    read_recipe,
+    recipe_from_args,
+    resolve_learner_args,
+)
 from metalearn.runs.records import read_offline_run
 from tests.conftest import OMNIGLOT, ROOT, needs_omniglot
 from tests.helpers.run_helpers import main_interrupted, make, om, recipe_of
@@ -139,6 +144,34 @@ def test_what_runs_is_what_is_recorded(tmp_path, monkeypatch, algorithm, cls, ex
     rebuilt = build_learner(recipe)
     assert type(rebuilt) is cls and rebuilt.inner_steps == learner.inner_steps
     assert rebuilt.inner_lr == learner.inner_lr
+
+
+def test_cg_negative_curvature_flag_round_trips_and_its_fraction_is_logged(tmp_path):
+    """``--cg-negative-curvature stop`` is the learner argument that runs, in the recipe and
+    rebuilt from it; each meta-step logs the fraction of tasks whose CG met non-positive
+    curvature beside the fraction that converged. Left open it is the reference's
+    "continue"."""
+    built, build = [], om.make_learner
+    flags = _flags(tmp_path, algorithm="imaml", iterations=1, inner_steps=1, run_name="r",
+                   cg_negative_curvature="stop")  # fmt: skip
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(om, "make_learner", lambda *a: built.append(build(*a)) or built[-1])
+        om.main(om.parse_args(flags))
+    assert built[0].cg_negative_curvature == "stop"
+    saved = _checkpoint(tmp_path, "r")
+    recipe = read_recipe(saved)
+    assert recipe.learner.arguments["cg_negative_curvature"] == "stop"
+    assert build_learner(recipe).cg_negative_curvature == "stop"
+    (row,) = [r for r in saved["history"] if "train/loss" in r]
+    assert 0 <= row["train/cg_negative_curvature"] <= 1 and 0 <= row["train/cg_converged"] <= 1
+    default = om.parse_args(_flags(tmp_path, algorithm="imaml", run_name="d"))
+    assert default.learner.cg_negative_curvature is None  # open: the learner's own
+    assert resolve_learner_args(flatten(default))["cg_negative_curvature"] == "continue"
+    with pytest.raises(ValueError, match="--cg-negative-curvature is a setting of imaml; drop "
+                                         "it for maml"):  # fmt: skip
+        resolve_learner_args(
+            {**flatten(default), "algorithm": "maml", "cg_negative_curvature": "stop"}
+        )
 
 
 def test_default_run_names_say_lr_and_steps_and_never_repeat(tmp_path):

@@ -224,3 +224,21 @@ def test_a_proto_maml_record_from_before_the_reference_defaults_reads_as_it_ran(
     assert read_recipe({"recipe": new}).learner.arguments == today
     assert (today["inner_lr"], today["inner_steps"], today["first_order"],
             today["adapt_norm"]) == (0.01, 5, True, False)  # fmt: skip
+
+
+def test_an_imaml_record_from_before_the_negative_curvature_policy_reads_as_raise():
+    """iMAML's CG raised at non-positive curvature until ``cg_negative_curvature`` (default
+    "continue", the reference's CG) existed: a record without it, recipe or flat, reads as
+    "raise" and builds that learner; one written since keeps what it holds."""
+    recipe = read_recipe(saved("folder-maml")).to_dict()
+    today = complete_arguments("imaml", {})
+    before = {k: v for k, v in today.items() if k != "cg_negative_curvature"}
+    old = read_recipe({"recipe": {**recipe, "learner": {"algorithm": "imaml",
+                                                        "arguments": before}}})  # fmt: skip
+    assert old.learner.arguments["cg_negative_curvature"] == "raise"
+    assert build_learner(old).cg_negative_curvature == "raise"
+    flat = read_recipe({"args": {**saved("omniglot-maml")["args"], "algorithm": "imaml"}})
+    assert flat.learner.arguments["cg_negative_curvature"] == "raise"
+    new = read_recipe({"recipe": {**recipe, "learner": {"algorithm": "imaml",
+                                                        "arguments": today}}})  # fmt: skip
+    assert new.learner.arguments == today and today["cg_negative_curvature"] == "continue"

@@ -61,6 +61,19 @@ def test_refused_before_anything_runs(tmp_path, flags, message):
     assert not (tmp_path / "runs").exists()
 
 
+def test_an_unknown_cg_negative_curvature_is_one_line_exit_2(tmp_path):
+    """The parser refuses a policy that is not one of iMAML's three, naming them."""
+    cmd = [sys.executable, str(ROOT / "experiments" / "omniglot_maml.py"), *TINY,
+           "--out-dir", str(tmp_path / "runs"), "--algorithm", "imaml",
+           "--cg-negative-curvature", "ignore"]  # fmt: skip
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 2 and done.stdout == ""
+    assert done.stderr.count("\n") == 1 and "Traceback" not in done.stderr
+    assert "invalid choice 'ignore' for argument '--cg-negative-curvature'" in done.stderr
+    assert all(f"'{p}'" in done.stderr for p in ("raise", "continue", "stop"))
+    assert not (tmp_path / "runs").exists()
+
+
 @pytest.mark.parametrize(
     ("flags", "message"),
     [(["--inner-beta1", "1.0"], "--inner-beta1 1.0 is out of range: it must be in [0, 1)"),
