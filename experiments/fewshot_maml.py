@@ -75,7 +75,6 @@ from metalearn.runs.metrics import (
     VAL_BEST_ACC,
     curvature_probe,
     measure_curvature,
-    solver_metrics,
 )
 from metalearn.runs.outer_loop import (
     build_outer_optimizer,
@@ -83,6 +82,7 @@ from metalearn.runs.outer_loop import (
     clamp_meta_gradient,
     my_tasks,
     scheduled_lr,
+    solver_metrics,
 )
 from metalearn.runs.recipe import Recipe, build_model
 from metalearn.runs.run import Run, load_samplers, meta_gradient

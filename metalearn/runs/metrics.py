@@ -6,19 +6,18 @@ the meta-batch's query loss and accuracy, the outer step size and the learner's 
 ``val/`` and ``test/``: accuracy on held-out tasks with its 95% interval; ``perf/``:
 seconds and rates; ``curv/``: the curvature of the support and meta losses
 (`measure_curvature`); ``train/cg_*``: how iMAML's conjugate gradient solved its tasks'
-linear systems (`solver_metrics`).
+linear systems (`metalearn.runs.outer_loop.solver_metrics`).
 """
 
 from __future__ import annotations
 
-import math
 import time
 from collections.abc import Sequence
 
 import torch
 
 from metalearn import distributed
-from metalearn.algorithms import IMAMLMetrics, MetaLearner, StepMetrics
+from metalearn.algorithms import MetaLearner
 from metalearn.algorithms.curvature import PROBE_SEED, meta_curvature, support_curvature
 from metalearn.algorithms.registry import algorithms_that, can
 from metalearn.runs.lifecycle import require
@@ -50,7 +49,6 @@ __all__ = [
     "VAL_BEST_ACC",
     "curvature_probe",
     "measure_curvature",
-    "solver_metrics",
 ]
 
 TRAIN_LOSS = "train/loss"
@@ -79,15 +77,6 @@ CURV_TWO_OVER_INNER_LR = "curv/two_over_inner_lr"
 CURV_META_TOP_EIG = "curv/meta_top_eig"
 CURV_META_TRACE = "curv/meta_trace"
 CURV_META_TRACE_STD_ERROR = "curv/meta_trace_std_error"
-
-
-def solver_metrics(metrics: StepMetrics) -> dict[str, float]:
-    """The ``train/cg_*`` metrics of a meta-step: iMAML's (`IMAMLMetrics`) when it ran CG,
-    none for the other learners and first-order iMAML."""
-    if not isinstance(metrics, IMAMLMetrics) or math.isnan(metrics.cg_converged):
-        return {}
-    return {TRAIN_CG_CONVERGED: metrics.cg_converged,
-            TRAIN_CG_NEGATIVE_CURVATURE: metrics.cg_negative_curvature}  # fmt: skip
 
 
 def curvature_probe(recipe: Recipe, learner: MetaLearner, sampler) -> list | None:

@@ -42,12 +42,14 @@ from typing import Any
 import torch
 
 from metalearn import distributed
-from metalearn.algorithms import MetaLearner
+from metalearn.algorithms import IMAMLMetrics, MetaLearner, StepMetrics
 from metalearn.data import EpisodicSampler
 from metalearn.runs.lifecycle import NonFiniteGradientError
+from metalearn.runs.metrics import TRAIN_CG_CONVERGED, TRAIN_CG_NEGATIVE_CURVATURE
 
 __all__ = ["OUTER_OPTIMIZERS", "SCHEDULES", "build_outer_optimizer", "check_finite_gradient",
-           "check_outer_loop", "clamp_meta_gradient", "my_tasks", "scheduled_lr"]  # fmt: skip
+           "check_outer_loop", "clamp_meta_gradient", "my_tasks", "scheduled_lr",
+           "solver_metrics"]  # fmt: skip
 
 OUTER_OPTIMIZERS = ("adam", "sgd")
 SCHEDULES = ("constant", "cosine", "step", "linear", "piecewise")
@@ -218,3 +220,12 @@ def clamp_meta_gradient(learner: MetaLearner, bound: float | None) -> None:
     for p in learner.network_parameters():
         if p.grad is not None:
             p.grad.clamp_(-bound, bound)
+
+
+def solver_metrics(metrics: StepMetrics) -> dict[str, float]:
+    """The ``train/cg_*`` metrics of a meta-step: iMAML's (`IMAMLMetrics`) when it ran CG,
+    none for the other learners and first-order iMAML."""
+    if not isinstance(metrics, IMAMLMetrics) or math.isnan(metrics.cg_converged):
+        return {}
+    return {TRAIN_CG_CONVERGED: metrics.cg_converged,
+            TRAIN_CG_NEGATIVE_CURVATURE: metrics.cg_negative_curvature}  # fmt: skip
