@@ -32,7 +32,8 @@ import typing
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any, TypeVar
 
-__all__ = ["flag", "flat_fields", "flatten", "parse_dataclass", "replace_flat", "unflatten"]
+__all__ = ["flag", "flag_value", "flat_fields", "flatten", "parse_dataclass", "replace_flat",
+           "unflatten"]  # fmt: skip
 
 T = TypeVar("T")
 
@@ -174,15 +175,23 @@ def _preset_default(cls: type, argv: Sequence[str], presets: Mapping | None) -> 
     if not presets or "preset" not in flat_fields(cls):
         return None
     default = cls()
-    name = flatten(default)["preset"]
-    for i, arg in enumerate(argv):
-        if arg == "--preset" and i + 1 < len(argv):
-            name = argv[i + 1]
-        elif arg.startswith("--preset="):
-            name = arg.split("=", 1)[1]
+    given = flag_value(argv, "--preset")
+    name = flatten(default)["preset"] if given is None else given
     if name not in presets:  # refused by the parser's choices
         return default
     return unflatten(cls, {**presets[name], "preset": name}, base=default)
+
+
+def flag_value(argv: Sequence[str], name: str) -> str | None:
+    """The value ``argv`` gives flag ``name`` (``--name VALUE`` or ``--name=VALUE``; the last
+    one given wins, as the parser takes it), read before parsing; None when not given."""
+    value = None
+    for i, arg in enumerate(argv):
+        if arg == name and i + 1 < len(argv):
+            value = argv[i + 1]
+        elif arg.startswith(name + "="):
+            value = arg.split("=", 1)[1]
+    return value
 
 
 def _leaf_types(cls: type) -> dict[str, Any]:

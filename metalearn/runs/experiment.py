@@ -36,7 +36,7 @@ import torch
 from metalearn.algorithms.registry import ALGORITHMS, algorithms_that, can, make_learner
 from metalearn.checkpoint import load_checkpoint
 from metalearn.data import check_task_sizes
-from metalearn.runs.cli import flag, flatten, parse_dataclass, unflatten
+from metalearn.runs.cli import flag, flag_value, flatten, parse_dataclass, unflatten
 from metalearn.runs.lifecycle import UserError, merge_resumed_args, require
 from metalearn.runs.outer_loop import check_outer_loop
 from metalearn.runs.recipe import (
@@ -430,16 +430,11 @@ def presets_for(exp: Experiment, argv: Sequence[str]) -> Mapping[str, Mapping[st
     documented result was measured with (the Omniglot ``cpu`` preset's Proto-MAML), so
     ``--algorithm maml`` with no preset trains MAML at its own defaults, as a preset of
     another algorithm would not change them."""
-    if "preset" not in flatten(exp.args_type()):
+    default = flatten(exp.args_type()).get("preset")
+    if default is None:
         return exp.presets
-    default = flatten(exp.args_type())["preset"]
     preset = exp.presets.get(default, {})
-    named = None
-    for i, arg in enumerate(argv):
-        if arg == "--algorithm" and i + 1 < len(argv):
-            named = argv[i + 1]
-        elif arg.startswith("--algorithm="):
-            named = arg.split("=", 1)[1]
+    named = flag_value(argv, "--algorithm")
     if "algorithm" not in preset or named in (None, preset["algorithm"]):
         return exp.presets
     kept = {k: v for k, v in preset.items() if k not in LEARNER_FLAGS}
