@@ -50,9 +50,9 @@ from metalearn.implicit import LinearSolve, NotPositiveDefiniteError, Optimality
 from metalearn.optim import Hyperparameter
 from metalearn.second_order import (
     DEFAULT_HVP_METHOD,
-    NEGATIVE_CURVATURE_POLICIES,
     HVPMethod,
     NegativeCurvature,
+    check_negative_curvature,
 )
 
 __all__ = [
@@ -407,11 +407,7 @@ def _check_settings(lam: float, inner_lr: float, cg_steps: int, cg_damping: floa
         raise ValueError(f"cg_steps must be >= 1, got {cg_steps}; use first_order=True for none")
     if cg_damping < 0:
         raise ValueError(f"cg_damping must be >= 0, got {cg_damping}")
-    if cg_negative_curvature not in NEGATIVE_CURVATURE_POLICIES:
-        raise ValueError(
-            f"unknown cg_negative_curvature {cg_negative_curvature!r}; choose one of "
-            f"{', '.join(NEGATIVE_CURVATURE_POLICIES)}"
-        )
+    check_negative_curvature(cg_negative_curvature, "cg_negative_curvature")
 
 
 def _metrics(results: Sequence[ImplicitResult], skipped: int) -> IMAMLMetrics:

@@ -29,6 +29,7 @@ from metalearn.second_order.solve import (
     NEGATIVE_CURVATURE_POLICIES,
     CGResult,
     NegativeCurvature,
+    check_negative_curvature,
     conjugate_gradient,
 )
 from metalearn.second_order.trace import TraceEstimate, hessian_trace
@@ -42,6 +43,7 @@ __all__ = [
     "HVPMethod",
     "NegativeCurvature",
     "TraceEstimate",
+    "check_negative_curvature",
     "conjugate_gradient",
     "hessian",
     "hessian_trace",

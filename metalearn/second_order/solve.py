@@ -4,18 +4,31 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from typing import Literal, NamedTuple
+from typing import Literal, NamedTuple, get_args
 
 import torch
 
 from metalearn.functional import Tree, tree_axpy, tree_dot, tree_map
 from metalearn.second_order._checks import check_like, check_params
 
-__all__ = ["NEGATIVE_CURVATURE_POLICIES", "CGResult", "NegativeCurvature", "conjugate_gradient"]
+__all__ = ["NEGATIVE_CURVATURE_POLICIES", "CGResult", "NegativeCurvature",
+           "check_negative_curvature", "conjugate_gradient"]  # fmt: skip
 
 NegativeCurvature = Literal["raise", "continue", "stop"]
-NEGATIVE_CURVATURE_POLICIES: tuple[str, ...] = ("raise", "continue", "stop")
+NEGATIVE_CURVATURE_POLICIES: tuple[str, ...] = get_args(NegativeCurvature)
 """What CG does at a direction of non-positive curvature ``p'(A + damping I)p <= 0``."""
+
+
+def check_negative_curvature(policy: str, name: str = "on_negative_curvature") -> None:
+    """Refuse a policy that is none of `NEGATIVE_CURVATURE_POLICIES`.
+
+    Raises:
+        ValueError: naming ``name`` (the argument that carries it) and the choices.
+    """
+    if policy not in NEGATIVE_CURVATURE_POLICIES:
+        raise ValueError(
+            f"unknown {name} {policy!r}; choose one of {', '.join(NEGATIVE_CURVATURE_POLICIES)}"
+        )
 
 
 class CGResult(NamedTuple):
@@ -91,11 +104,7 @@ def conjugate_gradient(
         raise ValueError(f"max_iter must be >= 1, got {max_iter}")
     if damping < 0:
         raise ValueError(f"damping must be >= 0, got {damping}; CG needs A + damping I to be SPD")
-    if on_negative_curvature not in NEGATIVE_CURVATURE_POLICIES:
-        raise ValueError(
-            f"unknown on_negative_curvature {on_negative_curvature!r}; choose one of "
-            f"{', '.join(NEGATIVE_CURVATURE_POLICIES)}"
-        )
+    check_negative_curvature(on_negative_curvature)
 
     def apply(x: Tree) -> Tree:
         ax = matvec(x)
@@ -136,5 +145,5 @@ def conjugate_gradient(
             p = tree_axpy(rs_new / rs, p, r)
             rs = rs_new
             iterations += 1
-    residual = math.sqrt(max(float(rs), 0.0))
+    residual = math.sqrt(float(rs))
     return CGResult(x, iterations, residual, residual <= threshold, met)
