@@ -64,9 +64,10 @@ class BOIL(InnerOptimizerLearner):
         **kwargs: Any,
     ) -> None:
         names = [n for n, _ in model.named_parameters()]
-        held = set() if adapt_norm else set(norm_parameter_names(model))
-        body = [n for n in names if not (n == head or n.startswith(head + ".")) and n not in held]
-        if not any(n == head or n.startswith(head + ".") for n in names):
+        heads = {n for n in names if n == head or n.startswith(head + ".")}
+        held = heads if adapt_norm else heads | set(norm_parameter_names(model))
+        body = [n for n in names if n not in held]
+        if not heads:
             raise ValueError(
                 f"no parameter of the model is named {head!r} or starts with {head + '.'!r}; "
                 "pass head= the prefix of the classifier's parameters"
