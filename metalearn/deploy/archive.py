@@ -62,8 +62,8 @@ def weights_only_loads() -> Iterator[None]:
 
 
 def load_program(path: str | os.PathLike, extra_files: dict[str, str]) -> ExportedProgram:
-    """``torch.export.load(path, extra_files=...)`` with every pickled member read as
-    tensors and plain containers only.
+    """The program at ``path`` as torch.export's ``load`` reads it (``extra_files`` filled),
+    with every pickled member read as tensors and plain containers only.
 
     Raises:
         ValueError: a member holds pickled objects other than tensors and containers (the

@@ -24,7 +24,7 @@ Bad input ends with a one-line error and exit code 2, with nothing on disk chang
 Then ``metalearn-predict --model adapted.pt2 --images FOLDER`` classifies a folder of images;
 or, anywhere with torch (see docs/deploy.md)::
 
-    program = torch.export.load("adapted.pt2")
+    program = torch.export.load("adapted.pt2")  # safe: your own package (else load_exported)
     logits = program.module()(images)          # images as the run's: e.g. [B, 1, 28, 28], ink 1
     package = torch._inductor.aoti_load_package("adapted.aoti.pt2")    # --aot
     logits = package(images)
