@@ -9,7 +9,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
 
@@ -20,6 +19,7 @@ from metalearn.runs.recipe import build_learner, read_recipe
 from metalearn.runs.run import Run, load_samplers
 from metalearn.tools import evaluate as evaluate_tool
 from tests.conftest import OMNIGLOT, ROOT, needs_omniglot
+from tests.helpers.ensemble_reference import ensemble_task_accuracies, run_test_tasks
 from tests.helpers.run_helpers import make, om
 
 pytestmark = needs_omniglot
@@ -45,19 +45,15 @@ def reference_test(saved: dict) -> tuple[float, float]:
     logits, combined as experiment_builder.py's evaluated_test_set_using_the_best_models
     (np.mean over models, np.argmax over classes); the interval 1.96 std / sqrt(T)."""
     recipe = read_recipe(saved)
-    sampler = load_samplers(recipe, "cpu")["test"]
     t = recipe.training
-    classes, examples = sampler.sample_indices(torch.Generator().manual_seed(TEST_SEED),
-                                               t.test_tasks)  # fmt: skip
-    tasks = sampler.tasks_from_indices(classes, examples)
+    tasks = run_test_tasks(recipe)
     learner = build_learner(recipe)
     per_model = []
     for entry in saved["top"]:
         learner.load_state_dict(entry["learner"])
         per_model.append([learner.query_logits(task, t.eval_inner_steps).numpy()
                           for task in tasks])  # fmt: skip
-    preds = np.argmax(np.mean(np.array(per_model), axis=0), axis=2)
-    per_task = np.equal(np.array([task.query[1].numpy() for task in tasks]), preds).mean(1)
+    per_task = ensemble_task_accuracies(per_model, tasks)
     return per_task.mean(), 1.96 * per_task.std(ddof=1) / math.sqrt(len(per_task))
 
 
