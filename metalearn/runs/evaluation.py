@@ -79,7 +79,8 @@ def evaluate_tasks(
         chunk: tasks built and adapted at a time (memory only: the result is the same).
         progress: True: a progress bar over tasks (on rank 0 only); False: none; a
             callable: called with the number of tasks after each chunk (e.g. the update of
-            a bar the caller owns).
+            a bar the caller owns), times the ensemble's size with ``ensemble``: each of
+            its models adapts to every task.
         desc: the bar's label.
         ensemble: state dicts of ``learner`` whose averaged query logits score each task
             (`ensemble_accuracies`; the learner is left holding the first); None: the
@@ -98,10 +99,11 @@ def evaluate_tasks(
             f"chunk={chunk}"
         )
     classes, examples = source.sample_indices(generator, tasks)
+    models = 1 if ensemble is None else len(ensemble)
     accs = []
     with contextlib.ExitStack() as stack:
         if not callable(progress):
-            bar = tqdm(total=tasks, desc=desc, unit="task", dynamic_ncols=True, leave=False,
+            bar = tqdm(total=tasks * models, desc=desc, unit="task", dynamic_ncols=True, leave=False,
                        disable=not (progress and distributed.is_main()))  # fmt: skip
             progress = stack.enter_context(bar).update
         for start in range(0, tasks, chunk):
@@ -116,7 +118,7 @@ def evaluate_tasks(
                 else:
                     local = ensemble_accuracies(learner, ensemble, batch, steps)
             accs.append(distributed.gather_tensor(local.float()))
-            progress(stop - start)
+            progress((stop - start) * models)
     acc = torch.cat(accs).double()
     return acc.mean().item(), accuracy_interval(acc)
 

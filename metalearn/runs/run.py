@@ -382,13 +382,15 @@ class Run:
         """One bar over every task left to run: training, validations and the test.
 
         Counting tasks (not steps) lets the ETA include validation and test; an evaluation
-        task (more inner steps, no meta-gradient) costs roughly what a training task does.
+        task (more inner steps, no meta-gradient) costs roughly what a training task does,
+        and a test ensemble of K models adapts each test task K times.
         """
         t = self.recipe.training
         steps = range(self.state.iteration + 1, t.iterations + 1)
         validations = sum(1 for s in steps if s % t.val_every == 0 or s == t.iterations)
         total = len(steps) * t.meta_batch + validations * t.val_tasks * validates
-        return tqdm(total=total + t.test_tasks, initial=0, desc="train", unit="task",
+        test = t.test_tasks * t.ensemble_top_k
+        return tqdm(total=total + test, initial=0, desc="train", unit="task",
                     dynamic_ncols=True, disable=not self.dist.is_main)  # fmt: skip
 
     def _take_snapshot(self) -> dict:

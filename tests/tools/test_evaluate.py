@@ -98,6 +98,11 @@ def test_the_result_does_not_depend_on_the_chunk_size(checkpoint) -> None:
     again = evaluate_tasks(learner, sampler, 7, 1, torch.Generator().manual_seed(3), chunk=3,
                            progress=seen.append)  # fmt: skip
     assert seen == [3, 3, 1] and again == results[3]
+    counted: list[int] = []  # an ensemble of 2 adapts each task twice: each task counted twice
+    state = learner.state_dict()
+    both = evaluate_tasks(learner, sampler, 7, 1, torch.Generator().manual_seed(3), chunk=3,
+                          progress=counted.append, ensemble=[state, state])  # fmt: skip
+    assert counted == [6, 6, 2] and both[0] == pytest.approx(results[3][0], abs=1e-12)
     accuracies = learner.evaluate(sampler.batch(7, torch.Generator().manual_seed(3)), steps=1)[1]
     assert results[1][0] == pytest.approx(accuracies.double().mean().item(), abs=1e-12)
     with pytest.raises(ValueError, match="need tasks >= 1"):
