@@ -135,8 +135,8 @@ class Args(ExperimentArgs):
     model: FewshotModel = field(default_factory=lambda: FewshotModel(hidden=32))
     """Model options."""
     learner: LearnerArgs = field(default_factory=lambda: LearnerArgs(algorithm="maml"))
-    """Learner options (inner_lr and inner_steps left open: 0.01 and 5, the MAML paper's
-    mini-ImageNet runs, for a learner with an inner loop; `with_open_values`)."""
+    """Learner options (inner_lr and inner_steps left open: 0.05 on the mean loss and 5, the
+    MAML paper's mini-ImageNet runs, for a learner whose own are Omniglot's; `with_open_values`)."""
     training: TrainingArgs = field(
         default_factory=lambda: TrainingArgs(
             meta_batch=4, iterations=2000, val_every=200, checkpoint_every=200
@@ -248,15 +248,22 @@ def check_data(args: Args) -> None:
 
 def with_open_values(args: Args) -> Args:
     """``args`` with open ``channels`` and ``image_size`` set to the data set's, and, for a
-    learner whose inner loop is gradient descent by default (MAML's family, iMAML), open
-    ``inner_lr`` and ``inner_steps`` set to the MAML paper's mini-ImageNet values (0.05 on the
-    mean loss, its 0.01 on N times it; 5 steps);
+    learner whose inner loop is gradient descent by default at its reference's Omniglot
+    values (MAML's family, iMAML: `MetaLearner.omniglot_inner_defaults`), open ``inner_lr``
+    and ``inner_steps`` set to the MAML paper's mini-ImageNet values (0.05 on the mean loss,
+    its 0.01 on N times it; 5 steps);
     the rest is the learner's own (its constructor: Reptile's Adam at 1e-3, whose
-    mini-ImageNet commands are the ``reptile-miniimagenet-*`` presets)."""
+    mini-ImageNet commands are the ``reptile-miniimagenet-*`` presets; Proto-MAML's
+    meta-dataset values; BOIL's CIFAR-FS ones)."""
     channels, side = image_shape(args.data.dataset, args.data.image_size, args.data.channels)
     inner = {}
-    own = complete_arguments(args.learner.algorithm, {})
-    if can(args.learner.algorithm, "inner_loop") and own.get("inner_optimizer", "sgd") == "sgd":
+    algorithm = args.learner.algorithm
+    own = complete_arguments(algorithm, {})
+    if (
+        can(algorithm, "omniglot_inner_defaults")
+        and can(algorithm, "inner_loop")
+        and own.get("inner_optimizer", "sgd") == "sgd"
+    ):
         lr, steps = args.learner.inner_lr, args.learner.inner_steps
         inner = {"inner_lr": 0.05 if lr is None else lr, "inner_steps": steps or 5}
     return replace_flat(args, channels=channels, image_size=side, **inner)

@@ -148,6 +148,10 @@ class MetaLearner(nn.Module, abc.ABC):
             its hyperparameters, `metalearn.algorithms.inner_optimizer`).
         measures_curvature: `metalearn.algorithms.curvature` measures it: an inner loop and
             a meta-loss to differentiate (`MetaLossLearner`).
+        omniglot_inner_defaults: the constructor's ``inner_lr`` and ``inner_steps`` are
+            its reference's Omniglot values, so `experiments/fewshot_maml.py` gives an open
+            one the MAML paper's mini-ImageNet value; False where the reference set them
+            for other data (BOIL's CIFAR-FS, Proto-MAML's meta-dataset), kept there.
 
         The experiments and tools read these through `metalearn.algorithms.registry.can`
         and `~metalearn.algorithms.registry.algorithms_that`, never from a list of names.
@@ -163,6 +167,7 @@ class MetaLearner(nn.Module, abc.ABC):
     takes_inner_optimizer: ClassVar[bool] = False
     measures_curvature: ClassVar[bool] = False
     scores_adapted_weights: ClassVar[bool] = True
+    omniglot_inner_defaults: ClassVar[bool] = True
 
     def __init__(
         self,

@@ -111,6 +111,7 @@ class ProtoMAML(MetaLossLearner):
     # records written before: MAML's 0.4 and 1 step, second order, norm layers adapted
     arguments_before = {"inner_lr": 0.4, "inner_steps": 1, "first_order": False,
                         "adapt_norm": True}  # fmt: skip
+    omniglot_inner_defaults = False  # meta-dataset's values, set for ImageNet-like data
 
     def __init__(
         self,

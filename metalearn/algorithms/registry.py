@@ -66,15 +66,16 @@ LOSSES = {"cross_entropy": F.cross_entropy, "mse": F.mse_loss}
 """Loss functions a record names (``loss_fn`` is recorded by name)."""
 
 Capability = Literal["inner_loop", "inner_optimizer", "curvature", "head_sized_per_task",
-                     "query_logits"]  # fmt: skip
+                     "query_logits", "omniglot_inner_defaults"]  # fmt: skip
 """What a learner may be able to do: an inner loop of gradient steps, a chosen inner
 optimizer, curvature measured (`metalearn.algorithms.curvature`), a head sized per task,
-query predictions of the network at adapted weights (`MetaLearner.query_logits`)."""
+query predictions of the network at adapted weights (`MetaLearner.query_logits`), inner
+defaults that are its reference's Omniglot values (`MetaLearner.omniglot_inner_defaults`)."""
 
 _ATTRIBUTES: Mapping[str, str] = {
     "inner_loop": "has_inner_loop", "inner_optimizer": "takes_inner_optimizer",
     "curvature": "measures_curvature", "head_sized_per_task": "head_sized_per_task",
-    "query_logits": "scores_adapted_weights",
+    "query_logits": "scores_adapted_weights", "omniglot_inner_defaults": "omniglot_inner_defaults",
 }  # fmt: skip
 
 

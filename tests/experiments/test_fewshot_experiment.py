@@ -142,15 +142,17 @@ def test_omniglot_keeps_its_tasks(roots):
 
 
 @pytest.mark.parametrize("algorithm", ["protonet", "r2d2", "metaoptnet", "maml", "imaml",
-                                       "reptile"])  # fmt: skip
+                                       "reptile", "protomaml", "boil"])  # fmt: skip
 def test_a_learner_without_an_inner_loop_needs_no_flag_dropped(algorithm):
     """The experiment's open inner-loop values (0.05 and 5) go to learners with a
-    gradient-descent inner loop only: a head learner runs with no learner flag given, and
-    records none; Reptile keeps its own (Adam at 1e-3, 5 iterations)."""
+    gradient-descent inner loop at Omniglot's values only: a head learner runs with no
+    learner flag given, and records none; Reptile keeps its own (Adam at 1e-3, 5
+    iterations), Proto-MAML meta-dataset's (0.01, 5), BOIL its CIFAR-FS values (0.5, 1)."""
     args = flatten(fs.resolve_args(fs.parse_args(["--algorithm", algorithm,
                                                   "--data-root", str(ROOT)])))  # fmt: skip
     heads = ("protonet", "r2d2", "metaoptnet")
-    own = {"reptile": (1e-3, 5)}.get(algorithm, (0.05, 5))
+    own = {"reptile": (1e-3, 5), "protomaml": (0.01, 5), "boil": (0.5, 1)}.get(
+        algorithm, (0.05, 5))  # fmt: skip
     assert (args["inner_lr"], args["inner_steps"]) == ((None, None) if algorithm in heads else own)
     if algorithm in heads:  # a flag given for the inner loop it lacks is still refused
         with pytest.raises(UserError, match=f"{algorithm} solves its head.*drop --inner-lr"):
