@@ -111,7 +111,8 @@ def safe_sqrt(v: Tensor) -> Tensor:
     higher's optimizers mask the same entries). Values equal ``torch.sqrt``'s.
     """
     positive = v > 0
-    return torch.where(positive, torch.where(positive, v, torch.ones_like(v)).sqrt(), 0.0 * v)
+    # The inner where keeps sqrt's derivative finite where v is 0 (its 1 is never used).
+    return torch.where(positive, torch.where(positive, v, 1.0).sqrt(), 0.0)
 
 
 class InnerOptimizer(abc.ABC):
