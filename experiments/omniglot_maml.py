@@ -202,11 +202,12 @@ R2D2 = dict(algorithm="r2d2", backbone="rrnet", hidden=64, train_ways=60, shots=
             test_tasks=10_000)  # fmt: skip
 PRESETS: dict[str, dict[str, Any]] = {
     # the learner the documented 97.5% was measured with (docs/benchmarks.md): Proto-MAML
-    # at MAML's Omniglot rate and step count, second order, norm layers adapted; its own
-    # defaults are meta-dataset's fo-Proto-MAML. With another --algorithm these four are
-    # left out (`metalearn.runs.experiment.presets_for`): that learner's defaults stand.
+    # at MAML's Omniglot rate and step count, second order, norm layers adapted, the query
+    # normalised in its own batch; its own defaults are meta-dataset's fo-Proto-MAML. With
+    # another --algorithm these are left out (`metalearn.runs.experiment.presets_for`):
+    # that learner's defaults stand.
     "cpu": {"algorithm": "protomaml", "inner_lr": 0.4, "inner_steps": 1, "first_order": False,
-            "adapt_norm": True},
+            "adapt_norm": True, "transductive": True},
     "cpu-20w1s": {**LAKE, "meta_batch": 8, "iterations": 3000, "val_every": 500},
     "gpu-20w1s": {**LAKE, "meta_batch": 32, "iterations": 30_000, "val_every": 1000,
                   "checkpoint_every": 1000, "val_tasks": 600},

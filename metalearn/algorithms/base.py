@@ -44,11 +44,13 @@ from metalearn.engine import (
     LossFn,
     MetaBatch,
     OnNonfinite,
+    QueryFn,
     Task,
     TaskCall,
     TaskFn,
     Vectorize,
     plan,
+    query_outputs,
     run_inner_loop,
     run_meta_batch,
     task_loss,
@@ -305,13 +307,23 @@ class MetaLearner(nn.Module, abc.ABC):
         """
         return params
 
+    def query_fn(self) -> QueryFn:
+        """How the network at adapted weights scores a task's query inputs, in `task_fn`
+        and `query_logits`: `metalearn.engine.query_outputs` (the query batch alone), unless
+        the learner reads batch norm otherwise (Proto-MAML: the support set's statistics)."""
+        return query_outputs
+
     def task_fn(self) -> TaskFn:
         """The meta-loss of one task (a `metalearn.engine.TaskFn`): `metalearn.engine.task_loss`
-        from `start` (Finn et al., 2017, Eq. 2 for one task). Algorithms whose meta-loss is
-        another override it (MAML++'s multi-step loss, the solved heads' query loss)."""
-        if type(self).start is MetaLearner.start:
-            return task_loss  # the inner loop starts at theta itself: nothing to bind
-        return partial(task_loss, start=self.start)
+        from `start` (Finn et al., 2017, Eq. 2 for one task), its query scored by `query_fn`.
+        Algorithms whose meta-loss is another override it (MAML++'s multi-step loss, the
+        solved heads' query loss)."""
+        bound: dict[str, Any] = {}
+        if type(self).start is not MetaLearner.start:
+            bound["start"] = self.start
+        if self.query_fn() is not query_outputs:
+            bound["query"] = self.query_fn()
+        return partial(task_loss, **bound) if bound else task_loss
 
     # ------------------------------------------------------------------ derived from start
 
@@ -360,9 +372,9 @@ class MetaLearner(nn.Module, abc.ABC):
             raise ValueError(f"{type(self).__name__} does not score queries with the network at "
                              "adapted weights, so it has no query_logits")  # fmt: skip
         fast = self.adapt(task, steps)
+        call = TaskCall.of(task, self.inner_loop(), buffers=self.buffers_dict())
         with torch.no_grad():
-            return functional_call(self.model, {**self.buffers_dict(), **fast},
-                                   (task.query[0],), dict(task.model_kwargs))  # fmt: skip
+            return self.query_fn()(self.model, fast, call)
 
     def network_parameters(self) -> list[Tensor]:
         """The meta-parameters that are the network's weights (the model's; MAML++ adds its

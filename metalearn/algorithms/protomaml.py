@@ -21,9 +21,12 @@ The defaults are the reference's learner configuration (google-research/meta-dat
 loss, batch norm's offset and scale held at theta in the inner loop
 (``adapt_batch_norm = False``: ``gradient_descent_step`` in
 ``meta_dataset/learners/optimization_learners.py`` skips variables named ``offset`` or
-``scale``). docs/algorithms.md lists each value with its line; the ``cpu`` preset of
-``experiments/omniglot_maml.py`` names the learner its documented result was measured with
-(0.4, 1 step, second order, norm layers adapted).
+``scale``), and the query set normalised with the support set's batch-norm moments at the
+adapted weights, differentiated through (``Learner.transductive_batch_norm = False``,
+``backprop_through_moments = True``: `support_normed_query`). docs/algorithms.md lists each
+value with its line; the ``cpu`` preset of ``experiments/omniglot_maml.py`` names the
+learner its documented result was measured with (0.4, 1 step, second order, norm layers
+adapted, the query in its own batch).
 
 The meta-learned head of the model is not used: `prototype_head` replaces it, and its
 parameters get no gradient. ``f`` is computed by calling the model with an identity head,
@@ -33,6 +36,7 @@ so any model whose head is a ``nn.Linear`` named ``head`` (`metalearn.models.Con
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Mapping
 from typing import Any
 
@@ -41,9 +45,10 @@ from torch import Tensor, nn
 from torch.func import functional_call
 
 from metalearn.algorithms.base import MetaLossLearner, adapted_keys
-from metalearn.engine import TaskCall
+from metalearn.engine import QueryFn, TaskCall, query_outputs
+from metalearn.models.norm import NORM_TYPES, MetaBatchNorm
 
-__all__ = ["ProtoMAML", "prototype_head"]
+__all__ = ["ProtoMAML", "prototype_head", "support_normed_query"]
 
 
 def prototype_head(
@@ -87,6 +92,42 @@ def prototype_head(
     return out
 
 
+def support_normed_query(model: nn.Module, params: Mapping[str, Tensor], call: TaskCall) -> Tensor:
+    """The query outputs ``[Q, ...]`` at ``params`` with every batch norm reading the support
+    set's moments (a `metalearn.engine.QueryFn`): the support and query images in one
+    forward whose batch norms take their statistics from the support rows alone
+    (``norm_rows``), the query rows returned. Each query output is then independent of
+    the other queries, and the moments are differentiated through, as meta-dataset's
+    ``transductive_batch_norm = False`` with ``backprop_through_moments = True``."""
+    (xs, _), (xq, _) = call.support, call.query
+    kwargs = {**(call.model_kwargs or {}), "norm_rows": xs.shape[0]}
+    out = functional_call(model, {**(call.buffers or {}), **params}, (torch.cat([xs, xq]),), kwargs)
+    return out[xs.shape[0] :]
+
+
+def _reads_support_moments(model: nn.Module, transductive: bool) -> bool:
+    """Whether the query is normalised with the support set's statistics: not
+    ``transductive`` and the model has normalisation layers (without, both readings are
+    the same forward).
+
+    Raises:
+        ValueError: the non-transductive reading on a model whose forward takes no
+            ``norm_rows`` or whose norm layers are not all `MetaBatchNorm`.
+    """
+    norms = [m for m in model.modules() if isinstance(m, NORM_TYPES)]
+    if transductive or not norms:
+        return False
+    takes = "norm_rows" in inspect.signature(model.forward).parameters
+    if not takes or any(not isinstance(m, MetaBatchNorm) for m in norms):
+        raise ValueError(
+            "Proto-MAML normalises the query with the support set's batch-norm statistics, "
+            "which needs a network whose forward takes norm_rows and whose norm layers are "
+            "MetaBatchNorm (Conv4, ResNet12, R2D2Net); pass transductive=True to normalise "
+            "the query in its own batch"
+        )
+    return True
+
+
 class ProtoMAML(MetaLossLearner):
     """MAML with each task's head initialised from its support prototypes.
 
@@ -101,16 +142,20 @@ class ProtoMAML(MetaLossLearner):
             (the prototypes still carry the meta-gradient to theta, as in the reference).
         adapt_norm: adapt the normalisation layers' weights in the inner loop too; False,
             its ``adapt_batch_norm``.
+        transductive: normalise the query set with its own batch-norm statistics; False,
+            its ``transductive_batch_norm``: with the support set's (`support_normed_query`).
         **kwargs: as for `metalearn.algorithms.base.MetaLearner` (``adapt_keys`` may not
             name a normalisation parameter unless ``adapt_norm``).
 
     Raises:
-        ValueError: the model has no ``{head}.weight`` of shape ``[N, D]``.
+        ValueError: the model has no ``{head}.weight`` of shape ``[N, D]``, or reads the
+            support set's moments with a network that cannot (`_reads_support_moments`).
     """
 
-    # records written before: MAML's 0.4 and 1 step, second order, norm layers adapted
+    # records written before: MAML's 0.4 and 1 step, second order, norm layers adapted, the
+    # query normalised in its own batch
     arguments_before = {"inner_lr": 0.4, "inner_steps": 1, "first_order": False,
-                        "adapt_norm": True}  # fmt: skip
+                        "adapt_norm": True, "transductive": True}  # fmt: skip
     omniglot_inner_defaults = False  # meta-dataset's values, set for ImageNet-like data
 
     def __init__(
@@ -122,6 +167,7 @@ class ProtoMAML(MetaLossLearner):
         inner_steps: int = 5,
         first_order: bool = True,
         adapt_norm: bool = False,
+        transductive: bool = False,
         **kwargs: Any,
     ) -> None:
         weight = dict(model.named_parameters()).get(f"{head}.weight")
@@ -136,6 +182,18 @@ class ProtoMAML(MetaLossLearner):
         )
         self.head = head
         self.adapt_norm = adapt_norm
+        self.transductive = transductive
+        self._support_moments = _reads_support_moments(model, transductive)
+
+    @property
+    def evaluation_norm(self) -> str:
+        """``"support"``: each query normalised with the support set's statistics (the
+        default), or ``"transductive"`` (the query set's own)."""
+        return "support" if self._support_moments else "transductive"
+
+    def query_fn(self) -> QueryFn:
+        """`support_normed_query` unless ``transductive`` (or the model has no norm layers)."""
+        return support_normed_query if self._support_moments else query_outputs
 
     def start(
         self, model: nn.Module, params: Mapping[str, Tensor], call: TaskCall

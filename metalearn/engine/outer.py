@@ -44,10 +44,12 @@ __all__ = [
     "ChunkCall",
     "ChunkRunner",
     "OnNonfinite",
+    "QueryFn",
     "StartFn",
     "TaskCall",
     "TaskFn",
     "meta_batch",
+    "query_outputs",
     "run_meta_batch",
     "stack_tasks",
     "task_loss",
@@ -132,12 +134,30 @@ class StartFn(Protocol):
         ...
 
 
+class QueryFn(Protocol):
+    """The network's outputs on a task's query inputs at adapted weights, ``[Q, ...]``
+    (`query_outputs`; Proto-MAML's reading with the support set's batch-norm statistics)."""
+
+    def __call__(self, model: nn.Module, params: Mapping[str, Tensor], call: TaskCall, /) -> Tensor:
+        """The outputs at ``params`` (the adapted weights) on ``call.query``'s inputs."""
+        ...
+
+
+def query_outputs(model: nn.Module, params: Mapping[str, Tensor], call: TaskCall) -> Tensor:
+    """One forward of the query batch at ``params``, ``[Q, ...]`` (its batch norm reads the
+    query batch's own statistics): the `QueryFn` of `task_loss` unless another is given."""
+    return functional_call(
+        model, {**(call.buffers or {}), **params}, (call.query[0],), dict(call.model_kwargs or {})
+    )
+
+
 def task_loss(
     model: nn.Module,
     params: Mapping[str, Tensor],
     call: TaskCall,
     *,
     start: StartFn | None = None,
+    query: QueryFn = query_outputs,
 ) -> TaskResult:
     """The meta-loss of one task: adapt on ``call.support``, evaluate on ``call.query``.
 
@@ -147,6 +167,8 @@ def task_loss(
         call: the task's sets and settings (a `TaskCall`).
         start: where the inner loop starts, ``phi_0 = start(model, params, call)``; None:
             theta itself (MAML). Bound by ``functools.partial``, the result is a `TaskFn`.
+        query: the adapted network's outputs on the query (`query_outputs`: the query
+            batch alone); bound as ``start`` is.
 
     Returns:
         A `TaskResult` (query loss, query accuracy, support losses).
@@ -159,10 +181,8 @@ def task_loss(
         regularizer=call.regularizer, stop=call.stop, check_finite=call.check_finite,
         task_index=call.task_index,
     )  # fmt: skip
-    xq, yq = call.query
-    out = functional_call(
-        model, {**(call.buffers or {}), **fast}, (xq,), dict(call.model_kwargs or {})
-    )
+    yq = call.query[1]
+    out = query(model, fast, call)
     loss = inner.loss_fn(out, yq)
     if call.check_finite and not torch.isfinite(loss):
         raise NonFiniteLossError("query", call.task_index, None, float(loss))

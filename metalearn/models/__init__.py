@@ -17,7 +17,13 @@ dict, batched over tasks with `torch.func.vmap` and differentiated to second ord
 from metalearn.models.backbones import BACKBONES, build_backbone, sized_by_image
 from metalearn.models.conv4 import Conv4, ConvBlock
 from metalearn.models.mlp import MLP
-from metalearn.models.norm import NORM_TYPES, MetaBatchNorm, batch_norm, norm_parameter_names
+from metalearn.models.norm import (
+    NORM_TYPES,
+    MetaBatchNorm,
+    batch_norm,
+    norm_parameter_names,
+    normalise,
+)
 from metalearn.models.r2d2net import R2D2Net
 from metalearn.models.resnet12 import ResidualBlock, ResNet12
 
@@ -34,5 +40,6 @@ __all__ = [
     "batch_norm",
     "build_backbone",
     "norm_parameter_names",
+    "normalise",
     "sized_by_image",
 ]

@@ -8,7 +8,7 @@ from typing import Literal
 import torch
 from torch import Tensor, nn
 
-from metalearn.models.norm import MetaBatchNorm
+from metalearn.models.norm import MetaBatchNorm, normalise
 
 __all__ = ["ACTIVATIONS", "Activation", "Conv4", "ConvBlock", "conv4_output_size"]
 
@@ -59,8 +59,11 @@ class ConvBlock(nn.Module):
         self.activation = activation
         self.pool = nn.MaxPool2d(2) if pool == "max" else nn.Identity()
 
-    def forward(self, x: Tensor) -> Tensor:
-        return self.pool(ACTIVATIONS[self.activation](self.norm(self.conv(x))))
+    def forward(self, x: Tensor, norm_rows: int | None = None) -> Tensor:
+        """``norm_rows``: batch norm takes its statistics from the first rows alone
+        (`metalearn.models.norm.normalise`); None: from the whole batch."""
+        h = normalise(self.norm, self.conv(x), norm_rows)
+        return self.pool(ACTIVATIONS[self.activation](h))
 
 
 class Conv4(nn.Module):
@@ -140,7 +143,10 @@ class Conv4(nn.Module):
         self.head = nn.Linear(hidden * positions, ways)
         _maml_init(self)
 
-    def forward(self, x: Tensor) -> Tensor:
+    def forward(self, x: Tensor, norm_rows: int | None = None) -> Tensor:
+        """Logits ``[B, ways]``; with ``norm_rows``, every batch norm normalises the batch
+        with the statistics of its first ``norm_rows`` images (a support set's, for the
+        query images after it)."""
         if x.dim() != 4:
             raise ValueError(
                 f"Conv4 expects images [B, C, H, W], got shape {tuple(x.shape)}; "
@@ -152,7 +158,9 @@ class Conv4(nn.Module):
                 f"{self.image_size[1]} images, got {x.shape[-2]}x{x.shape[-1]}; resize the "
                 "images or build the model with image_size set to their size"
             )
-        features = self.features(x)
+        features = x
+        for block in self.features:
+            features = block(features, norm_rows)
         if self.head_kind == "flatten":
             return self.head(features.flatten(1))
         return self.head(features.mean((-2, -1)))

@@ -6,10 +6,12 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-__all__ = ["NORM_TYPES", "MetaBatchNorm", "batch_norm", "norm_parameter_names"]
+__all__ = ["NORM_TYPES", "MetaBatchNorm", "batch_norm", "norm_parameter_names", "normalise"]
 
 
-def batch_norm(x: Tensor, weight: Tensor, bias: Tensor, eps: float = 1e-5) -> Tensor:
+def batch_norm(
+    x: Tensor, weight: Tensor, bias: Tensor, eps: float = 1e-5, stats_rows: int | None = None
+) -> Tensor:
     """Transductive batch norm: normalise with the statistics of this batch, always.
 
     This is MAML's batch norm (Finn et al., 2017): no running statistics, the same in
@@ -30,9 +32,16 @@ def batch_norm(x: Tensor, weight: Tensor, bias: Tensor, eps: float = 1e-5) -> Te
         weight: per-channel scale ``[C]``.
         bias: per-channel shift ``[C]``.
         eps: added to the variance before the square root.
+        stats_rows: normalise every row of ``x`` with the statistics of its first
+            ``stats_rows`` rows alone (a support set's moments, for the query rows after
+            it: meta-dataset's ``transductive_batch_norm = False``); None: of all of them.
 
     Returns:
         Tensor shaped like ``x``.
+
+    Raises:
+        ValueError: ``x`` has no channel dimension, the affine shapes do not match it, or
+            ``stats_rows`` is not in ``1..N``.
     """
     if x.dim() < 2:
         raise ValueError(
@@ -45,16 +54,20 @@ def batch_norm(x: Tensor, weight: Tensor, bias: Tensor, eps: float = 1e-5) -> Te
             f"weight {tuple(weight.shape)} and bias {tuple(bias.shape)} must both have shape "
             f"({channels},) to match the input's channel dimension (dim 1 of {tuple(x.shape)})"
         )
+    if stats_rows is not None and not 1 <= stats_rows <= x.shape[0]:
+        raise ValueError(f"stats_rows={stats_rows} must be in 1..{x.shape[0]}, the batch's rows")
     dims = (0, *range(2, x.dim()))
     shape = (1, channels) + (1,) * (x.dim() - 2)
+    ref = x if stats_rows is None else x[:stats_rows]  # the rows the statistics come from
     # Means as sums times 1/N: a mean's backward divides a full-size tensor by N (once in
     # the inner gradient, again in its derivative), a sum's backward only expands, and the
     # 1/N lands on the [1, C, 1, 1] statistics. A vmapped second-order conv4 meta-step was
     # 3-7% faster for it (1 query: 165 -> 154 ms, 15 query: 782 -> 724 ms; 2 threads).
     # torch.var_mean, addcmul or square() gained nothing more.
-    inv_n = 1.0 / max(x.numel() // channels, 1)  # an empty batch gives an empty output
-    centred = x - x.sum(dims, keepdim=True) * inv_n
-    var = (centred * centred).sum(dims, keepdim=True) * inv_n
+    inv_n = 1.0 / max(ref.numel() // channels, 1)  # an empty batch gives an empty output
+    centred = x - ref.sum(dims, keepdim=True) * inv_n
+    own = centred if stats_rows is None else centred[:stats_rows]
+    var = (own * own).sum(dims, keepdim=True) * inv_n
     # Fold the scale into one per-channel factor ([1, C, 1, 1]) before touching the big
     # tensor: two full-size ops (mul, add) instead of three.
     scale = torch.rsqrt(var + eps) * weight.reshape(shape)
@@ -81,8 +94,8 @@ class MetaBatchNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(num_features))
         self.bias = nn.Parameter(torch.zeros(num_features))
 
-    def forward(self, x: Tensor) -> Tensor:
-        return batch_norm(x, self.weight, self.bias, self.eps)
+    def forward(self, x: Tensor, stats_rows: int | None = None) -> Tensor:
+        return batch_norm(x, self.weight, self.bias, self.eps, stats_rows)
 
     def extra_repr(self) -> str:
         return f"{self.num_features}, eps={self.eps}"
@@ -96,6 +109,23 @@ NORM_TYPES: tuple[type[nn.Module], ...] = (
     nn.RMSNorm,
 )
 """The normalisation layers `norm_parameter_names` recognises, by module type."""
+
+
+def normalise(norm: nn.Module, x: Tensor, stats_rows: int | None) -> Tensor:
+    """``norm(x)``, with the statistics of ``x``'s first ``stats_rows`` rows when set (the
+    ``norm_rows`` of the backbones' forward, threaded to each of their norm layers).
+
+    Raises:
+        ValueError: ``stats_rows`` set for a layer other than `MetaBatchNorm` (only it
+            takes its statistics from part of the batch).
+    """
+    if stats_rows is None:
+        return norm(x)
+    if not isinstance(norm, MetaBatchNorm):
+        raise ValueError(f"norm_rows normalises with the first rows' statistics, which only "
+                         f"MetaBatchNorm computes; this network's {type(norm).__name__} "
+                         "does not: build it with MetaBatchNorm or drop norm_rows")  # fmt: skip
+    return norm(x, stats_rows)
 
 
 def norm_parameter_names(model: nn.Module) -> list[str]:

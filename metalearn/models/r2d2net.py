@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from metalearn.models.norm import MetaBatchNorm
+from metalearn.models.norm import MetaBatchNorm, normalise
 
 __all__ = ["R2D2Features", "R2D2Net", "r2d2_feature_size", "r2d2_widths"]
 
@@ -55,22 +55,24 @@ class R2D2Features(nn.Module):
         )
         self.norms = nn.ModuleList(norm_layer(c) for c in widths)
 
-    def _block(self, x: Tensor, index: int) -> Tensor:
-        x = self.norms[index](self.convs[index](x))
+    def _block(self, x: Tensor, index: int, norm_rows: int | None) -> Tensor:
+        x = normalise(self.norms[index], self.convs[index](x), norm_rows)
         x = F.max_pool2d(x, 2, stride=1 if index == 3 else 2)
         x = F.leaky_relu(x, self.negative_slope)
         if index >= 2 and self.dropout > 0:  # the reference's dropout closes blocks 3, 4
             x = F.dropout(x, self.dropout, self.training)
         return x
 
-    def forward(self, x: Tensor) -> Tensor:
+    def forward(self, x: Tensor, norm_rows: int | None = None) -> Tensor:
+        """``norm_rows``: batch norm takes its statistics from the first rows alone
+        (`metalearn.models.norm.normalise`); None: from the whole batch."""
         if x.dim() != 4 or tuple(x.shape[-2:]) != (self.image_size, self.image_size):
             raise ValueError(f"R2D2Net was built for {self.image_size}x{self.image_size} images "
                              f"[B, C, H, W], got shape {tuple(x.shape)}")  # fmt: skip
         for index in range(3):
-            x = self._block(x, index)
+            x = self._block(x, index, norm_rows)
         third = F.max_pool2d(x, 2, stride=1).flatten(1)
-        return torch.cat((third, self._block(x, 3).flatten(1)), 1)
+        return torch.cat((third, self._block(x, 3, norm_rows).flatten(1)), 1)
 
 
 class R2D2Net(nn.Module):
@@ -121,5 +123,6 @@ class R2D2Net(nn.Module):
                                      norm_layer)  # fmt: skip
         self.head = nn.Linear(size, ways)
 
-    def forward(self, x: Tensor) -> Tensor:
-        return self.head(self.features(x))
+    def forward(self, x: Tensor, norm_rows: int | None = None) -> Tensor:
+        """Logits ``[B, ways]``; ``norm_rows`` as for `metalearn.models.Conv4`."""
+        return self.head(self.features(x, norm_rows))

@@ -7,7 +7,7 @@ from collections.abc import Callable, Sequence
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from metalearn.models.norm import MetaBatchNorm
+from metalearn.models.norm import MetaBatchNorm, normalise
 
 __all__ = ["ResNet12", "ResidualBlock"]
 
@@ -48,12 +48,14 @@ class ResidualBlock(nn.Module):
         self.shortcut = nn.Conv2d(in_channels, out_channels, 1, bias=False)
         self.shortcut_norm = norm_layer(out_channels)
 
-    def forward(self, x: Tensor) -> Tensor:
-        slope = self.negative_slope
-        out = F.leaky_relu(self.norm1(self.conv1(x)), slope)
-        out = F.leaky_relu(self.norm2(self.conv2(out)), slope)
-        out = self.norm3(self.conv3(out))
-        out = F.leaky_relu(out + self.shortcut_norm(self.shortcut(x)), slope)
+    def forward(self, x: Tensor, norm_rows: int | None = None) -> Tensor:
+        """``norm_rows``: batch norm takes its statistics from the first rows alone
+        (`metalearn.models.norm.normalise`); None: from the whole batch."""
+        slope, rows = self.negative_slope, norm_rows
+        out = F.leaky_relu(normalise(self.norm1, self.conv1(x), rows), slope)
+        out = F.leaky_relu(normalise(self.norm2, self.conv2(out), rows), slope)
+        out = normalise(self.norm3, self.conv3(out), rows)
+        out = F.leaky_relu(out + normalise(self.shortcut_norm, self.shortcut(x), rows), slope)
         return F.max_pool2d(out, 2)
 
 
@@ -111,14 +113,17 @@ class ResNet12(nn.Module):
         self.head = nn.Linear(widths[-1], ways)
         _init(self, negative_slope)
 
-    def forward(self, x: Tensor) -> Tensor:
+    def forward(self, x: Tensor, norm_rows: int | None = None) -> Tensor:
+        """Logits ``[B, ways]``; ``norm_rows`` as for `metalearn.models.Conv4`."""
         if x.dim() != 4 or min(x.shape[-2:]) < 16:
             raise ValueError(
                 f"ResNet12 expects images [B, C, H, W] with H, W >= 16 (four 2x2 pools), got "
                 f"shape {tuple(x.shape)}; add the channel dimension with x.unsqueeze(1) or "
                 "resize the images"
             )
-        return self.head(self.features(x).mean((-2, -1)))
+        for block in self.features:
+            x = block(x, norm_rows)
+        return self.head(x.mean((-2, -1)))
 
 
 def _init(model: nn.Module, negative_slope: float) -> None:

@@ -103,8 +103,8 @@ def evaluate_tasks(
     accs = []
     with contextlib.ExitStack() as stack:
         if not callable(progress):
-            bar = tqdm(total=tasks * models, desc=desc, unit="task", dynamic_ncols=True, leave=False,
-                       disable=not (progress and distributed.is_main()))  # fmt: skip
+            bar = tqdm(total=tasks * models, desc=desc, unit="task", dynamic_ncols=True,
+                       leave=False, disable=not (progress and distributed.is_main()))  # fmt: skip
             progress = stack.enter_context(bar).update
         for start in range(0, tasks, chunk):
             stop = min(start + chunk, tasks)

@@ -19,6 +19,7 @@ from metalearn.algorithms.curvature import support_curvature
 from metalearn.algorithms.registry import LEARNERS, make_learner
 from metalearn.engine import Task
 from metalearn.models import MetaBatchNorm
+from metalearn.models.norm import normalise
 
 F64 = torch.float64
 EPS = 1e-5
@@ -36,8 +37,9 @@ class Tiny(nn.Module):
         self.norm = MetaBatchNorm(3, eps=EPS)
         self.head = nn.Linear(3, 3)
 
-    def forward(self, x: Tensor) -> Tensor:
-        return self.head(torch.tanh(self.norm(self.body(x))))
+    def forward(self, x: Tensor, norm_rows: int | None = None) -> Tensor:
+        # norm_rows as metalearn's backbones take it (Proto-MAML's query reading)
+        return self.head(torch.tanh(normalise(self.norm, self.body(x), norm_rows)))
 
 
 def tiny() -> Tiny:

@@ -67,6 +67,24 @@ def test_prototype_head_classifies_by_nearest_prototype():
 NORMS = {f"features.{i}.norm.{w}" for i in range(4) for w in ("weight", "bias")}
 
 
+def support_normed_logits(p: dict[str, Tensor], xs: Tensor, xq: Tensor) -> Tensor:
+    """Conv4 (stride 2, ReLU, mean head) written out, the query's batch norms reading the
+    support set's moments: each block convolves both sets, takes the mean and biased
+    variance of the support maps over (N, H, W), and normalises both with them
+    (meta-dataset's ``transductive_batch_norm = False``). The query's logits ``[Q, C]``."""
+    hs, hq = xs, xq
+    for i in range(4):
+        w, b = p[f"features.{i}.conv.weight"], p[f"features.{i}.conv.bias"]
+        hs, hq = (F.conv2d(h, w, b, stride=2, padding=1) for h in (hs, hq))
+        mean = hs.mean((0, 2, 3), keepdim=True)
+        var = ((hs - mean) ** 2).mean((0, 2, 3), keepdim=True)
+        gamma = p[f"features.{i}.norm.weight"][:, None, None]
+        beta = p[f"features.{i}.norm.bias"][:, None, None]
+        hs, hq = (torch.relu((h - mean) / torch.sqrt(var + 1e-5) * gamma + beta)
+                  for h in (hs, hq))  # fmt: skip
+    return hq.mean((2, 3)) @ p["head.weight"].T + p["head.bias"]
+
+
 def reference_meta_gradient(
     model: Conv4,
     tasks_: list[Task],
@@ -74,11 +92,13 @@ def reference_meta_gradient(
     steps: int = 1,
     first_order: bool = False,
     adapt_norm: bool = True,
+    transductive: bool = True,
 ) -> dict[str, Tensor]:
     """Proto-MAML written out with autograd.grad: ``steps`` inner steps from the prototype
     head, the norm layers' weights held at theta unless ``adapt_norm``, each inner gradient
     a constant when ``first_order`` (the fast weights, and the prototypes, stay functions
-    of theta)."""
+    of theta); the query in its own batch, or (not ``transductive``) normalised with the
+    support set's moments at the adapted weights (`support_normed_logits`)."""
     theta = dict(model.named_parameters())
     body = {k: v for k, v in theta.items() if not k.startswith("head.")}
     total = 0.0
@@ -98,7 +118,9 @@ def reference_meta_gradient(
                 retain_graph=True,
             )  # fmt: skip
             fast = {**fast, **{k: fast[k] - lr * g for k, g in zip(adapted, grads)}}
-        total = total + F.cross_entropy(functional_call(model, fast, (xq,)), yq)
+        logits = (functional_call(model, fast, (xq,)) if transductive
+                  else support_normed_logits(fast, xs, xq))  # fmt: skip
+        total = total + F.cross_entropy(logits, yq)
     names = list(body)
     grads = torch.autograd.grad(total / len(tasks_), [theta[n] for n in names])
     return dict(zip(names, grads))
@@ -119,6 +141,11 @@ def test_meta_gradient_matches_hand_written_second_order(vectorize):
     model, batch = conv(), tasks()
     reference = reference_meta_gradient(model, batch, lr=0.3)
     learner = ProtoMAML(model, inner_lr=0.3, inner_steps=1, first_order=False, adapt_norm=True,
+                        transductive=True, vectorize=vectorize)  # fmt: skip
+    assert_meta_gradient(learner, batch, reference)
+    # The reference's reading: the query normalised with the support set's moments.
+    reference = reference_meta_gradient(model, batch, lr=0.3, transductive=False)
+    learner = ProtoMAML(model, inner_lr=0.3, inner_steps=1, first_order=False, adapt_norm=True,
                         vectorize=vectorize)  # fmt: skip
     assert_meta_gradient(learner, batch, reference)
 
@@ -126,28 +153,36 @@ def test_meta_gradient_matches_hand_written_second_order(vectorize):
 @pytest.mark.parametrize("vectorize", ["loop", "vmap"])
 def test_defaults_are_meta_datasets_first_order_learner_with_norms_held(vectorize):
     """fo-Proto-MAML as meta-dataset's configuration runs it: 5 first-order steps at 0.01,
-    batch norm's weights not stepped; at 0.01 the steps move little, so the same learner at
-    a rate of 0.3 is checked too (a mix-up of order or of the held norms would show)."""
+    batch norm's weights not stepped, the query normalised with the support set's moments;
+    at 0.01 the steps move little, so the same learner at a rate of 0.3 is checked too (a
+    mix-up of order, of the held norms or of the query's statistics would show)."""
     model, batch = conv(), tasks()
     learner = ProtoMAML(model, vectorize=vectorize)
     assert (learner.inner_lr, learner.inner_steps, learner.first_order) == (0.01, 5, True)
     assert not learner.adapt_norm and NORMS.isdisjoint(learner.adapt_keys)
+    assert not learner.transductive and learner.evaluation_norm == "support"
     reference = reference_meta_gradient(model, batch, lr=0.01, steps=5, first_order=True,
-                                        adapt_norm=False)  # fmt: skip
+                                        adapt_norm=False, transductive=False)  # fmt: skip
     assert_meta_gradient(learner, batch, reference)
     faster = ProtoMAML(model, inner_lr=0.3, vectorize=vectorize)
     reference = reference_meta_gradient(model, batch, lr=0.3, steps=5, first_order=True,
-                                        adapt_norm=False)  # fmt: skip
+                                        adapt_norm=False, transductive=False)  # fmt: skip
     assert_meta_gradient(faster, batch, reference)
-    adapted = reference_meta_gradient(model, batch, lr=0.3, steps=5, first_order=True)
-    second = reference_meta_gradient(model, batch, lr=0.3, steps=5, adapt_norm=False)
-    for other in (adapted, second):  # the controls: the reference tells them apart
+    adapted = reference_meta_gradient(model, batch, lr=0.3, steps=5, first_order=True,
+                                      transductive=False)  # fmt: skip
+    second = reference_meta_gradient(model, batch, lr=0.3, steps=5, adapt_norm=False,
+                                     transductive=False)  # fmt: skip
+    own = reference_meta_gradient(model, batch, lr=0.3, steps=5, first_order=True,
+                                  adapt_norm=False)  # fmt: skip
+    for other in (adapted, second, own):  # the controls: the reference tells them apart
         assert max(float((other[k] - reference[k]).abs().max()) for k in reference) > 1e-4
 
 
 def test_zero_steps_is_a_prototypical_network():
+    """With the query in its own batch (metalearn's ProtoNet reads it so), 0 steps classify
+    by the nearest prototype."""
     model, batch = conv(), tasks(4, seed=5)
-    learner = ProtoMAML(model)
+    learner = ProtoMAML(model, transductive=True)
     _, accuracy = learner.evaluate(batch, steps=0)
     theta = dict(model.named_parameters())
     with torch.no_grad():
@@ -162,10 +197,33 @@ def test_adapt_equals_evaluate_path():
     model, task = conv(), tasks(1, seed=7)[0]
     learner = ProtoMAML(model, inner_lr=0.2, inner_steps=2)
     fast = learner.adapt(task, steps=3)
-    with torch.no_grad():
-        logits = functional_call(model, fast, (task.query[0],))
+    with torch.no_grad():  # the default reading: the query with the support set's moments
+        logits = support_normed_logits(fast, task.support[0], task.query[0])
     loss, acc = learner.evaluate([task], steps=3)
     torch.testing.assert_close(F.cross_entropy(logits, task.query[1]), loss[0], atol=1e-10, rtol=0)
+    torch.testing.assert_close(learner.query_logits(task, steps=3), logits, atol=1e-10, rtol=0)
+    own = ProtoMAML(model, inner_lr=0.2, inner_steps=2, transductive=True)
+    with torch.no_grad():
+        logits = functional_call(model, own.adapt(task, steps=3), (task.query[0],))
+    torch.testing.assert_close(F.cross_entropy(logits, task.query[1]),
+                               own.evaluate([task], steps=3)[0][0], atol=1e-10, rtol=0)  # fmt: skip
+
+
+def test_each_query_is_read_alone_beside_the_support_set():
+    """With the support set's moments a query's logits do not depend on the other queries
+    (the reading deployment freezes), and a network that cannot read them is refused."""
+    model, task = conv(), tasks(1, seed=8)[0]
+    learner = ProtoMAML(model, inner_lr=0.2, inner_steps=2)
+    logits = learner.query_logits(task, steps=2)
+    (xs, ys), (xq, yq) = task.support, task.query
+    for i in range(len(xq)):
+        alone = learner.query_logits(Task((xs, ys), (xq[i : i + 1], yq[i : i + 1])), steps=2)
+        torch.testing.assert_close(alone[0], logits[i], atol=1e-12, rtol=0)
+    fused = Conv4(in_channels=1, ways=WAYS, hidden=4,
+                  norm_layer=lambda c: nn.BatchNorm2d(c, track_running_stats=False))  # fmt: skip
+    with pytest.raises(ValueError, match="support set's batch-norm statistics.*transductive=True"):
+        ProtoMAML(fused)
+    assert ProtoMAML(fused, transductive=True).evaluation_norm == "transductive"
 
 
 def test_built_by_name_and_needs_a_linear_head():

@@ -162,24 +162,36 @@ def measures_curvature(algorithm: str) -> bool:
 # --------------------------------------------------------------------------- by hand
 
 
-def conv4(p: dict, x: torch.Tensor, model, *, body_only: bool = False) -> torch.Tensor:
+def conv4(
+    p: dict, x: torch.Tensor, model, *, body_only: bool = False, support_x=None
+) -> torch.Tensor:
     """`metalearn.models.Conv4` written out: per block conv (plus LoRA's ``s B A``), batch
     norm over (N, H, W) with eps 1e-5, ReLU (or leaky ReLU, slope 0.01), pooling; then the
-    head on the pooled features."""
-    h = x
+    head on the pooled features. With ``support_x``, each block's batch norm normalises
+    ``x`` with the support images' moments at that block (Proto-MAML's reading, meta-dataset's
+    ``transductive_batch_norm = False``), the support images run beside ``x``."""
+    h, hs = x, support_x
     for i, block in enumerate(model.features):
         pre = f"features.{i}.conv"
         w = p[f"{pre}.weight"]
         if f"{pre}.lora_A" in p:
             w = w + block.conv.scaling * (p[f"{pre}.lora_B"] @ p[f"{pre}.lora_A"]).reshape(w.shape)
-        h = F.conv2d(h, w, p[f"{pre}.bias"], stride=block.conv.stride, padding=1)
-        mean = h.mean((0, 2, 3), keepdim=True)
-        var = ((h - mean) ** 2).mean((0, 2, 3), keepdim=True)
+        h, hs = (None if z is None else
+                 F.conv2d(z, w, p[f"{pre}.bias"], stride=block.conv.stride, padding=1)
+                 for z in (h, hs))  # fmt: skip
+        ref = h if hs is None else hs
+        mean = ref.mean((0, 2, 3), keepdim=True)
+        var = ((ref - mean) ** 2).mean((0, 2, 3), keepdim=True)
         gamma, beta = p[f"features.{i}.norm.weight"], p[f"features.{i}.norm.bias"]
-        h = (h - mean) / torch.sqrt(var + 1e-5) * gamma[:, None, None] + beta[:, None, None]
-        h = F.leaky_relu(h, 0.01) if block.activation == "leaky_relu" else torch.relu(h)
-        if isinstance(block.pool, torch.nn.MaxPool2d):
-            h = F.max_pool2d(h, 2)
+        out = []
+        for z in (h, hs):
+            if z is not None:
+                z = (z - mean) / torch.sqrt(var + 1e-5) * gamma[:, None, None] + beta[:, None, None]
+                z = F.leaky_relu(z, 0.01) if block.activation == "leaky_relu" else torch.relu(z)
+                if isinstance(block.pool, torch.nn.MaxPool2d):
+                    z = F.max_pool2d(z, 2)
+            out.append(z)
+        h, hs = out
     h = h.flatten(1) if model.head_kind == "flatten" else h.mean((2, 3))
     return h if body_only else h @ p["head.weight"].T + p["head.bias"]
 
@@ -494,7 +506,11 @@ def reference_gradient(algorithm: str, learner, tasks, arguments: dict, draws=No
             keys = [k for k in theta if "lora_" in k or k.startswith("head.")]
         update = inner_update(learner, arguments)
         phi = inner_descent(start, keys, lrs, support, model, steps, second, update)
-        total = total + ce(phi, query, model) / len(tasks)
+        if learner.evaluation_norm == "support":  # Proto-MAML: the support set's moments
+            logits = conv4(phi, query[0], model, support_x=support[0])
+            total = total + F.cross_entropy(logits, query[1]) / len(tasks)
+        else:
+            total = total + ce(phi, query, model) / len(tasks)
     if isinstance(total, dict):
         return total, bound, slots
     return grad_of(total, named), bound, slots

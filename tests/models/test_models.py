@@ -102,6 +102,64 @@ def test_batch_norm_matches_fused_kernel(shape: tuple[int, ...]) -> None:
         torch.testing.assert_close(a, r, rtol=0, atol=1e-12)
 
 
+@pytest.mark.parametrize("shape", [(9, 4), (5, 3, 7), (6, 3, 5, 4)])
+def test_batch_norm_with_stats_rows_normalises_by_the_first_rows(shape) -> None:
+    """``stats_rows=k``: every row normalised with the first k rows' mean and biased
+    variance, which torch's own batch norm computes on those rows alone; the first k rows'
+    output is their own batch's, values and gradients."""
+    gen = torch.Generator().manual_seed(1)
+    c, k = shape[1], 3
+    x = (torch.randn(shape, generator=gen, dtype=F64) * 2 - 1).requires_grad_()
+    w = torch.randn(c, generator=gen, dtype=F64).requires_grad_()
+    b = torch.randn(c, generator=gen, dtype=F64).requires_grad_()
+    dims = (0, *range(2, len(shape)))
+    mean, var = x[:k].mean(dims), x[:k].var(dims, unbiased=False)
+    ref = F.batch_norm(x, mean.detach(), var.detach(), w, b, training=False, eps=1e-3)
+    ours = batch_norm(x, w, b, eps=1e-3, stats_rows=k)
+    torch.testing.assert_close(ours, ref, rtol=0, atol=1e-12)
+    torch.testing.assert_close(ours[:k], batch_norm(x[:k], w, b, eps=1e-3), rtol=0, atol=1e-12)
+    # gradients reach x through the moments (here against the moments written out)
+    probe = torch.randn(shape, generator=gen, dtype=F64)
+    view = (1, c) + (1,) * (len(shape) - 2)
+    hand = (x - mean.reshape(view)) / torch.sqrt(var.reshape(view) + 1e-3)
+    hand = hand * w.reshape(view) + b.reshape(view)
+    for a, r in zip(torch.autograd.grad((ours * probe).sum(), (x, w, b)),
+                    torch.autograd.grad((hand * probe).sum(), (x, w, b))):  # fmt: skip
+        torch.testing.assert_close(a, r, rtol=0, atol=1e-12)
+    assert torch.equal(batch_norm(x, w, b, stats_rows=shape[0]), batch_norm(x, w, b))
+    for bad in (0, shape[0] + 1):
+        with pytest.raises(ValueError, match=f"stats_rows={bad} must be in 1..{shape[0]}"):
+            batch_norm(x, w, b, stats_rows=bad)
+
+
+@pytest.mark.parametrize("name", ["conv4", "resnet12", "rrnet"])
+def test_norm_rows_reads_the_support_rows_statistics_in_each_backbone(name) -> None:
+    """``forward(cat([support, query]), norm_rows=S)``: the support rows are the support set's
+    own forward exactly, and each query row is the same whatever other queries share the
+    batch; a backbone with another norm layer refuses ``norm_rows`` in one line."""
+    from metalearn.models import ResNet12
+    from metalearn.models.r2d2net import R2D2Net
+
+    torch.manual_seed(0)
+    model, side = {
+        "conv4": (lambda: Conv4(hidden=4), 28),
+        "resnet12": (lambda: ResNet12(in_channels=1, widths=(4, 4, 4, 4)), 16),
+        "rrnet": (lambda: R2D2Net(in_channels=1, image_size=28, widths=(4, 4, 4, 4)), 28),
+    }[name]
+    net = model().double()
+    xs, xq = (torch.randn(n, 1, side, side, dtype=F64) for n in (5, 4))
+    with torch.no_grad():
+        out = net(torch.cat([xs, xq]), norm_rows=5)
+        assert torch.equal(out[:5], net(xs))
+        for i in range(4):
+            alone = net(torch.cat([xs, xq[i : i + 1]]), norm_rows=5)[5]
+            torch.testing.assert_close(alone, out[5 + i], rtol=0, atol=1e-12)
+        assert (out[5:] - net(xq)).abs().max() > 1e-3  # not the query batch's own statistics
+    fused = Conv4(hidden=4, norm_layer=lambda c: nn.BatchNorm2d(c, track_running_stats=False))
+    with pytest.raises(ValueError, match="only MetaBatchNorm computes.*BatchNorm2d"):
+        fused(torch.randn(3, 1, 28, 28), norm_rows=2)
+
+
 def test_meta_batch_norm_module_matches_batchnorm2d() -> None:
     torch.manual_seed(0)
     ours = MetaBatchNorm(3).double()
