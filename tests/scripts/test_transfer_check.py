@@ -29,8 +29,8 @@ def omniglot_run(tmp: Path, split: str) -> Path:
     if not HAS_OMNIGLOT:
         pytest.skip(NO_OMNIGLOT)
     protocol = "within-alphabet" if split == "alphabet" else "episodic"
-    om.main(make(om, **TINY, algorithm="protomaml", transductive=True, ways=4, split=split, hidden=8,
-                 eval_protocol=protocol, data_root=str(DATA), out_dir=str(tmp),
+    om.main(make(om, **TINY, algorithm="protomaml", transductive=True, ways=4, split=split,
+                 hidden=8, eval_protocol=protocol, data_root=str(DATA), out_dir=str(tmp),
                  run_name="r"))  # fmt: skip
     return tmp / "r" / "checkpoint.pt"
 
