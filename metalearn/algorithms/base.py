@@ -321,8 +321,9 @@ class MetaLearner(nn.Module, abc.ABC):
         bound: dict[str, Any] = {}
         if type(self).start is not MetaLearner.start:
             bound["start"] = self.start
-        if self.query_fn() is not query_outputs:
-            bound["query"] = self.query_fn()
+        query = self.query_fn()
+        if query is not query_outputs:
+            bound["query"] = query
         return partial(task_loss, **bound) if bound else task_loss
 
     # ------------------------------------------------------------------ derived from start
