@@ -360,7 +360,7 @@ def test_defaults_are_the_default_preset():
     assert om.parse_args([]) == replace_flat(om.Args(), **om.PRESETS["cpu"])
     assert flatten(om.Args())["algorithm"] == "protomaml"
     assert set(om.PRESETS["cpu"]) == {"algorithm", "inner_lr", "inner_steps", "first_order",
-                                      "adapt_norm"}  # fmt: skip
+                                      "adapt_norm", "transductive"}  # fmt: skip
 
 
 def test_help_shows_the_chosen_preset(capsys):
