@@ -125,7 +125,7 @@ class Args(ExperimentArgs):
     preset: Literal["cpu", "paper-miniimagenet-5w1s", "paper-miniimagenet-5w5s",
                     "paper-miniimagenet-5w1s-fo", "paper-miniimagenet-5w5s-fo",
                     "reptile-miniimagenet-5w1s", "reptile-miniimagenet-5w5s",
-                    "r2d2-miniimagenet", "metaoptnet-miniimagenet",
+                    "r2d2-miniimagenet", "r2d2-cifarfs", "metaoptnet-miniimagenet",
                     "mamlpp-miniimagenet-5w1s", "mamlpp-miniimagenet-5w5s"] = "cpu"  # fmt: skip
     """Named configuration: cpu (the defaults: a short run), the MAML paper's
     mini-ImageNet settings (-fo: first order), MAML++'s final mini-ImageNet configurations,
@@ -185,6 +185,16 @@ MAMLPP = dict(algorithm="mamlpp", dataset="mini-imagenet", backbone="conv4", hid
               meta_batch=2, iterations=50_000, outer_lr=1e-3, val_every=500,
               checkpoint_every=500, val_tasks=600, test_tasks=600, grad_clamp=10.0,
               ensemble_top_k=5)  # fmt: skip
+# bertinetto/r2d2, scripts/train/experiments.sh (mini_r2d2, cifar_r2d2) and
+# conf/fewshots.yaml: episodes of 240 images (mini-ImageNet 16-way, 15 a class; CIFAR-FS
+# 20-way, 12 a class; 1-9 of them support), the output scale from 1e-4 (CIFAR-FS 10),
+# dropout 0.1 (CIFAR-FS 0.4) after the encoder's blocks 3 and 4, Adam 5e-3 halved every 20
+# epochs of 100 episodes (40,000 steps: see omniglot_maml.py's R2D2), tested 5-way on
+# 10,000 tasks; its encoder (RRNet: --backbone rrnet at --hidden 64).
+R2D2 = dict(algorithm="r2d2", ways=5, backbone="rrnet", hidden=64, shots=5, train_shots=9,
+            train_min_shots=1, eval_query=15, meta_batch=1, outer_lr=5e-3, lr_schedule="step",
+            step_size=20, gamma=0.5, schedule_every=100, iterations=40_000, val_every=100,
+            checkpoint_every=1000, val_tasks=200, test_tasks=10_000)  # fmt: skip
 PRESETS: dict[str, dict[str, Any]] = {
     "cpu": {},  # the defaults of Args
     "paper-miniimagenet-5w1s": {**PAPER, "shots": 1, "eval_query": 1, "meta_batch": 4},
@@ -197,18 +207,10 @@ PRESETS: dict[str, dict[str, Any]] = {
     "mamlpp-miniimagenet-5w5s": {**MAMLPP, "shots": 5},
     "reptile-miniimagenet-5w1s": {**REPTILE, "shots": 1, "eval_inner_batch": 5},
     "reptile-miniimagenet-5w5s": {**REPTILE, "shots": 5, "eval_inner_batch": 15},
-    # bertinetto/r2d2, scripts/train/experiments.sh (mini_r2d2) and conf/fewshots.yaml:
-    # 16-way episodes of 15 examples a class (1-9 of them support), the output scale from
-    # 1e-4, Adam 5e-3 halved every 20 epochs of 100 episodes (40,000 steps: see
-    # omniglot_maml.py's R2D2); its encoder (RRNet: --backbone rrnet at --hidden 64)
-    "r2d2-miniimagenet": {"dataset": "mini-imagenet", "algorithm": "r2d2", "ways": 5,
-                          "backbone": "rrnet", "hidden": 64,
-                          "train_ways": 16, "shots": 5, "train_shots": 9,
-                          "train_min_shots": 1, "query": 6, "eval_query": 15,
-                          "scale": 1e-4, "meta_batch": 1, "outer_lr": 5e-3,
-                          "lr_schedule": "step", "step_size": 20, "gamma": 0.5,
-                          "schedule_every": 100, "iterations": 40_000, "val_every": 100,
-                          "checkpoint_every": 1000, "val_tasks": 200, "test_tasks": 10_000},
+    "r2d2-miniimagenet": {**R2D2, "dataset": "mini-imagenet", "train_ways": 16, "query": 6,
+                          "scale": 1e-4, "dropout": 0.1},
+    "r2d2-cifarfs": {**R2D2, "dataset": "cifar-fs", "train_ways": 20, "query": 3,
+                     "scale": 10.0, "dropout": 0.4},
     # kjunelee/MetaOptNet, README.md (the SVM command) and train.py: ResNet-12, 8 episodes
     # of 6 queries a class per step, SGD 0.1 with Nesterov momentum 0.9 and weight decay
     # 5e-4, 60 epochs of 1,000 steps, 2,000 validation episodes; the SVM head's defaults

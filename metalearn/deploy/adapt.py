@@ -8,6 +8,7 @@ from torch import Tensor
 from metalearn.algorithms import MetaLearner
 from metalearn.debug import check_consistent
 from metalearn.engine import Task
+from metalearn.models import evaluation_mode
 
 __all__ = ["adapt_to_support"]
 
@@ -18,7 +19,8 @@ def adapt_to_support(
     """The learner's fast weights for the support set ``(x, y)`` (its own inner loop).
 
     This is ``learner.adapt`` (MAML++ and Meta-SGD use their learned rates; MAML++ its
-    last step's batch-norm weights), detached, after checking the inputs.
+    last step's batch-norm weights), detached, after checking the inputs, in evaluation
+    mode as the run's test (no dropout).
 
     Args:
         learner: a trained learner (e.g. from `load_learner`).
@@ -42,7 +44,7 @@ def adapt_to_support(
     if y.is_floating_point() or y.dtype == torch.bool:
         raise TypeError(f"labels must be class indices (int64), got {y.dtype}; use y.long()")
     check_consistent(learner=learner, support=(x, y))
-    with torch.no_grad():
+    with torch.no_grad(), evaluation_mode(learner):
         ways = learner.model(x[:2]).shape[-1]
     if y.min() < 0 or y.max() >= ways:
         raise ValueError(
@@ -52,4 +54,5 @@ def adapt_to_support(
     if steps is not None and steps < 0:
         raise ValueError(f"steps must be >= 0, got {steps}")
     empty = (x[:0], y[:0])  # adapt reads only the support set
-    return learner.adapt(Task(support=(x, y), query=empty), steps=steps)
+    with evaluation_mode(learner):  # as the run's test: no dropout
+        return learner.adapt(Task(support=(x, y), query=empty), steps=steps)

@@ -10,6 +10,7 @@ dict, batched over tasks with `torch.func.vmap` and differentiated to second ord
 * batch norm is `batch_norm`, written from elementary ops, because the fused
   ``F.batch_norm(training=True)`` gives wrong second-order gradients under ``vmap``
   (measured on torch 2.13, see `batch_norm`);
+* training and evaluation mode differ only in `R2D2Net`'s dropout (`evaluation_mode`);
 * the classifier is a submodule called ``head`` and everything before it ``features``, so
   ANIL adapts ``head.*`` only by passing those keys.
 """
@@ -17,6 +18,7 @@ dict, batched over tasks with `torch.func.vmap` and differentiated to second ord
 from metalearn.models.backbones import BACKBONES, build_backbone, sized_by_image
 from metalearn.models.conv4 import Conv4, ConvBlock
 from metalearn.models.mlp import MLP
+from metalearn.models.mode import evaluation_mode
 from metalearn.models.norm import (
     NORM_TYPES,
     MetaBatchNorm,
@@ -39,6 +41,7 @@ __all__ = [
     "ResidualBlock",
     "batch_norm",
     "build_backbone",
+    "evaluation_mode",
     "norm_parameter_names",
     "normalise",
     "sized_by_image",

@@ -33,6 +33,7 @@ def build_backbone(
     head: Literal["mean", "flatten"] = "mean",
     image_size: int | None = None,
     activation: Literal["relu", "leaky_relu"] = "relu",
+    dropout: float = 0.0,
 ) -> nn.Module:
     """A fresh backbone (weights from torch's global generator: seed first).
 
@@ -46,14 +47,20 @@ def build_backbone(
         pool, head, image_size, activation: Conv4's down-sampling, classifier input, image
             side and nonlinearity (`Conv4`); ResNet-12 takes none of them, R2-D2's encoder
             the image side.
+        dropout: R2-D2's encoder only: the dropout after its blocks 3 and 4 (`R2D2Net`).
 
     Returns:
         A model mapping ``[B, in_channels, S, S]`` to logits ``[B, ways]``.
 
     Raises:
         ValueError: an unknown backbone, an activation ResNet-12 or R2-D2's encoder does
-            not take, or R2-D2's without ``image_size``.
+            not take, dropout for a backbone other than R2-D2's, or R2-D2's without
+            ``image_size``.
     """
+    if backbone != "rrnet" and dropout != 0.0:
+        raise ValueError(f"--dropout {dropout}: only backbone rrnet (R2-D2's encoder) has "
+                         f"dropout, {backbone} has none; drop --dropout or pass --backbone "
+                         "rrnet")  # fmt: skip
     if backbone == "conv4":
         return Conv4(in_channels=in_channels, ways=ways, hidden=hidden, pool=pool, head=head,
                      image_size=image_size, activation=activation)  # fmt: skip
@@ -67,5 +74,5 @@ def build_backbone(
         if image_size is None:
             raise ValueError("backbone 'rrnet' sizes its head from the image: pass image_size")
         return R2D2Net(in_channels=in_channels, ways=ways, image_size=image_size,
-                       widths=r2d2_widths(hidden))  # fmt: skip
+                       widths=r2d2_widths(hidden), dropout=dropout)  # fmt: skip
     raise ValueError(f"backbone {backbone!r}; choose one of {', '.join(BACKBONES)}")

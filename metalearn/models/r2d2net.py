@@ -84,10 +84,13 @@ class R2D2Net(nn.Module):
     (channel-major) and concatenated, as ``RRFeatures.forward`` (``bertinetto/r2d2``,
     ``fewshots/models/load_model.py``). Weights start at torch's defaults, as there.
 
-    Departures: batch norm is the transductive `MetaBatchNorm` (the reference's
-    ``BatchNorm2d`` keeps running statistics for evaluation), and ``dropout`` defaults to 0
-    (the reference's Omniglot runs; mini-ImageNet uses 0.1): a model without randomness
-    keeps each task's loss a function of the parameters, which the vmapped learners need.
+    Dropout acts in training mode only, as ``nn.Dropout`` there: metalearn evaluates under
+    `metalearn.models.evaluation_mode` (the reference calls ``model.eval()``). Under vmap each
+    task draws its own masks (the engine's ``randomness="different"``), from torch's global
+    generator, which a run's checkpoint keeps.
+
+    Departure: batch norm is the transductive `MetaBatchNorm` (the reference's
+    ``BatchNorm2d`` keeps running statistics for evaluation).
 
     Args:
         in_channels: image channels.
@@ -95,7 +98,8 @@ class R2D2Net(nn.Module):
         image_size: side of the square images (the head is sized for it and accepts only it).
         widths: the four blocks' filters (`r2d2_widths`: 96-192-384-512 for hidden 64).
         negative_slope: the leaky ReLU's slope (the reference's ``model.lrelu`` 0.1).
-        dropout: probability of blocks 3 and 4's dropout (the reference's ``model.drop``).
+        dropout: probability of blocks 3 and 4's dropout (the reference's ``model.drop``:
+            0 for Omniglot, 0.1 mini-ImageNet, 0.4 CIFAR-FS; 0, no dropout, by default).
         norm_layer: builds the normalisation from the channel count.
 
     Shape:
@@ -117,7 +121,7 @@ class R2D2Net(nn.Module):
         if len(widths) != 4 or any(w < 1 for w in widths):
             raise ValueError(f"widths must be four positive channel counts, got {widths}")
         if not 0.0 <= dropout < 1.0:
-            raise ValueError(f"dropout {dropout}: must be in [0, 1)")
+            raise ValueError(f"--dropout {dropout}: a probability in [0, 1) (0: none)")
         size = r2d2_feature_size(image_size, widths)
         self.features = R2D2Features(in_channels, image_size, widths, negative_slope, dropout,
                                      norm_layer)  # fmt: skip

@@ -71,6 +71,10 @@ class ModelArgs:
     R2-D2's encoder: blocks 1.5h, 3h, 6h, 8h (64: its 96-192-384-512)."""
     activation: Literal["relu", "leaky_relu"] = "relu"
     """Conv4's nonlinearity: ReLU (MAML's) or leaky ReLU, slope 0.01 (MAML++'s network)."""
+    dropout: float = 0.0
+    """R2-D2's encoder (--backbone rrnet) only: dropout after blocks 3 and 4 in meta-training,
+    off at validation, test and deploy (its reference: 0 Omniglot, 0.1 mini-ImageNet, 0.4
+    CIFAR-FS)."""
 
 
 @dataclass

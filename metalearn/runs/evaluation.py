@@ -34,6 +34,7 @@ from tqdm import tqdm
 from metalearn import distributed
 from metalearn.algorithms import MetaLearner
 from metalearn.engine import Task
+from metalearn.models import evaluation_mode
 
 __all__ = ["TEST_SEED", "VAL_SEED", "TaskSource", "accuracy_interval", "ensemble_accuracies",
            "evaluate_tasks"]  # fmt: skip
@@ -102,6 +103,7 @@ def evaluate_tasks(
     models = 1 if ensemble is None else len(ensemble)
     accs = []
     with contextlib.ExitStack() as stack:
+        stack.enter_context(evaluation_mode(learner))  # no dropout
         if not callable(progress):
             bar = tqdm(total=tasks * models, desc=desc, unit="task", dynamic_ncols=True,
                        leave=False, disable=not (progress and distributed.is_main()))  # fmt: skip

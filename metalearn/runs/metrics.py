@@ -20,6 +20,7 @@ from metalearn import distributed
 from metalearn.algorithms import MetaLearner
 from metalearn.algorithms.curvature import PROBE_SEED, meta_curvature, support_curvature
 from metalearn.algorithms.registry import algorithms_that, can
+from metalearn.models import evaluation_mode
 from metalearn.runs.lifecycle import require
 from metalearn.runs.recipe import Recipe
 
@@ -111,11 +112,13 @@ def measure_curvature(learner: MetaLearner, probe: Sequence) -> dict[str, float]
     ``curv/meta_trace`` and its ``curv/meta_trace_std_error``: the second-order meta-loss
     Hessian w.r.t. theta (`metalearn.algorithms.curvature.meta_curvature`).
     ``perf/curvature_s``: the seconds it all took. Each measurement seeds its own generator
-    from `PROBE_SEED`, so it depends on theta alone.
+    from `PROBE_SEED` and runs in evaluation mode (no dropout), so it depends on theta alone.
     """
     start = time.perf_counter()
-    support = support_curvature(learner, probe, generator=torch.Generator().manual_seed(PROBE_SEED))
-    meta = meta_curvature(learner, probe, generator=torch.Generator().manual_seed(PROBE_SEED))
+    with evaluation_mode(learner):
+        gen = torch.Generator().manual_seed(PROBE_SEED)
+        support = support_curvature(learner, probe, generator=gen)
+        meta = meta_curvature(learner, probe, generator=gen.manual_seed(PROBE_SEED))
     return {
         CURV_SUPPORT_TOP_EIG: float(support.mean()),
         CURV_SUPPORT_TOP_EIG_MAX: float(support.max()),

@@ -155,6 +155,7 @@ class ModelRecipe:
     head: str = "mean"
     image_size: int | None = None
     activation: str = "relu"  # a record without it ran MAML's ReLU
+    dropout: float = 0.0  # a record without it ran no dropout
 
 
 @dataclass(frozen=True)
@@ -406,7 +407,7 @@ def recipe_from_args(experiment: str, args: Mapping[str, Any]) -> Recipe:
         backbone=backbone, in_channels=image.channels, ways=ways, hidden=args["hidden"],
         pool=args.get("pool", "stride"), head=head,
         image_size=image.size if side is None and sized_by_image(backbone, head) else side,
-        activation=args.get("activation", "relu"),
+        activation=args.get("activation", "relu"), dropout=args.get("dropout", 0.0),
     )  # fmt: skip
     algorithm = args["algorithm"]
     outer_lr = args.get("outer_lr")
@@ -539,7 +540,7 @@ def build_model(recipe: Recipe) -> nn.Module:
     m = recipe.model
     return build_backbone(m.backbone, in_channels=m.in_channels, ways=m.ways, hidden=m.hidden,
                           pool=m.pool, head=m.head, image_size=m.image_size,
-                          activation=m.activation)  # fmt: skip
+                          activation=m.activation, dropout=m.dropout)  # fmt: skip
 
 
 def build_learner(recipe: Recipe, device: torch.device | str = "cpu") -> MetaLearner:

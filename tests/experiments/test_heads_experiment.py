@@ -134,3 +134,34 @@ def test_fewshot_trains_wider_tasks_on_an_image_folder(tmp_path):
     results = fs.main(args)
     saved = load_checkpoint(tmp_path / "runs" / "wide" / "checkpoint.pt")
     assert saved["recipe"]["data"]["train_ways"] == 3 and 0 <= results["test/acc"] <= 1
+
+
+@pytest.mark.slow
+def test_r2d2_with_dropout_resumes_and_tests_without_it(tmp_path, capsys):
+    """--dropout through the run: recorded in the recipe, the masks drawn from torch's
+    generator that the checkpoint keeps (a resumed run is the uninterrupted one, bit for
+    bit), and the run's test, metalearn-evaluate and the export all without dropout."""
+    common = dict(algorithm="r2d2", backbone="rrnet", hidden=4, dropout=0.3)
+    straight = om.main(tiny(tmp_path, **common, run_name="straight"))
+    om.main(tiny(tmp_path, **common, iterations=2, run_name="split"))
+    om.main(tiny(tmp_path, **common, run_name="split", resume=True))
+    a = load_checkpoint(tmp_path / "straight" / "checkpoint.pt")
+    b = load_checkpoint(tmp_path / "split" / "checkpoint.pt")
+    assert a["recipe"]["model"]["dropout"] == 0.3
+    for key in a["learner"]:
+        assert torch.equal(a["learner"][key], b["learner"][key]), key
+    assert [r["train/loss"] for r in a["history"]] == [r["train/loss"] for r in b["history"]]
+    # dropout acts in training: the same run without it trains other weights
+    om.main(tiny(tmp_path, **{**common, "dropout": 0.0}, run_name="plain"))
+    c = load_checkpoint(tmp_path / "plain" / "checkpoint.pt")
+    assert a["history"][0]["train/loss"] != c["history"][0]["train/loss"]
+
+    path = tmp_path / "straight" / "checkpoint.pt"
+    capsys.readouterr()
+    for _ in range(2):  # the same number each time: no masks at test
+        assert evaluate_script.main(["--checkpoint", str(path), "--tasks", "4", "--no-track"]) == 0
+        last = capsys.readouterr().out.strip().splitlines()[-1]
+        assert last.startswith(f"test/acc: {straight['test/acc']:.4f} ± ")
+    folder = make_support_folder(tmp_path, shots=2, ways=5)
+    report = export_from_checkpoint(path, folder, tmp_path / "adapted.pt2")
+    assert report.max_abs_diff < 1e-5

@@ -59,19 +59,22 @@ def test_reptile_cpu_preset_is_the_5w1s_recipe_shorter():
 
 
 @pytest.mark.parametrize(
-    ("experiment", "name", "train_ways", "episode", "scale"),
-    [(om, "r2d2-5w-paper", 60, 600, 10.0), (om, "r2d2-20w-paper", 60, 600, 10.0),
-     (fs, "r2d2-miniimagenet", 16, 240, 1e-4)],
+    ("experiment", "name", "train_ways", "episode", "scale", "drop"),
+    [(om, "r2d2-5w-paper", 60, 600, 10.0, 0.0), (om, "r2d2-20w-paper", 60, 600, 10.0, 0.0),
+     (fs, "r2d2-miniimagenet", 16, 240, 1e-4, 0.1), (fs, "r2d2-cifarfs", 20, 240, 10.0, 0.4)],
 )  # fmt: skip
-def test_r2d2_presets_are_its_scripts(experiment, name, train_ways, episode, scale):
+def test_r2d2_presets_are_its_scripts(experiment, name, train_ways, episode, scale, drop):
     recipe = preset(experiment, name)
     d, t, a = recipe.data, recipe.training, recipe.learner.arguments
-    # RRNet's encoder: model.out_dim 1536 + 2048 (Omniglot), 31104 + 41472 (mini-ImageNet)
-    features = {28: 1536 + 2048, 84: 31104 + 41472}[d.image.size]
-    assert (recipe.model.backbone, build_model(recipe).head.in_features) == ("rrnet", features)
+    # RRNet's encoder: model.out_dim 1536 + 2048 (Omniglot), 31104 + 41472 (mini-ImageNet),
+    # 3456 + 4608 (cifar100, i.e. CIFAR-FS); --model.drop 0 (Omniglot), 0.1, 0.4
+    features = {28: 1536 + 2048, 84: 31104 + 41472, 32: 3456 + 4608}[d.image.size]
+    model = build_model(recipe)
+    assert (recipe.model.backbone, model.head.in_features) == ("rrnet", features)
+    assert (recipe.model.dropout, model.features.dropout) == (drop, drop)
     assert (a["ridge_form"], a["lam"], a["learn_lambda"], a["scale"]) == ("rrnet", 50.0, False,
                                                                           scale)  # fmt: skip
-    # data.way, data.batch_size 600 (Omniglot) or 240 (mini-ImageNet) examples an episode,
+    # data.way, data.batch_size 600 (Omniglot) or 240 (the others) examples an episode,
     # the shots drawn from range(data.shot_min 1, data.shot_max 10), tested at 5
     assert (d.train_ways, d.train_ways * (d.train_shots + d.query)) == (train_ways, episode)
     assert (d.train_min_shots, d.train_shots, d.shots) == (1, 9, 5)
