@@ -15,13 +15,15 @@ import pytest
 import torch
 from torch._dynamo.utils import counters
 
-from metalearn.algorithms import IMAML, MAML, MAMLpp, MetaSGD, Reptile
+from metalearn.algorithms import IMAML, MAML, MAMLpp, MetaSGD, Reptile, make_learner
 from metalearn.algorithms.compiled import CompiledMetaGradient, compile_blocker
 from metalearn.checkpoint import load_checkpoint
 from metalearn.engine import NonFiniteLossError, Task, TaskCall, TaskFn, TaskResult, task_loss
 from metalearn.engine.outer import vmapped_task_results
 from metalearn.models import MLP, Conv4
 from metalearn.runs.lifecycle import UserError
+from tests.algorithms.test_dropout import net as dropout_net
+from tests.algorithms.test_dropout import tasks as dropout_tasks
 from tests.conftest import HAS_OMNIGLOT, NO_OMNIGLOT
 from tests.engine.test_chunking import RecordingRunner
 from tests.experiments.test_omniglot_experiment import om, tiny_args
@@ -113,6 +115,22 @@ def test_a_second_order_conv4_chunk_traces_as_one_graph():
         learner.task_fn(), learner.model, learner.theta(), settings, *stacked
     )
     assert (explained.graph_count, explained.graph_break_count) == (1, 0)
+
+
+def test_dropout_compiles_whole_and_draws_the_masks_eager_draws():
+    """R2-D2's encoder with dropout: under one seed of torch's generator the compiled graph
+    draws the masks eager draws (the same meta-gradient), another seed other masks."""
+    learner = make_learner("r2d2", dropout_net(0.5), {"vectorize": "vmap"})
+    compiled, batch = CompiledMetaGradient(learner), dropout_tasks(3)
+    steps = {}
+    for name, backward in (("eager", learner.backward), ("compiled", compiled)):
+        for seed in (3, 4):
+            torch.manual_seed(seed)
+            steps[name, seed] = _meta_gradient(backward, learner, batch)[1]
+    assert _relative_difference(steps["compiled", 3], steps["eager", 3]) < TOLERANCE
+    assert _relative_difference(steps["compiled", 4], steps["eager", 4]) < TOLERANCE
+    assert _relative_difference(steps["eager", 4], steps["eager", 3]) > 1e-3
+    assert compiled.runner.whole and compiled.runner.break_reason is None
 
 
 def test_loop_chunks_run_the_compiled_per_task_function():
