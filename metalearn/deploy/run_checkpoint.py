@@ -75,7 +75,8 @@ def load_learner(
         device: where the learner goes.
 
     Returns:
-        ``(learner, recipe)``: the learner with the chosen weights, and the run's recipe
+        ``(learner, recipe)``: the learner with the chosen weights, in evaluation mode (no
+        dropout; ``learner.train()`` before training it further), and the run's recipe
         (``recipe.data.ways``, ``recipe.training.eval_inner_steps``, ``recipe.data.image``).
 
     Raises:
@@ -118,7 +119,7 @@ def learner_from(
             f"recipe describes (ways={recipe.model.ways}, hidden={recipe.model.hidden}): "
             f"{_one_line(err)}"
         ) from None
-    return learner.to(device), recipe
+    return learner.to(device).eval(), recipe  # a trained learner: dropout off
 
 
 def _one_line(err: Exception, limit: int = 160) -> str:

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from metalearn.checkpoint import load_checkpoint
-from metalearn.deploy import export_from_checkpoint, load_exported
+from metalearn.deploy import export_from_checkpoint, load_exported, load_learner
 from metalearn.runs.lifecycle import UserError
 from metalearn.tools import evaluate as evaluate_script
 from tests.conftest import OMNIGLOT, needs_omniglot
@@ -165,3 +165,9 @@ def test_r2d2_with_dropout_resumes_and_tests_without_it(tmp_path, capsys):
     folder = make_support_folder(tmp_path, shots=2, ways=5)
     report = export_from_checkpoint(path, folder, tmp_path / "adapted.pt2")
     assert report.max_abs_diff < 1e-5
+    # a loaded learner is in evaluation mode: its own evaluate draws no masks
+    learner, recipe = load_learner(path)
+    assert not any(m.training for m in learner.modules())
+    tasks = samplers_of(om, tiny(tmp_path, **common))["test"].batch(2, torch.Generator())
+    first, second = learner.evaluate(tasks)[0], learner.evaluate(tasks)[0]
+    assert torch.equal(first, second)
