@@ -6,8 +6,6 @@ they were. The references are the formulas written out on the network's own forw
 
 from __future__ import annotations
 
-import math
-
 import pytest
 import torch
 import torch.nn.functional as F
@@ -20,6 +18,7 @@ from metalearn.engine import Task
 from metalearn.models import R2D2Net, build_backbone, evaluation_mode
 from metalearn.runs.evaluation import evaluate_tasks
 from metalearn.runs.metrics import measure_curvature
+from tests.algorithms.test_heads import rrnet_logits
 
 F64 = torch.float64
 SIZE, WAYS, SHOTS, QUERIES = 16, 3, 2, 2
@@ -40,20 +39,15 @@ def tasks(count: int = 3, seed: int = 1, same: bool = False) -> list[Task]:
         return Task((xs, ys), (torch.randn(len(yq), 1, SIZE, SIZE, generator=g, dtype=F64), yq))
 
     first = one()
-    return [first if same else (first if i == 0 else one()) for i in range(count)]
+    return [first] + [first if same else one() for _ in range(count - 1)]
 
 
 def rrnet_loss(model: R2D2Net, task: Task, lam: float, scale: float) -> Tensor:
-    """RRNet's ridge head (a ones column, X and Y over sqrt(S), lambda 50 fixed, logits
-    ``scale (Z_q W + b)``; the bias 0) on the features of ``model``'s own forward, support
-    first, then query: the order in which the learner draws the dropout masks."""
+    """RRNet's ridge head (`rrnet_logits`, the bias 0) on the features of ``model``'s own
+    forward, support first, then query: the order in which the learner draws the masks."""
     (xs, ys), (xq, yq) = task.support, task.query
     fs, fq = model.features(xs), model.features(xq)
-    n = fs.shape[0]
-    x = torch.cat([fs, torch.ones(n, 1, dtype=F64)], 1) / math.sqrt(n)
-    y = F.one_hot(ys).to(F64) / math.sqrt(n)
-    wb = torch.linalg.solve(x.T @ x + lam * torch.eye(x.shape[1], dtype=F64), x.T @ y)
-    return F.cross_entropy(scale * (fq @ wb[:-1] + wb[-1]), yq)
+    return F.cross_entropy(rrnet_logits(fs, ys, fq, lam, scale), yq)
 
 
 def body_gradient(learner: nn.Module) -> dict[str, Tensor]:

@@ -87,20 +87,26 @@ def protonet_reference(learner: ProtoNet, tasks_: list[Task]) -> dict[str, Tenso
     return meta_gradient(learner, total / len(tasks_), {})
 
 
-def r2d2_reference(learner: R2D2, tasks_: list[Task]) -> dict[str, Tensor]:
+def rrnet_logits(fs: Tensor, ys: Tensor, fq: Tensor, lam, scale, bias=0.0) -> Tensor:
     """Bertinetto et al. (2019), as ``RRNet`` computes it: ridge regression of ``X = [Z, 1] /
     sqrt(S)`` onto ``Y = onehot / sqrt(S)`` in the primal form
-    ``[W; b] = (X^T X + lam I_{D+1})^{-1} X^T Y``, logits ``scale (Z_q W + b) + bias``."""
+    ``[W; b] = (X^T X + lam I_{D+1})^{-1} X^T Y``, logits ``scale (Z_q W + b) + bias``.
+    ``fs [S, D]``, ``ys [S]``, ``fq [Q, D]`` in float64; returns ``[Q, C]``."""
+    n = fs.shape[0]
+    x = torch.cat([fs, torch.ones(n, 1, dtype=F64)], 1) / math.sqrt(n)
+    y = F.one_hot(ys).to(F64) / math.sqrt(n)
+    wb = torch.linalg.solve(x.T @ x + lam * torch.eye(x.shape[1], dtype=F64), x.T @ y)
+    return scale * (fq @ wb[:-1] + wb[-1]) + bias
+
+
+def r2d2_reference(learner: R2D2, tasks_: list[Task]) -> dict[str, Tensor]:
+    """`rrnet_logits` on Conv4's features, the mean query cross-entropy's meta-gradient."""
     lam, scale, bias = learner.lam, learner.scale, learner.bias
     total = 0.0
     for task in tasks_:
         (xs, ys), (xq, yq) = task.support, task.query
-        fs, fq = embed(learner, xs), embed(learner, xq)
-        n = fs.shape[0]
-        x = torch.cat([fs, torch.ones(n, 1, dtype=F64)], 1) / math.sqrt(n)
-        y = F.one_hot(ys).to(F64) / math.sqrt(n)
-        wb = torch.linalg.solve(x.T @ x + lam * torch.eye(x.shape[1], dtype=F64), x.T @ y)
-        total = total + F.cross_entropy(scale * (fq @ wb[:-1] + wb[-1]) + bias, yq)
+        logits = rrnet_logits(embed(learner, xs), ys, embed(learner, xq), lam, scale, bias)
+        total = total + F.cross_entropy(logits, yq)
     extra = {"lam": learner.lam, "scale": learner.scale, "bias": learner.bias}
     learned = {k: v for k, v in extra.items() if v.requires_grad}  # lam: unless learn_lambda
     return meta_gradient(learner, total / len(tasks_), learned)

@@ -166,7 +166,7 @@ def test_r2d2_with_dropout_resumes_and_tests_without_it(tmp_path, capsys):
     report = export_from_checkpoint(path, folder, tmp_path / "adapted.pt2")
     assert report.max_abs_diff < 1e-5
     # a loaded learner is in evaluation mode: its own evaluate draws no masks
-    learner, recipe = load_learner(path)
+    learner, _ = load_learner(path)
     assert not any(m.training for m in learner.modules())
     tasks = samplers_of(om, tiny(tmp_path, **common))["test"].batch(2, torch.Generator())
     first, second = learner.evaluate(tasks)[0], learner.evaluate(tasks)[0]
