@@ -87,7 +87,14 @@ def protonet_reference(learner: ProtoNet, tasks_: list[Task]) -> dict[str, Tenso
     return meta_gradient(learner, total / len(tasks_), {})
 
 
-def rrnet_logits(fs: Tensor, ys: Tensor, fq: Tensor, lam, scale, bias=0.0) -> Tensor:
+def rrnet_logits(
+    fs: Tensor,
+    ys: Tensor,
+    fq: Tensor,
+    lam: float | Tensor,
+    scale: float | Tensor,
+    bias: float | Tensor = 0.0,
+) -> Tensor:
     """Bertinetto et al. (2019), as ``RRNet`` computes it: ridge regression of ``X = [Z, 1] /
     sqrt(S)`` onto ``Y = onehot / sqrt(S)`` in the primal form
     ``[W; b] = (X^T X + lam I_{D+1})^{-1} X^T Y``, logits ``scale (Z_q W + b) + bias``.
