@@ -1,50 +1,26 @@
 """Checkpoints written atomically and read back safely.
 
-A checkpoint is written to a temporary file beside its target, flushed to disk, then
-renamed over the target (``os.replace`` is atomic on POSIX and Windows), and the folder is
-fsynced so the rename itself survives a power cut; a crash or a SIGTERM mid-write leaves the
-previous checkpoint intact, never half a file. The temporary file's name holds its writer's
-host and process id, so one left by a process killed mid-write (SIGKILL runs no cleanup) is
-removed by the next save to the same target, and one whose writer still runs never is.
-Reading uses ``torch.load(weights_only=True)``: only tensors and plain containers, no
+A checkpoint is written through `metalearn.files.write_atomically`: a fresh temporary file
+beside its target, flushed to disk, renamed over the target (``os.replace`` is atomic on
+POSIX and Windows), the folder fsynced so the rename itself survives a power cut. A crash
+or a SIGTERM mid-write leaves the previous checkpoint intact, never half a file, and a full
+disk is one line with the previous checkpoint kept. Reading checks the file is a regular
+file (`metalearn.files.open_regular`: a FIFO named ``checkpoint.pt`` is refused, not waited
+on) and uses ``torch.load(weights_only=True)``: only tensors and plain containers, no
 pickled code.
 """
 
 from __future__ import annotations
 
 import os
-import socket
-import tempfile
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from metalearn.files import HOST, open_regular, process_alive, write_atomically
+
 __all__ = ["HOST", "load_checkpoint", "process_alive", "save_checkpoint"]
-
-HOST = socket.gethostname().replace(".", "_")
-"""This machine's name, as temporary files and run locks record their writer's host."""
-
-
-def process_alive(pid: int) -> bool:
-    """Whether process ``pid`` runs on this machine (signal 0 probes without sending)."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # it exists, owned by another user
-        return True
-    return True
-
-
-def _orphans(path: Path) -> list[Path]:
-    """Temporary files of ``path`` whose writer, a process on this machine, has died."""
-    dead = []
-    for tmp in path.parent.glob(f".{path.name}.{HOST}.*.tmp"):
-        pid = tmp.name[len(f".{path.name}.{HOST}.") :].split(".", 1)[0]
-        if pid.isdigit() and not process_alive(int(pid)):
-            dead.append(tmp)
-    return dead
 
 
 def save_checkpoint(path: str | os.PathLike, obj: Any) -> Path:
@@ -52,36 +28,12 @@ def save_checkpoint(path: str | os.PathLike, obj: Any) -> Path:
 
     Returns:
         The path written.
+
+    Raises:
+        metalearn.files.FileError: the disk is full (or the folder unwritable): one line,
+            the previous checkpoint kept.
     """
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    for orphan in _orphans(path):  # left by a killed writer
-        orphan.unlink(missing_ok=True)
-    prefix = f".{path.name}.{HOST}.{os.getpid()}."
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=prefix, suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            torch.save(obj, f)
-            f.flush()
-            os.fsync(f.fileno())  # the rename must not land before the data does
-        os.chmod(tmp, 0o644)  # mkstemp makes the file private; a checkpoint need not be
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    _fsync_dir(path.parent)
-    return path
-
-
-def _fsync_dir(folder: Path) -> None:
-    """Make a rename in ``folder`` durable (POSIX; Windows cannot open a folder)."""
-    if os.name != "posix":
-        return
-    fd = os.open(folder, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    return write_atomically(path, lambda file: torch.save(obj, file), what="checkpoint")
 
 
 def load_checkpoint(path: str | os.PathLike, map_location: Any = "cpu") -> Any:
@@ -89,11 +41,13 @@ def load_checkpoint(path: str | os.PathLike, map_location: Any = "cpu") -> Any:
 
     Raises:
         FileNotFoundError: no checkpoint at ``path`` (the message says how to start fresh).
+        metalearn.files.FileError: ``path`` is not a regular file (a FIFO, a folder, ...).
     """
     path = Path(path)
-    if not path.is_file():
+    if not os.path.lexists(path):
         raise FileNotFoundError(
             f"no checkpoint at {path}; check --out-dir/--run-name, or drop --resume to start "
             "a new run"
         )
-    return torch.load(path, map_location=map_location, weights_only=True)
+    with open_regular(path, what="checkpoint") as file:
+        return torch.load(file, map_location=map_location, weights_only=True)
