@@ -12,6 +12,7 @@ pickled code.
 
 from __future__ import annotations
 
+import io
 import os
 from pathlib import Path
 from typing import Any
@@ -23,8 +24,10 @@ from metalearn.files import HOST, open_regular, process_alive, write_atomically
 __all__ = ["HOST", "load_checkpoint", "process_alive", "save_checkpoint"]
 
 
-def save_checkpoint(path: str | os.PathLike, obj: Any) -> Path:
+def save_checkpoint(path: str | os.PathLike, obj: Any, *, what: str = "checkpoint") -> Path:
     """Atomically write ``obj`` (tensors, numbers, strings, dicts, lists) to ``path``.
+
+    ``what`` names the file in the one line a failed write gives.
 
     Returns:
         The path written.
@@ -33,7 +36,12 @@ def save_checkpoint(path: str | os.PathLike, obj: Any) -> Path:
         metalearn.files.FileError: the disk is full (or the folder unwritable): one line,
             the previous checkpoint kept.
     """
-    return write_atomically(path, lambda file: torch.save(obj, file), what="checkpoint")
+    # Serialised in memory, then written by Python: torch's zip writer turns a full disk
+    # into an opaque RuntimeError ("unexpected pos ..."), where Python's write raises
+    # OSError (ENOSPC), which write_atomically makes one line.
+    buffer = io.BytesIO()
+    torch.save(obj, buffer)
+    return write_atomically(path, buffer.getbuffer(), what=what)
 
 
 def load_checkpoint(path: str | os.PathLike, map_location: Any = "cpu") -> Any:

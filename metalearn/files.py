@@ -229,7 +229,7 @@ def _orphans(path: Path) -> list[Path]:
 
 def write_atomically(
     path: str | os.PathLike,
-    data: bytes | str | Callable[[IO[bytes]], object],
+    data: bytes | bytearray | memoryview | str | Callable[[IO[bytes]], object],
     *,
     overwrite: bool = True,
     what: str = "file",
@@ -243,7 +243,8 @@ def write_atomically(
 
     Args:
         path: the target (its folder is created).
-        data: the bytes, a text (UTF-8), or a function writing the file it is given.
+        data: the bytes, a text (UTF-8), or a function writing the file it is given (its
+            ``OSError`` is a failed write).
         overwrite: replace an existing ``path``; False refuses one, also one that appeared
             while writing (the name is taken with ``os.link``, which fails if it exists).
         what: how messages name the file (``"--out"``, ``"checkpoint"``, ...).

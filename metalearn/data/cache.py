@@ -21,6 +21,7 @@ from typing import Any
 import torch
 
 from metalearn.checkpoint import save_checkpoint
+from metalearn.files import FileError
 
 __all__ = ["cached", "default_cache_dir", "fingerprint", "load_cache", "write_cache"]
 
@@ -81,8 +82,12 @@ def write_cache(path: Path, contents: dict, *, what: str) -> bool:
         UserWarning: the file could not be written (named, with the fix).
     """
     try:
-        save_checkpoint(path, contents)
-    except (OSError, RuntimeError) as err:  # torch.save's zip writer raises RuntimeError
+        save_checkpoint(path, contents, what=f"the {what} cache")
+    except FileError as err:  # a full disk, a read-only or missing folder: one line
+        warnings.warn(f"{err}; running uncached (the images are decoded again next time), or "
+                      "point METALEARN_CACHE at a writable folder", stacklevel=4)  # fmt: skip
+        return False
+    except RuntimeError as err:  # torch.save's zip writer
         why = " ".join(str(err).split())
         warnings.warn(
             f"cannot write the {what} cache {path} ({type(err).__name__}: {why}); running "

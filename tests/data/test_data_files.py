@@ -541,8 +541,8 @@ def test_an_unwritable_cache_runs_uncached_with_a_warning(tmp_path):
     with pytest.warns(UserWarning) as record:
         loaded = load_image_folder(folder, "val", image_size=12, cache_dir=cache)
     (warning,) = [str(w.message) for w in record]
-    assert re.match(rf"cannot write the folder cache {re.escape(str(cache))}/folder-12px-\w+\.pt "
-                    r"\(\w+Error: .*\); running uncached", warning)  # fmt: skip
+    assert re.match(rf"could not write the folder cache {re.escape(str(cache))}/folder-12px-\w+"
+                    r"\.pt: Not a directory; .*; running uncached", warning)  # fmt: skip
     assert torch.equal(loaded.images, reference.images) and loaded.counts.tolist() == [3, 5, 4]
 
 
@@ -558,7 +558,10 @@ def test_a_full_disk_runs_uncached_with_a_warning(tmp_path):
     # decoded cache is 12 x 3 x 84 x 84 bytes = 254 KB.
     resource.setrlimit(resource.RLIMIT_FSIZE, (64 * 1024, hard))
     try:
-        with pytest.warns(UserWarning, match=r"cannot write the folder cache .*running uncached"):
+        with pytest.warns(
+            UserWarning,
+            match=r"could not write the folder cache .*File too large.*running uncached",
+        ):
             loaded = load_image_folder(folder, "val", image_size=84, cache_dir=cache)
     finally:
         resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
@@ -582,3 +585,51 @@ def test_a_corrupt_omniglot_drawing_is_one_line_in_the_experiment(tmp_path):
     with pytest.raises(UserError) as info:
         samplers_of(om, make(om, data_root=str(tmp_path / "omniglot")))
     assert re.match(rf"cannot decode {re.escape(str(drawing))} \(", _one_line(info))
+
+
+class _ForgedDtype:
+    """Pickles as ``numpy.dtype('V8', False, True)`` with ``state`` as its BUILD state."""
+
+    def __init__(self, state: tuple) -> None:
+        self.state = state
+
+    def __reduce__(self) -> tuple:
+        return (np.dtype, ("V8", False, True), self.state)
+
+
+@pytest.mark.parametrize(
+    ("state", "why"),
+    [((3, "|", None, None, None, 8, 1, 63), "hand-built dtype state"),  # NPY_ITEM_HASOBJECT...
+     ((3, "|", None, None, None, -1, -1, 1), "hand-built dtype state"),  # ...and a size of -1
+     ((3, "|", None, ("a",), {"a": (np.dtype("i8"), 0)}, 8, 1, 17), "hand-built dtype state"),
+     ((2, "|", None, None, None, 8, 1, 0), "dtype state"), ((3, "!", None, None, None, 8, 1, 0),
+     "byte order")],
+)  # fmt: skip
+def test_a_forged_dtype_state_is_refused(tmp_path, state, why):
+    """Plain pickle gives an array whose void field numpy reads as object pointers (a wild
+    pointer: a crash on read); load_pickle refuses the state before any array uses it."""
+    array = np.frombuffer(b"\x41" * 16, np.uint8)
+    forged = pickle.dumps({"image_data": array, "dtype": _ForgedDtype(state)})
+    if state[-1] == 63:
+        assert pickle.loads(forged)["dtype"].hasobject  # what numpy's __setstate__ makes of it
+    path = tmp_path / "forged.pkl"
+    path.write_bytes(forged)
+    with pytest.raises(ValueError, match=f"forged.pkl: refusing to unpickle .*{why}") as info:
+        load_pickle(path)
+    assert "\n" not in str(info.value)
+
+
+def test_object_dtypes_are_refused_and_plain_structured_ones_load(tmp_path):
+    path = tmp_path / "objects.pkl"
+    path.write_bytes(pickle.dumps(np.array([None, 1], dtype=object)))
+    with pytest.raises(
+        ValueError, match=r"refusing to unpickle the dtype dtype\('O'\) \(Python objects\)"
+    ):
+        load_pickle(path)
+    record = np.dtype([("a", "<f4"), ("b", ">i8"), ("c", "<u1", (2, 3))])
+    plain = np.arange(3 * record.itemsize, dtype=np.uint8).view(record)
+    for protocol in (2, 5):
+        path.write_bytes(pickle.dumps({"x": plain, "s": np.float32(2.5)}, protocol=protocol))
+        loaded = load_pickle(path)
+        assert loaded["x"].dtype == record and loaded["x"].tobytes() == plain.tobytes()
+        assert loaded["s"] == np.float32(2.5)
