@@ -23,12 +23,16 @@ from __future__ import annotations
 import io
 import os
 import sys
+import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
 from torch import Tensor
+
+from metalearn.files import read_bytes
 
 __all__ = [
     "OMNIGLOT_FORMAT",
@@ -38,11 +42,47 @@ __all__ = [
     "decode_image",
     "decode_many",
     "decode_picture",
+    "open_image",
 ]
 
 RESAMPLE_FILTERS = ("lanczos", "bilinear", "nearest")
+IMAGE_BYTES = 64 << 20
+"""The most bytes one image file may hold (the published sets' largest are a few MB)."""
+IMAGE_PIXELS = 40_000_000
+"""The most pixels one image may decode to (a 6000 x 6000 photograph is 36 million): a
+small file that inflates past this (a decompression bomb) is refused before decoding."""
 _POOL_MIN_IMAGES = 2000  # below this, process start-up costs more than it saves
 _CHUNK = 256  # images per job handed to a worker
+
+
+def open_image(source: str | os.PathLike | bytes) -> Any:
+    """A Pillow image of a file (read as `metalearn.files.read_bytes` reads: a regular file
+    of at most `IMAGE_BYTES`) or of encoded bytes, its size checked against `IMAGE_PIXELS`
+    from its header, before any pixel is decoded.
+
+    Raises:
+        FileNotFoundError: no such file.
+        ValueError: not a regular file, too large, not an image, or more than
+            `IMAGE_PIXELS` pixels (each named).
+    """
+    from PIL import Image
+
+    data = source if isinstance(source, bytes) else read_bytes(source, limit=IMAGE_BYTES,
+                                                                   what="image")  # fmt: skip
+    what = "an encoded image" if isinstance(source, bytes) else str(source)
+    try:
+        with warnings.catch_warnings():  # Pillow's own bomb warning: refused below instead
+            warnings.simplefilter("ignore", Image.DecompressionBombWarning)
+            image = Image.open(io.BytesIO(data))
+    except Exception as err:  # any decoder failure: name the file, then stop
+        raise ValueError(f"cannot decode {what} ({type(err).__name__}: {err}); the file is "
+                         "corrupt or not an image: replace or remove it") from None  # fmt: skip
+    width, height = image.size
+    if width * height > IMAGE_PIXELS:
+        raise ValueError(f"{what} is {width}x{height} pixels, more than the "
+                         f"{IMAGE_PIXELS:,} an image may decode to; shrink it first (or it "
+                         "is a decompression bomb)")  # fmt: skip
+    return image
 
 
 def decode_image(path: str, size: int, resample: str) -> np.ndarray:
@@ -60,7 +100,7 @@ def decode_image(path: str, size: int, resample: str) -> np.ndarray:
 
     Raises:
         ValueError: ``resample`` is unknown, or the file cannot be opened or decoded (the
-            message names it).
+            message names it; see `open_image`).
     """
     from PIL import Image
 
@@ -68,8 +108,9 @@ def decode_image(path: str, size: int, resample: str) -> np.ndarray:
         raise ValueError(f"resample must be one of {RESAMPLE_FILTERS}, got {resample!r}")
 
     filters = {"lanczos": Image.Resampling.LANCZOS, "bilinear": Image.Resampling.BILINEAR}
+    opened = open_image(path)
     try:
-        with Image.open(path) as image:
+        with opened as image:
             if resample == "nearest":  # what MAML's script got: mode "1" forces NEAREST
                 small = image.resize((size, size), Image.Resampling.NEAREST)
                 gray = np.asarray(small.convert("L"))
@@ -103,8 +144,9 @@ def decode_picture(
     from PIL import Image
 
     what = "an encoded image" if isinstance(source, bytes) else source
+    opened = open_image(source)
     try:
-        with Image.open(io.BytesIO(source) if isinstance(source, bytes) else source) as image:
+        with opened as image:
             found = image.size
             image = image.convert("RGB" if channels == 3 else "L")
             if image.size != (size, size) and not exact:

@@ -15,7 +15,8 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-from metalearn.data.decoding import OMNIGLOT_FORMAT, ImageFormat
+from metalearn.data.decoding import OMNIGLOT_FORMAT, ImageFormat, open_image
+from metalearn.files import regular_file
 
 __all__ = [
     "IMAGE_SUFFIXES",
@@ -117,20 +118,13 @@ def image_sizes(paths: list[Path]) -> list[tuple[int, int]]:
     """Each file's ``(width, height)``, read from its header.
 
     Raises:
-        ValueError: a file Pillow cannot open (named).
+        ValueError: a file Pillow cannot open, not a regular file, or too large (named:
+            `metalearn.data.decoding.open_image`).
     """
-    from PIL import Image
-
     sizes = []
     for path in paths:
-        try:
-            with Image.open(path) as img:
-                sizes.append(img.size)
-        except Exception as err:  # any reader failure: name the file
-            raise ValueError(
-                f"cannot decode {path} ({type(err).__name__}: {err}); the file is corrupt or "
-                "not an image: replace or remove it"
-            ) from None
+        with open_image(path) as img:
+            sizes.append(img.size)
     return sizes
 
 
@@ -157,6 +151,9 @@ def class_folders(folder: Path) -> list[tuple[str, list[Path]]]:
 def _class_images(class_dir: Path) -> list[Path]:
     """The images of one class folder, sorted; refuses an empty folder or non-images."""
     files = sorted(p for p in class_dir.iterdir() if not p.name.startswith("."))
+    for path in files:  # a FIFO or a device named like an image, or a link out of the folder
+        if path.suffix.lower() in IMAGE_SUFFIXES:
+            regular_file(path, what="image", within=class_dir.parent)
     if not files:
         raise ValueError(f"class folder {class_dir} is empty; put at least one image in it")
     if others := [p.name for p in files if p.suffix.lower() not in IMAGE_SUFFIXES]:

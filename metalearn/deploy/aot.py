@@ -4,8 +4,11 @@
 compiles it to a shared library and zips it into a ``.pt2`` archive; loading it needs
 torch but runs no Python per op. The package is written like the exported ``.pt2``
 (atomically, never over a file unasked, never over a training checkpoint) and carries the
-same metadata (class names, norm mode, ...) inside the library, read back by `load_aot`.
-A package runs on the kind of device, and CPU instruction set, it was compiled for.
+same metadata (the package document without its files) inside the library, read back by
+`load_aot`. It runs on the kind of device, and CPU instruction set, it was compiled for.
+Loading it opens the library, which runs its native code: `load_aot` needs ``trust=True``,
+as `metalearn.deploy.program.load_program` does; a package from elsewhere is a folder of
+tensors and JSON (`metalearn.deploy.package`).
 """
 
 from __future__ import annotations
@@ -21,18 +24,18 @@ from typing import Any
 import torch
 from torch.export import ExportedProgram
 
-from metalearn.deploy.archive import check_members, check_trusted
-from metalearn.deploy.export import check_export_target, sibling_path, write_atomically
+from metalearn.deploy.program import check_export_target, check_trusted, sibling_path
+from metalearn.files import parse_json, write_atomically
 
 __all__ = ["AOT_SUFFIX", "aot_package_path", "compile_aot", "is_aot_package", "load_aot"]
 
 AOT_SUFFIX = ".aoti.pt2"
-"""Replaces ``.pt2`` in the exported program's name: ``adapted.pt2`` -> ``adapted.aoti.pt2``."""
+"""Beside the package folder: ``adapted/`` -> ``adapted.aoti.pt2``."""
 _METADATA = "metalearn.json"  # the metadata key inside the package, as in the exported .pt2
 
 
 def aot_package_path(out: str | os.PathLike) -> Path:
-    """Where the package of the exported program ``out`` goes (`AOT_SUFFIX` beside it)."""
+    """Where ``--aot`` writes the AOTInductor package of the package folder ``out``."""
     return sibling_path(out, AOT_SUFFIX)
 
 
@@ -49,8 +52,8 @@ def compile_aot(
     Takes about half a minute for Conv4 on a CPU (a C++ compile).
 
     Args:
-        program: e.g. `load_exported`'s program (``[B, C, H, W] -> [B, ways]``); its
-            dynamic batch dimension, if any, stays dynamic.
+        program: a ``torch.export`` program (``[B, C, H, W] -> [B, ways]``); its dynamic
+            batch dimension, if any, stays dynamic.
         path: the package to write; must end in ``.pt2`` (torch's rule).
         metadata: JSON-serialisable facts stored inside the package; `load_aot` returns them.
         overwrite: replace an existing file (never a training checkpoint).
@@ -71,7 +74,7 @@ def compile_aot(
     if program.example_inputs is None:
         raise ValueError(
             "the program has no example inputs, which AOTInductor needs; export it with "
-            "export_adapted (or torch.export.export) and load it with load_exported"
+            "torch.export.export (metalearn.deploy.export_program writes one)"
         )
     check_compiler()
     configs = {"aot_inductor.metadata": {_METADATA: json.dumps(dict(metadata or {}))}}
@@ -81,10 +84,7 @@ def compile_aot(
     # OSError (ENOSPC), which `write_atomically` turns into one line, the old file kept.
     buffer = io.BytesIO()
     torch._inductor.aoti_compile_and_package(program, package_path=buffer, inductor_configs=configs)
-    write_atomically(
-        path, lambda tmp: Path(tmp).write_bytes(buffer.getvalue()), overwrite=overwrite
-    )
-    return path
+    return write_atomically(path, buffer.getbuffer(), overwrite=overwrite, what="--aot package")
 
 
 def check_compiler() -> None:
@@ -108,10 +108,11 @@ def check_compiler() -> None:
 
 
 def is_aot_package(path: str | os.PathLike) -> bool:
-    """True when ``path`` is an AOTInductor package (a ``.pt2`` archive holding a library)."""
+    """True when ``path`` (a file you trust: this opens it as a zip) is an AOTInductor
+    package (a ``.pt2`` archive holding a library)."""
     try:
         with zipfile.ZipFile(path) as archive:
-            return any("/data/aotinductor/" in name for name in archive.namelist())
+            return any("/data/aotinductor/" in f"/{name}" for name in archive.namelist())
     except (OSError, zipfile.BadZipFile):
         return False
 
@@ -121,22 +122,17 @@ def load_aot(path: str | os.PathLike, *, trust: bool = False) -> tuple[Any, dict
 
     ``model(x)`` maps images ``[B, C, H, W]`` to logits ``[B, ways]``, on the device the
     package was compiled for. Loading runs the package's native code, so it needs
-    ``trust=True``: pass it only for packages you compiled or whose author you trust.
+    ``trust=True``: pass it only for packages you compiled yourself.
 
     Raises:
+        UntrustedProgramError: ``trust`` is False.
         FileNotFoundError: no file at ``path``.
-        ValueError: the file is not an AOTInductor package, it is not trusted
-            (`UntrustedPackageError`), or a member's name leaves its folder.
+        ValueError: not a regular file, or not an AOTInductor package.
     """
-    path = Path(path)
-    if not path.is_file():
-        raise FileNotFoundError(f"no AOT package at {path}; write one with compile_aot (--aot)")
+    path = check_trusted(path, trust, what="AOTInductor package (native code)")
     if not is_aot_package(path):
-        raise ValueError(
-            f"{path} is not an AOTInductor package (an exported program? read it with "
-            "load_exported)"
-        )
-    check_members(path)  # names first: no message may depend on a member that escapes
-    check_trusted(path, trust)
-    model = torch._inductor.aoti_load_package(str(path))
-    return model, json.loads(model.get_metadata().get(_METADATA) or "{}")
+        raise ValueError(f"{path} is not an AOTInductor package (a torch.export program? read "
+                         "it with load_program)")  # fmt: skip
+    model = torch._inductor.aoti_load_package(str(path))  # safe: trusted by the caller
+    meta = parse_json(model.get_metadata().get(_METADATA) or "{}", what=f"{path}'s metadata")
+    return model, meta

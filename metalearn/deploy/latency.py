@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from metalearn.deploy.export import sibling_path
+from metalearn.deploy.program import sibling_path
 
 __all__ = [
     "LATENCY_SUFFIX",
@@ -28,11 +28,11 @@ __all__ = [
 ]
 
 LATENCY_SUFFIX = ".latency.md"
-"""Replaces ``.pt2`` in the exported program's name: ``adapted.pt2`` -> ``adapted.latency.md``."""
+"""Beside the package folder: ``adapted/`` -> ``adapted.latency.md``."""
 
 
 def latency_table_path(out: str | os.PathLike) -> Path:
-    """Where the latency table of the exported program ``out`` goes (beside it)."""
+    """Where the latency table of the package folder ``out`` goes (beside it)."""
     return sibling_path(out, LATENCY_SUFFIX)
 
 

@@ -30,6 +30,7 @@ from torch import Tensor, nn
 
 from metalearn.algorithms import MetaLearner
 from metalearn.models import MetaBatchNorm
+from metalearn.models.lora import LoRAConv2d, LoRALinear
 
 __all__ = [
     "NORMS",
@@ -40,6 +41,8 @@ __all__ = [
     "adapted_model",
     "check_norm",
     "default_norm",
+    "merge_lora",
+    "with_norm_reading",
 ]
 
 Norm = Literal["support", "transductive", "beside_support"]
@@ -189,16 +192,77 @@ def adapted_model(
         raise ValueError(f"params lack {missing[:4]}: pass the full dict adapt_to_support returns")
     model.load_state_dict({**dict(model.named_buffers()), **params}, strict=False)
     model.eval().requires_grad_(False)
-    if norm == "transductive":
-        return model
-    if support_x is None:
+    if norm != "transductive" and support_x is None:
         raise ValueError(f"norm={norm!r} needs support_x, the support images [N, C, H, W]")
+    return with_norm_reading(model, norm, support_x)
+
+
+def with_norm_reading(net: nn.Module, norm: Norm, support_x: Tensor | None) -> nn.Module:
+    """``net`` (changed in place) in the batch-norm reading ``norm`` (see `adapted_model`).
+
+    The one place the three readings are built: by `adapted_model` from an adapted network,
+    and by `metalearn.deploy.package` on the ``meta`` device, to know what a package holds.
+
+    Args:
+        net: a network in evaluation mode.
+        norm: one of `NORMS`.
+        support_x: the support images ``[N, C, H, W]`` (unused by ``"transductive"``).
+
+    Returns:
+        ``net`` itself (``"transductive"``, ``"support"``: its `MetaBatchNorm` layers
+        frozen at ``support_x``'s statistics) or a `BesideSupport` around it.
+    """
+    if norm == "transductive":
+        return net
     if norm == "support":
-        _freeze_batch_norm(model, support_x)
-        return model
-    _replace_batch_norm(model, norm, lambda m: GroupBatchNorm(len(support_x) + 1, m.weight,
-                                                              m.bias, m.eps))  # fmt: skip
-    return BesideSupport(model, support_x).eval()
+        _freeze_batch_norm(net, support_x)
+        return net
+    _replace_batch_norm(net, norm, lambda m: GroupBatchNorm(len(support_x) + 1, m.weight,
+                                                            m.bias, m.eps))  # fmt: skip
+    return BesideSupport(net, support_x).eval()
+
+
+def merge_lora(
+    model: nn.Module, params: Mapping[str, Tensor]
+) -> tuple[nn.Module, dict[str, Tensor]]:
+    """``model`` with every low-rank adapter merged into its layer, and its parameters.
+
+    A `metalearn.models.LoRALinear` or `LoRAConv2d` computes its layer with the weight
+    ``W + (alpha / r) * reshape(B A, W.shape)`` (Hu et al., 2021, Eq. 3); merged, it is the
+    plain ``nn.Linear``/``nn.Conv2d`` with that weight, under the same name, so the network
+    is again the backbone it wraps (what a package names). Without adapters: ``model``
+    and ``params`` unchanged.
+
+    Args:
+        model: the network (not changed).
+        params: its parameters by name (``*.lora_A``, ``*.lora_B`` beside each layer's own).
+
+    Returns:
+        ``(plain_model, plain_params)``: a copy without adapters, and its parameters.
+    """
+    layers = {n: m for n, m in model.named_modules() if isinstance(m, (LoRALinear, LoRAConv2d))}
+    if not layers:
+        return model, dict(params)
+    plain, merged = copy.deepcopy(model), dict(params)
+    for name, layer in layers.items():
+        a, b = merged.pop(f"{name}.lora_A"), merged.pop(f"{name}.lora_B")
+        weight = merged[f"{name}.weight"]
+        merged[f"{name}.weight"] = weight + layer.scaling * (b @ a).reshape(weight.shape)
+        parent, _, child = name.rpartition(".")
+        owner = plain.get_submodule(parent) if parent else plain
+        setattr(owner, child, _plain_layer(layer))
+    return plain, merged
+
+
+def _plain_layer(layer: nn.Module) -> nn.Module:
+    """The ``nn.Linear``/``nn.Conv2d`` a LoRA layer wraps (its configuration, new weights)."""
+    like = dict(device=layer.weight.device, dtype=layer.weight.dtype)
+    if isinstance(layer, LoRALinear):
+        return nn.Linear(layer.in_features, layer.out_features, bias=layer.bias is not None,
+                         **like)  # fmt: skip
+    return nn.Conv2d(layer.in_channels, layer.out_channels, layer.kernel_size, layer.stride,
+                     layer.padding, layer.dilation, layer.groups, bias=layer.bias is not None,
+                     **like)  # fmt: skip
 
 
 def _replace_batch_norm(

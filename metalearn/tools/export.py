@@ -1,33 +1,35 @@
-"""Adapt a trained learner to a support folder and export it with ``torch.export``.
+"""Adapt a trained learner to a support folder and write it as a package of data.
 
 What: loads a run's checkpoint (``runs/<run>/checkpoint.pt``, of either experiment), adapts it
 on the images of a support folder (one sub-folder per class, each image decoded as the run's
-training images were: its recipe's image size, channels and decoding), exports the adapted
-network to a ``.pt2`` file, reloads it and prints the largest logit difference between the
-exported program and the eager model on the support set. Support images of different
-sizes are refused unless ``--mixed-sizes`` (recorded in the program's metadata).
+training images were: its recipe's image size, channels and decoding), writes the adapted
+network as a package (a folder: ``package.json``, naming the architecture, the classes, the
+image decoding and the batch-norm reading, and ``weights.safetensors``), reloads it as
+``metalearn-predict`` does and prints the largest logit difference from the eager model on
+the support set. Support images of different sizes are refused unless ``--mixed-sizes``.
 
 Command (NAME: a run's folder name, as the run printed it):
     metalearn-export --checkpoint runs/NAME/checkpoint.pt --support my_support/ \\
-        --out adapted.pt2 [--aot] [--tensorrt]
+        --out adapted [--program] [--aot] [--tensorrt]
 
---aot also compiles the program with AOTInductor into adapted.aoti.pt2 (a C++ compiler is
-needed; about half a minute), reloads it and prints its largest logit difference from
-eager; --tensorrt builds a TensorRT engine (CUDA and torch_tensorrt) and checks it the
-same way. Either writes a per-image latency table of every form to adapted.latency.md and
-prints it.
+A package is data: anyone may hand you one, and loading it runs no code from it. Programs
+are code, for the machine that compiled them: --program also writes the ``torch.export``
+program adapted.pt2, --aot an AOTInductor package adapted.aoti.pt2 (a C++ compiler is
+needed; about half a minute), --tensorrt builds a TensorRT engine in memory (CUDA and
+torch_tensorrt); each is checked against eager on the support set, and a per-image latency
+table of every form is written to adapted.latency.md and printed. Loading a program needs
+``trust=True`` (``metalearn-predict --trust``): only for files you compiled yourself.
 
-An existing ``--out`` (or package, or table) is replaced only with ``--overwrite``, and a
-training checkpoint never (not even with ``--overwrite``); each file is written atomically.
-Bad input ends with a one-line error and exit code 2, with nothing on disk changed.
+An existing ``--out`` is replaced only with ``--overwrite`` (and only if it is a package), a
+training checkpoint never; each file is written atomically. Bad input ends with a one-line
+error and exit code 2, with nothing on disk changed.
 
-Then ``metalearn-predict --model adapted.pt2 --images FOLDER`` classifies a folder of images;
-or, anywhere with torch (see docs/deploy.md)::
+Then ``metalearn-predict --model adapted --images FOLDER`` classifies a folder of images;
+or, in Python (see docs/deploy.md)::
 
-    program = torch.export.load("adapted.pt2")  # safe: your own package (else load_exported)
-    logits = program.module()(images)          # images as the run's: e.g. [B, 1, 28, 28], ink 1
-    package = torch._inductor.aoti_load_package("adapted.aoti.pt2")    # --aot
-    logits = package(images)
+    from metalearn.deploy import load_package, predict
+    package = load_package("adapted")          # tensors and JSON, checked
+    prediction = predict(package, images)      # images as the run's: e.g. [B, 1, 28, 28], ink 1
 """
 
 from __future__ import annotations
@@ -55,9 +57,9 @@ class Args:
     support: str
     """Support folder: one sub-folder of images per class."""
     out: str | None = None
-    """The .pt2 to write (default: adapted.pt2 beside the checkpoint)."""
+    """The package folder to write (default: adapted/ beside the checkpoint)."""
     overwrite: bool = False
-    """Replace an existing --out (never a training checkpoint)."""
+    """Replace an existing --out package (never another folder or a training checkpoint)."""
     which: Literal["best", "last"] = "best"
     """best: the best-validation weights (what the run tested); last: the latest."""
     steps: int | None = None
@@ -69,37 +71,47 @@ class Args:
     the learner's own evaluation reading where it classifies each image alone (Reptile's
     beside_support), else support."""
     dynamic_batch: bool = True
-    """Export for any batch size (--no-dynamic-batch: the support set's size only)."""
+    """Programs take any batch size (--no-dynamic-batch: the support set's size only)."""
     mixed_sizes: bool = False
     """Resize support images of different sizes instead of refusing them (recorded)."""
     device: str = "cpu"
-    """Where to adapt; the program is exported for this device."""
+    """Where to adapt; programs are compiled for this device."""
+    program: bool = False
+    """Also write the torch.export program <out>.pt2 (code: for this machine, loaded with
+    --trust)."""
     aot: bool = False
     """Also compile the program with AOTInductor into <out>.aoti.pt2 (needs a C++ compiler)."""
     tensorrt: bool = False
     """Also build a TensorRT engine through torch_tensorrt (needs it and a CUDA device)."""
     latency_repeats: int = 50
-    """Timed calls per form for the latency table <out>.latency.md (with --aot/--tensorrt)."""
+    """Timed calls per form for the latency table <out>.latency.md (with --program, --aot or
+    --tensorrt)."""
 
 
 def export(args: Args) -> ExportReport:
     """Run the pipeline and print the path and the self-check."""
     from metalearn.deploy import export_from_checkpoint
 
-    out = args.out or str(Path(args.checkpoint).parent / "adapted.pt2")
+    out = args.out or str(Path(args.checkpoint).parent / "adapted")
     report = export_from_checkpoint(
         args.checkpoint, args.support, out, which=args.which, steps=args.steps, norm=args.norm,
         dynamic_batch=args.dynamic_batch, mixed_sizes=args.mixed_sizes, device=args.device,
-        overwrite=args.overwrite, aot=args.aot, tensorrt=args.tensorrt,
+        overwrite=args.overwrite, program=args.program, aot=args.aot, tensorrt=args.tensorrt,
         latency_repeats=args.latency_repeats,
     )  # fmt: skip
-    print(f"exported: {report.path}")
+    print(f"package: {report.path}")
     print(f"classes: {', '.join(f'{i}={n}' for i, n in enumerate(report.class_names))}")
     print(f"inner steps: {report.steps}, support accuracy: {report.support_accuracy:.3f}")
     print(f"batch norm: {report.norm} (the learner's evaluate reads {report.evaluation_norm})")
     print(
-        f"self-check: max |exported - eager| logit on the support set = {report.max_abs_diff:.3g}"
+        f"self-check: max |package - eager| logit on the support set = {report.max_abs_diff:.3g}"
     )
+    if report.program_path is not None:
+        print(f"program: {report.program_path} (code: load it here, with --trust)")
+        print(
+            "self-check: max |program - eager| logit on the support set = "
+            f"{report.program_max_abs_diff:.3g}"
+        )
     if report.aot_path is not None:
         print(f"AOT package: {report.aot_path} (compiled in {report.aot_seconds:.1f} s)")
         print(

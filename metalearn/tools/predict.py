@@ -1,27 +1,30 @@
-"""Classify a folder of images with an exported adapted model: classes and probabilities.
+"""Classify a folder of images with an adapted model: classes and probabilities.
 
-What: reads a ``.pt2`` written by ``metalearn-export`` (`metalearn.deploy.load_exported`: its
-pickled members as tensors only), decodes every image of a folder as the package's metadata
-says its training images were (image size, channels, inversion, resampling:
-`metalearn.data.ImageFormat`), classifies them (`metalearn.deploy.predict`) and writes one
-row per image: the file, the predicted class's name (the metadata's ``class_names``, the
-support folder's class sub-folders) and the probability of every class.
+What: reads a package written by ``metalearn-export`` (a folder of tensors and JSON:
+`metalearn.deploy.load_package` checks every field and tensor, and runs no code from it),
+decodes every image of a folder as the package says its training images were (image size,
+channels, inversion, resampling: `metalearn.data.ImageFormat`), classifies them
+(`metalearn.deploy.predict`) and writes one row per image: the file, the predicted class's
+name (the package's ``class_names``, the support folder's class sub-folders) and the
+probability of every class.
 
 Command:
-    metalearn-predict --model adapted.pt2 --images my_queries/              # JSON on stdout
-    metalearn-predict --model adapted.pt2 --images my_queries/ --format csv --out preds.csv
+    metalearn-predict --model adapted --images my_queries/              # JSON on stdout
+    metalearn-predict --model adapted --images my_queries/ --format csv --out preds.csv
+    metalearn-predict --model adapted.pt2 --trust --images my_queries/  # your own program
 
 ``--images`` holds image files (sorted by name; hidden files skipped; any other file, a sub-
-folder or an empty folder is refused, named). A model exported with frozen support
-statistics (``norm: support``, the default of most learners) or with each image beside the
-support set (``norm: beside_support``, Reptile's default) classifies each image on its own,
-in batches of ``--batch`` (or of the size a ``--no-dynamic-batch`` program takes, the last
-padded); one exported with ``--norm transductive`` normalises each call's batch together,
-so the whole folder is classified in one call (as balanced a query set as its training
-tasks, or the numbers mean little). An AOTInductor package is native code: no command loads
-one (`metalearn.deploy.load_aot` with ``trust=True`` in Python does).
-An existing ``--out`` is replaced only with ``--overwrite``. Bad input ends with a one-line
-error and exit code 2, nothing written.
+folder, an empty folder or a file that is not a regular file is refused, named). A model
+exported with frozen support statistics (``norm: support``, the default of most learners)
+or with each image beside the support set (``norm: beside_support``, Reptile's default)
+classifies each image on its own, in batches of ``--batch`` (or of the size a
+``--no-dynamic-batch`` program takes, the last padded); one exported with ``--norm
+transductive`` normalises each call's batch together, so the whole folder is classified in
+one call (as balanced a query set as its training tasks, or the numbers mean little). A
+program (``.pt2``, ``.aoti.pt2``) is code: it is loaded only with ``--trust``, for files you
+compiled yourself. An existing ``--out`` is replaced only with ``--overwrite`` (a training
+checkpoint never), atomically. Bad input ends with a one-line error and exit code 2,
+nothing written.
 """
 
 from __future__ import annotations
@@ -29,7 +32,6 @@ from __future__ import annotations
 import csv
 import io
 import json
-import os
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -40,21 +42,12 @@ from metalearn.runs.cli import parse_dataclass
 
 PROG = "metalearn-predict"
 
-IMAGE_KEYS = ("class_names", "image_size", "channels", "invert", "resample", "norm")
-"""What `metalearn.deploy.export_from_checkpoint` records and decoding needs (a package
-also records ``evaluation_norm``, the reading its learner evaluates with; one written
-before that field loads without it)."""
-NORMS = ("support", "transductive", "beside_support")
-"""The readings a package's ``norm`` may name (`metalearn.deploy.model.NORMS`; written out
-here so that ``--help`` loads no torch)."""
-
-
 @dataclass
 class Args:
     """Arguments of metalearn-predict (each is a --flag; see --help)."""
 
     model: str
-    """The exported program, a .pt2 written by metalearn-export."""
+    """The package folder written by metalearn-export (or, with --trust, a program file)."""
     images: str
     """A folder of image files to classify."""
     format: Literal["json", "csv"] = "json"
@@ -69,6 +62,8 @@ class Args:
     the whole folder in one call; beside_support runs support + 1 images per image)."""
     mixed_sizes: bool = False
     """Resize images of different sizes instead of refusing them."""
+    trust: bool = False
+    """Load a program file (.pt2, .aoti.pt2), which runs its code: only one you compiled."""
 
 
 @dataclass
@@ -88,10 +83,11 @@ def image_files(folder: Path) -> list[Path]:
 
     Raises:
         FileNotFoundError: no such folder.
-        ValueError: an empty folder, or one holding a sub-folder or a file that is not an
-            image (named).
+        ValueError: an empty folder, or one holding a sub-folder, a file that is not an
+            image, or one that is not a regular file inside the folder (named).
     """
     from metalearn.data.folders import IMAGE_SUFFIXES
+    from metalearn.files import regular_file
 
     if not folder.is_dir():
         raise FileNotFoundError(f"--images {folder}: no such folder; pass a folder of images")
@@ -105,50 +101,34 @@ def image_files(folder: Path) -> list[Path]:
                          f"{', '.join(IMAGE_SUFFIXES)}: move the others out")  # fmt: skip
     if not files:
         raise ValueError(f"--images {folder} holds no images")
+    for path in files:  # a FIFO or device named like an image, or a link out of the folder
+        regular_file(path, what="image", within=folder)
     return files
 
 
-def image_format(meta: dict[str, Any], model: Path) -> Any:
-    """The `metalearn.data.ImageFormat` the package's metadata records.
+def load_model(args: Args) -> tuple[Any, dict[str, Any], Any]:
+    """The model, its document, and its `metalearn.data.ImageFormat`.
 
     Raises:
-        ValueError: metadata without the decoding (not written by ``metalearn-export``) or
-            naming a reading that is none of `NORMS`.
+        FileNotFoundError: no such package or file.
+        ValueError: a refused package, a program without ``--trust``, or a program whose
+            metadata is not a package document (one line).
     """
     from metalearn.data import ImageFormat
+    from metalearn.deploy import check_document, load_model
 
-    if missing := [k for k in IMAGE_KEYS if k not in meta]:
-        raise ValueError(f"--model {model}: its metadata has no {', '.join(missing)}; export "
-                         "the model with metalearn-export")  # fmt: skip
-    if meta["norm"] not in NORMS:
-        raise ValueError(f"--model {model}: its metadata's norm {meta['norm']!r} is none of "
-                         f"{', '.join(NORMS)}; export the model again with this "
-                         "metalearn-export")  # fmt: skip
-    return ImageFormat(size=int(meta["image_size"]), channels=int(meta["channels"]),
-                       invert=bool(meta["invert"]), resample=str(meta["resample"]))  # fmt: skip
-
-
-def load_model(path: Path) -> tuple[Any, dict[str, Any]]:
-    """The exported program and its metadata.
-
-    Raises:
-        FileNotFoundError: no such file.
-        ValueError: an AOTInductor package (native code), or an altered ``.pt2``.
-    """
-    from metalearn.deploy import is_aot_package, load_exported
-
-    if not path.is_file():
-        raise FileNotFoundError(f"--model {path}: no such file; write one with metalearn-export")
-    if is_aot_package(path):
-        raise ValueError(f"--model {path} is an AOTInductor package (native code, which no "
-                         "command loads); pass the .pt2 exported beside it, or load it in "
-                         "Python: metalearn.deploy.load_aot(path, trust=True)")  # fmt: skip
-    return load_exported(path)
+    model, document = load_model(args.model, trust=args.trust)
+    if hasattr(model, "image"):  # a Package: checked as it was read
+        return model, document, model.image
+    checked = check_document(document, f"--model {args.model}'s metadata", files=False)
+    return model, checked, ImageFormat(**checked["image"])
 
 
 def fixed_batch(program: Any) -> int | None:
     """The batch size a program exported with ``--no-dynamic-batch`` takes; None when it
-    takes any (its input's first dimension is symbolic)."""
+    takes any (its input's first dimension is symbolic, or the model is a package)."""
+    if not hasattr(program, "graph_signature"):
+        return None
     names = set(program.graph_signature.user_inputs)
     for node in program.graph.nodes:
         if node.op == "placeholder" and node.name in names:
@@ -189,8 +169,7 @@ def classify(args: Args) -> Predictions:
     if args.batch < 1:
         raise ValueError(f"--batch {args.batch}: must be at least 1")
     files = image_files(Path(args.images))
-    program, meta = load_model(Path(args.model))
-    image = image_format(meta, Path(args.model))
+    program, meta, image = load_model(args)
     sizes = image_sizes(files)
     if not args.mixed_sizes and len(set(sizes)) > 1:
         other = next(f for f, s in zip(files, sizes) if s != sizes[0])
@@ -230,14 +209,17 @@ def to_csv(p: Predictions) -> str:
 
 
 def check_out(out: str | None, overwrite: bool) -> None:
-    """Refuse an existing ``--out`` without ``--overwrite`` (before any work).
+    """Refuse an existing ``--out`` without ``--overwrite``, and a training checkpoint
+    always (before any work).
 
     Raises:
-        FileExistsError: it exists.
+        FileExistsError: it exists (or is a checkpoint, or a folder).
     """
-    if out is not None and Path(out).exists() and not overwrite:
-        raise FileExistsError(f"--out {out} exists; pass --overwrite to replace it, or "
-                              "another --out")  # fmt: skip
+    if out is None:
+        return
+    from metalearn.deploy import check_export_target
+
+    check_export_target(out, overwrite=overwrite)
 
 
 def write(text: str, out: str | None, overwrite: bool) -> None:
@@ -245,11 +227,10 @@ def write(text: str, out: str | None, overwrite: bool) -> None:
     if out is None:
         print(text, end="" if text.endswith("\n") else "\n")
         return
+    from metalearn.files import write_atomically
+
     check_out(out, overwrite)
-    path = Path(out)
-    part = path.with_name(f".{path.name}.part")
-    part.write_text(text)
-    os.replace(part, path)
+    write_atomically(out, text, overwrite=overwrite, what="--out")
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -1,31 +1,33 @@
-"""metalearn.deploy.aot and metalearn-export --aot: the AOTInductor package of a
+"""metalearn.deploy.aot and metalearn-export --program --aot: the AOTInductor package of a
 real adapted tiny learner gives the eager model's logits under both batch-norm modes,
-carries the .pt2's metadata, is read by predict, and the script's latency table has its
-four rows. Two compiles in all (about 30 s each), shared by the module's tests."""
+carries the package's document, is read by predict only when trusted, and the script's
+latency table has its four rows. Two compiles in all (about 30 s each), shared by the
+module's tests."""
 
 from __future__ import annotations
 
 import errno
 import importlib.util
 import os
-from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 import torch
 
 from metalearn.deploy import (
+    UntrustedProgramError,
     adapt_to_support,
     adapted_model,
     aot_package_path,
     check_tensorrt,
     compile_aot,
-    export_adapted,
+    export_program,
     is_aot_package,
     latency_table,
     load_aot,
-    load_exported,
     load_learner,
+    load_package,
+    load_program,
     load_support_folder,
     measure_latency,
     predict,
@@ -52,18 +54,19 @@ def packages(tmp_path_factory) -> SimpleNamespace:
     tmp = tmp_path_factory.mktemp("aot")
     checkpoint = experiment_checkpoint(tmp, _args(eval_inner_steps=2))
     folder = make_support_folder(tmp, shots=1)
-    out = tmp / "export" / "adapted.pt2"
+    out = tmp / "export" / "adapted"
     report = script.export(script.Args(checkpoint=str(checkpoint), support=str(folder),
-                                     out=str(out), aot=True, latency_repeats=3))  # fmt: skip
+                                     out=str(out), program=True, aot=True,
+                                     latency_repeats=3))  # fmt: skip
     learner, _ = load_learner(checkpoint)
     support = load_support_folder(folder, ways=5)
     params = adapt_to_support(learner, support.x, support.y, steps=2)
     models = {norm: adapted_model(learner, params, norm=norm, support_x=support.x)
               for norm in ("support", "transductive")}  # fmt: skip
     meta = {"norm": "transductive", "class_names": ["a", "b", "c", "d", "e"]}
-    exported = export_adapted(models["transductive"], support.x, tmp / "t.pt2", metadata=meta)
-    program, _ = load_exported(exported)
-    package = compile_aot(program, aot_package_path(exported), metadata=meta)
+    exported = export_program(models["transductive"], support.x, tmp / "t.pt2", metadata=meta)
+    program, _ = load_program(exported, trust=True)
+    package = compile_aot(program, tmp / "t.aoti.pt2", metadata=meta)
     paths = {"support": report.aot_path, "transductive": package}
     query = load_support_folder(make_support_folder(tmp, shots=3, offset=5)).x  # 15 images
     return SimpleNamespace(report=report, out=out, models=models, paths=paths, meta=meta,
@@ -89,13 +92,17 @@ def test_the_package_gives_the_eager_logits(packages, norm) -> None:
 @pytest.mark.slow
 def test_the_metadata_travels_with_the_package(packages) -> None:
     assert load_aot(packages.paths["transductive"], trust=True)[1] == packages.meta
-    # The script's package carries exactly what its .pt2 carries.
-    from_pt2 = load_exported(packages.out)[1]
+    # The script's programs carry the package's document, less its files.
+    document = load_package(packages.out).document
+    from_pt2 = load_program(packages.report.program_path, trust=True)[1]
+    assert from_pt2 == {k: v for k, v in document.items() if k != "files"}
     assert load_aot(packages.paths["support"], trust=True)[1] == from_pt2
     assert from_pt2["norm"] == "support"
     assert from_pt2["class_names"] == [f"class{c}" for c in range(5)]
     assert packages.report.aot_max_abs_diff <= 1e-5 and packages.report.aot_seconds > 0
-    assert not list(packages.out.parent.glob(".*"))  # the atomic writes left no temp file
+    assert packages.report.program_max_abs_diff <= 1e-5
+    assert sorted(p.name for p in packages.out.parent.iterdir()) == [
+        "adapted", "adapted.aoti.pt2", "adapted.latency.md", "adapted.pt2"]  # fmt: skip
 
 
 @pytest.mark.slow
@@ -103,18 +110,24 @@ def test_predict_reads_a_package_path_and_tells_it_from_a_pt2(packages) -> None:
     path, model = packages.paths["support"], packages.models["support"]
     with torch.inference_mode():
         probabilities = torch.softmax(model(packages.query), -1)
-    for source in (path, load_aot(path, trust=True)[0], packages.out):
+    program = packages.report.program_path
+    for source in (path, load_aot(path, trust=True)[0], program, packages.out):
         prediction = predict(source, packages.query, trust=True)
         torch.testing.assert_close(prediction.probabilities, probabilities, atol=1e-6, rtol=0)
         assert torch.equal(prediction.classes, probabilities.argmax(-1))
+    for source in (path, program):  # code: only with trust
+        with pytest.raises(UntrustedProgramError, match="runs code from the file"):
+            predict(source, packages.query)
+    with pytest.raises(UntrustedProgramError, match="AOTInductor package .native code."):
+        load_aot(path)
     text = packages.tmp / "notes.pt2"
     text.write_text("not an archive")
     assert is_aot_package(path)
-    assert not any(map(is_aot_package, (packages.out, text, packages.tmp / "missing.pt2")))
-    with pytest.raises(ValueError, match="not an AOTInductor package .*load_exported"):
-        load_aot(packages.out)
-    with pytest.raises(FileNotFoundError, match="no AOT package at .*compile_aot"):
-        load_aot(packages.tmp / "missing.pt2")
+    assert not any(map(is_aot_package, (program, text, packages.tmp / "missing.pt2")))
+    with pytest.raises(ValueError, match="not an AOTInductor package .*load_program"):
+        load_aot(program, trust=True)
+    with pytest.raises(FileNotFoundError, match="missing.pt2 does not exist"):
+        load_aot(packages.tmp / "missing.pt2", trust=True)
 
 
 @pytest.mark.slow
@@ -132,31 +145,38 @@ def test_the_latency_table_has_the_four_forms(packages) -> None:
 
 
 @pytest.mark.slow
-def test_a_full_disk_while_writing_the_package_is_one_line_and_keeps_the_old_one(
+def test_a_full_disk_while_writing_the_aot_package_is_one_line_and_keeps_the_old_one(
     packages, tmp_path, monkeypatch, capsys
 ) -> None:
-    out = tmp_path / "adapted.pt2"
+    """The disk fills while the AOTInductor package is written (the write itself is the
+    real `write_atomically`; only the bytes handed to it stop with ENOSPC halfway)."""
+    import metalearn.deploy.aot as aot
+
+    out = tmp_path / "adapted"
     package = aot_package_path(out)
     package.write_bytes(b"the previous package")
-    write_bytes = Path.write_bytes
+    real = aot.write_atomically
 
-    def full_for_the_package(self: Path, data: bytes) -> int:  # the .pt2 itself is written
-        if self.name.startswith(f".{package.stem}."):  # the package's temporary file
+    def full(path, data, **kwargs):
+        def half_then_full(file) -> None:
+            file.write(bytes(data)[: len(data) // 2])
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
-        return write_bytes(self, data)
 
-    monkeypatch.setattr(Path, "write_bytes", full_for_the_package)
+        return real(path, half_then_full, **kwargs)
+
+    monkeypatch.setattr(aot, "write_atomically", full)
     code = script.main(["--checkpoint", str(packages.checkpoint), "--support",
                        str(packages.folder), "--out", str(out), "--aot", "--overwrite",
                        "--latency-repeats", "3"])  # fmt: skip
     monkeypatch.undo()
     err = capsys.readouterr().err
     assert code == 2 and err == (
-        f"metalearn-export: error: could not write {package}: No space left on device; free "
-        "space there or choose another --out; nothing was replaced\n"
+        f"metalearn-export: error: could not write --aot package {package}: No space left on "
+        f"device; free space on the disk holding {tmp_path}, or write elsewhere (nothing was "
+        "replaced)\n"
     )
     assert package.read_bytes() == b"the previous package"
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["adapted.aoti.pt2", "adapted.pt2"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["adapted", "adapted.aoti.pt2"]
 
 
 def test_measure_latency_times_every_form_after_its_warm_up() -> None:

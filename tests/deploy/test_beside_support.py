@@ -1,9 +1,9 @@
 """The third batch-norm reading, ``norm="beside_support"``: each image classified as the
 last row of a batch of the support set and that image, as Reptile's default evaluation
 scores queries. The deployed network equals the learner's own `evaluate` task for task
-and a per-query loop written out here; its exported program equals it; packages record
-the reading their learner evaluates with and default to it where it classifies each image
-alone; packages written before that field still load and predict as they did."""
+and a per-query loop written out here; its package and its exported program equal it;
+packages record the reading their learner evaluates with and default to it where it
+classifies each image alone."""
 
 from __future__ import annotations
 
@@ -28,9 +28,10 @@ from metalearn.deploy import (
     adapt_to_support,
     adapted_model,
     default_norm,
-    export_adapted,
-    load_exported,
+    export_program,
     load_learner,
+    load_package,
+    load_program,
     load_support_folder,
     predict,
 )
@@ -78,10 +79,10 @@ def test_the_readings_a_learner_evaluates_with_and_deploys_by_default(reptile) -
     maml, _ = load_learner(experiment_checkpoint(reptile[4] / "maml", _args(algorithm="maml")))
     assert maml.evaluation_norm == "transductive" and default_norm(maml) == "support"
     assert default_norm(learner.model) == "support"  # a bare network has no evaluation
-    # One list of readings: the library's, metalearn-export's choices, metalearn-predict's.
+    # One list of readings: the library's, metalearn-export's choices.
     assert NORMS == ("support", "transductive", "beside_support")
     choices = get_args(get_type_hints(export_tool.Args)["norm"])[0]  # Literal[...] | None
-    assert get_args(choices) == NORMS == predict_tool.NORMS
+    assert get_args(choices) == NORMS
 
 
 def test_beside_support_equals_reptiles_evaluate_task_for_task(reptile) -> None:
@@ -123,13 +124,13 @@ def test_each_image_is_classified_alone_and_the_program_equals_it(reptile) -> No
         torch.testing.assert_close(net(xq[:1])[0], whole[0], rtol=0, atol=1e-5)
         torch.testing.assert_close(net(xq[3:5]), whole[3:5], rtol=0, atol=1e-5)
         assert (frozen(xq) - whole).abs().max() > 1e-3  # another reading, other logits
-    path = export_adapted(net, xs, tmp / "beside.pt2", metadata={"norm": "beside_support"})
-    program, meta = load_exported(path)  # the untrusted-package checks pass it, unloosened
+    path = export_program(net, xs, tmp / "beside.pt2", metadata={"norm": "beside_support"})
+    program, meta = load_program(path, trust=True)
     assert meta == {"norm": "beside_support"}
     for x in (xq, xq[:1], xq[:7]):
         with torch.inference_mode():
             torch.testing.assert_close(program.module()(x), net(x), rtol=0, atol=1e-5)
-    prediction = predict(path, xq)
+    prediction = predict(path, xq, trust=True)
     with torch.inference_mode():
         torch.testing.assert_close(prediction.probabilities, torch.softmax(whole, -1),
                                    rtol=0, atol=1e-6)  # fmt: skip
@@ -154,7 +155,7 @@ def test_bad_readings_are_refused_in_one_line(reptile, capsys) -> None:
     err = capsys.readouterr().err.strip().splitlines()
     assert stop.value.code == 2 and len(err) == 1, err
     assert "--norm" in err[0] and "beside_support" in err[0]
-    assert not (checkpoint.parent / "adapted.pt2").exists()
+    assert not (checkpoint.parent / "adapted").exists()
 
 
 def _query_folder(tmp: Path) -> Path:
@@ -175,12 +176,12 @@ def test_a_reptile_package_reads_beside_support_by_default_end_to_end(reptile, c
     learner, recipe, _, checkpoint, tmp = reptile
     folder = tmp / "e2e"
     support = make_support_folder(folder, shots=2)
-    out = folder / "reptile.pt2"
+    out = folder / "reptile"
     assert export_tool.main(["--checkpoint", str(checkpoint), "--support", str(support),
                              "--out", str(out)]) == 0  # fmt: skip
     printed = capsys.readouterr().out
     assert "batch norm: beside_support (the learner's evaluate reads beside_support)" in printed
-    _, meta = load_exported(out)
+    meta = load_package(out).document
     assert (meta["norm"], meta["evaluation_norm"]) == ("beside_support", "beside_support")
     queries = _query_folder(folder)
     argv = ["--model", str(out), "--images", str(queries), "--batch", "2"]
@@ -195,33 +196,3 @@ def test_a_reptile_package_reads_beside_support_by_default_end_to_end(reptile, c
         want = torch.softmax(net(images), -1).double()
     got = torch.tensor([list(r["probabilities"].values()) for r in rows], dtype=torch.float64)
     torch.testing.assert_close(got, want, rtol=0, atol=1e-6)
-
-
-@needs_data
-def test_a_package_written_before_the_field_predicts_as_it_did(reptile, capsys) -> None:
-    """A ``.pt2`` whose metadata has no ``evaluation_norm`` (what metalearn-export wrote
-    before it) loads, keeps its recorded reading and classifies each image alone; one
-    naming a reading this metalearn does not know is one line, exit 2."""
-    learner, recipe, _, _, tmp = reptile
-    folder = tmp / "old"
-    support = load_support_folder(make_support_folder(folder, shots=1), ways=recipe.model.ways)
-    params = adapt_to_support(learner, support.x, support.y, steps=1)
-    frozen = adapted_model(learner, params, norm="support", support_x=support.x)
-    image = recipe.data.image
-    old = {"class_names": list(support.class_names), "norm": "support", "steps": 1,
-           "algorithm": "reptile", "image_size": image.size, "channels": image.channels,
-           "invert": image.invert, "resample": image.resample}  # fmt: skip
-    path = export_adapted(frozen, support.x, folder / "old.pt2", metadata=old)
-    queries = _query_folder(folder)
-    assert predict_tool.main(["--model", str(path), "--images", str(queries), "--batch", "1"]) == 0
-    rows = json.loads(capsys.readouterr().out)["predictions"]
-    images = load_images(sorted(queries.iterdir()), image)
-    with torch.inference_mode():
-        want = torch.softmax(frozen(images), -1).double()
-    got = torch.tensor([list(r["probabilities"].values()) for r in rows], dtype=torch.float64)
-    torch.testing.assert_close(got, want, rtol=0, atol=1e-6)
-    unknown = export_adapted(frozen, support.x, folder / "new.pt2",
-                             metadata={**old, "norm": "running"})  # fmt: skip
-    assert predict_tool.main(["--model", str(unknown), "--images", str(queries)]) == 2
-    err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and "norm 'running' is none of support, transductive" in err[0], err

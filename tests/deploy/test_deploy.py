@@ -1,7 +1,8 @@
 """metalearn.deploy: an experiment-format checkpoint, adapted on a folder of real Omniglot
-PNGs (read by metalearn.data.folders), exported with torch.export and reloaded, must give
-the eager adapted model's outputs; bad inputs fail with messages that name the fix.
-(metalearn-export is tested in test_export_script.py.)"""
+PNGs (read by metalearn.data.folders), written as a package (and as a torch.export program)
+and reloaded, must give the eager adapted model's outputs; bad inputs fail with messages
+that name the fix. (metalearn-export is tested in test_export_script.py; hostile and mutated
+packages in test_package.py and test_hostile_files.py.)"""
 
 from __future__ import annotations
 
@@ -18,14 +19,18 @@ from metalearn.algorithms import ANIL, FOMAML, IMAML, MAML, MAMLpp, MetaSGD, Rep
 from metalearn.checkpoint import save_checkpoint
 from metalearn.deploy import (
     FrozenBatchNorm,
+    UntrustedProgramError,
     adapt_to_support,
     adapted_model,
-    export_adapted,
+    export_program,
     is_run_checkpoint,
-    load_exported,
     load_learner,
+    load_package,
+    load_program,
     load_support_folder,
+    package_document,
     predict,
+    write_package,
 )
 from metalearn.models import MetaBatchNorm
 from metalearn.runs.recipe import build_learner
@@ -184,7 +189,15 @@ def adapted(tmp_path_factory):
     support = load_support_folder(make_support_folder(tmp), ways=recipe.model.ways)
     params = adapt_to_support(learner, support.x, support.y, steps=3)
     query = load_support_folder(make_support_folder(tmp, shots=3, offset=5)).x  # 15 other images
+    learner.recipe = recipe  # for the package document
     return learner, support, params, query, tmp
+
+
+def document_of(learner, support, norm: str) -> dict:
+    """The package document metalearn-export writes for this adapted learner."""
+    return package_document(learner.recipe, class_names=support.class_names, norm=norm,
+                            evaluation_norm=learner.evaluation_norm, support_size=len(support.x),
+                            dtype=support.x.dtype, source={"algorithm": "maml"})  # fmt: skip
 
 
 def test_adapt_to_support_is_the_learners_inner_loop(adapted) -> None:
@@ -208,22 +221,41 @@ def test_adapt_to_support_is_the_learners_inner_loop(adapted) -> None:
 
 
 @pytest.mark.parametrize("norm", ["support", "transductive", "beside_support"])
-def test_exported_program_equals_the_adapted_model(adapted, norm) -> None:
+def test_the_package_equals_the_adapted_model(adapted, norm) -> None:
     learner, support, params, query, tmp = adapted
     model = adapted_model(learner, params, norm=norm, support_x=support.x)
-    path = export_adapted(model, support.x, tmp / f"{norm}.pt2", metadata={"norm": norm})
-    program, meta = load_exported(path)
-    assert meta == {"norm": norm}
-    assert not list(tmp.glob(".*.tmp.pt2"))  # the atomic write left no temporary file
-    for x in (query, query[:4], support.x):  # 15 and 4 images: not the example's 10
+    path = write_package(tmp / f"pkg-{norm}", model, document_of(learner, support, norm))
+    package = load_package(path)
+    assert package.norm == norm and package.class_names == support.class_names
+    assert package.image == learner.recipe.data.image
+    assert sorted(p.name for p in tmp.iterdir() if p.name.startswith(".")) == []  # no staging
+    for x in (query, query[:4], support.x):  # 15 and 4 images: not the support's 10
         with torch.inference_mode():
-            eager, exported = model(x), program.module()(x)
-        torch.testing.assert_close(exported, eager, atol=1e-5, rtol=0)
+            torch.testing.assert_close(package.model(x), model(x), atol=0, rtol=0)
     prediction = predict(path, query)
     with torch.inference_mode():
         probabilities = torch.softmax(model(query), -1)
-    torch.testing.assert_close(prediction.probabilities, probabilities, atol=1e-6, rtol=0)
+    torch.testing.assert_close(prediction.probabilities, probabilities, atol=0, rtol=0)
     assert torch.equal(prediction.classes, probabilities.argmax(-1))
+
+
+@pytest.mark.parametrize("norm", ["support", "beside_support"])
+def test_a_program_equals_the_adapted_model_and_loads_only_when_trusted(adapted, norm) -> None:
+    learner, support, params, query, tmp = adapted
+    model = adapted_model(learner, params, norm=norm, support_x=support.x)
+    path = export_program(model, support.x, tmp / f"{norm}.pt2", metadata={"norm": norm})
+    for load in (lambda: load_program(path), lambda: predict(path, query)):
+        with pytest.raises(UntrustedProgramError, match=r"\.pt2 is a .*runs code .*trust=True"):
+            load()
+    program, meta = load_program(path, trust=True)
+    assert meta == {"norm": norm}
+    assert not [p for p in tmp.iterdir() if p.name.startswith(".")]  # no temporary file left
+    for x in (query, query[:4], support.x):
+        with torch.inference_mode():
+            eager, exported = model(x), program.module()(x)
+        torch.testing.assert_close(exported, eager, atol=1e-5, rtol=0)
+    torch.testing.assert_close(predict(path, query, trust=True).probabilities,
+                               predict(model, query).probabilities, atol=1e-6, rtol=0)  # fmt: skip
 
 
 def test_frozen_statistics_reproduce_the_support_batch_and_drop_the_batch_dependence(
@@ -254,31 +286,44 @@ def test_adapt_to_support_errors(adapted) -> None:
         adapt_to_support(learner, support.x[:, 0], support.y)
 
 
-def test_export_adapted_writes_over_a_file_only_when_asked_and_never_over_a_checkpoint(
-    adapted,
-) -> None:
+def test_outputs_replace_a_file_only_when_asked_and_never_a_checkpoint(adapted) -> None:
     learner, support, params, _, tmp = adapted
     model = adapted_model(learner, params, norm="transductive")
     target = tmp / "existing.pt2"
     target.write_bytes(b"someone's data")
     with pytest.raises(FileExistsError, match="existing.pt2 exists; pass --overwrite"):
-        export_adapted(model, support.x, target)
+        export_program(model, support.x, target)
     assert target.read_bytes() == b"someone's data"
-    export_adapted(model, support.x, target, overwrite=True, metadata={"n": 1})
-    assert load_exported(target)[1] == {"n": 1}
+    export_program(model, support.x, target, overwrite=True, metadata={"n": 1})
+    assert load_program(target, trust=True)[1] == {"n": 1}
     checkpoint = experiment_checkpoint(tmp / "other", _args())
     before = checkpoint.read_bytes()
     with pytest.raises(FileExistsError, match="training checkpoint, never overwritten"):
-        export_adapted(model, support.x, checkpoint, overwrite=True)
+        export_program(model, support.x, checkpoint, overwrite=True)
     assert checkpoint.read_bytes() == before
+    # A package: over a package only when asked; never over another folder, even asked.
+    document = document_of(learner, support, "transductive")
+    package = write_package(tmp / "pkg-over", model, document)
+    with pytest.raises(FileExistsError, match="pkg-over exists; pass --overwrite"):
+        write_package(package, model, document)
+    write_package(package, model, {**document, "class_names": list("abcde")}, overwrite=True)
+    assert load_package(package).class_names == tuple("abcde")
+    mine = tmp / "my-folder"
+    mine.mkdir()
+    (mine / "notes.txt").write_text("mine")
+    with pytest.raises(FileExistsError, match="is a folder, not a metalearn package, never"):
+        write_package(mine, model, document, overwrite=True)
+    assert (mine / "notes.txt").read_text() == "mine"
+    assert not [p for p in tmp.iterdir() if p.name.startswith(".")]  # no staging folder left
 
 
 def test_predict_refuses_images_of_another_shape_in_one_line(tmp_path):
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(4, 3))
-    dynamic = export_adapted(model, torch.randn(2, 1, 2, 2), tmp_path / "d.pt2")
-    static = export_adapted(model, torch.randn(2, 1, 2, 2), tmp_path / "s.pt2",
-                            dynamic_batch=False)  # fmt: skip
+    dynamic = load_program(export_program(model, torch.randn(2, 1, 2, 2), tmp_path / "d.pt2"),
+                           trust=True)[0]  # fmt: skip
+    static = load_program(export_program(model, torch.randn(2, 1, 2, 2), tmp_path / "s.pt2",
+                                         dynamic_batch=False), trust=True)[0]  # fmt: skip
     assert predict(dynamic, torch.randn(5, 1, 2, 2)).classes.shape == (5,)
     cases = [(dynamic, (5, 1, 3, 3), "[B, 1, 2, 2]"), (dynamic, (1, 2, 2), "[B, 1, 2, 2]"),
              (static, (5, 1, 2, 2), "[2, 1, 2, 2]")]  # fmt: skip

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from metalearn.checkpoint import load_checkpoint
-from metalearn.deploy import export_from_checkpoint, load_exported, load_learner
+from metalearn.deploy import export_from_checkpoint, load_learner, load_package
 from metalearn.runs.lifecycle import UserError
 from metalearn.tools import evaluate as evaluate_script
 from tests.conftest import OMNIGLOT, needs_omniglot
@@ -61,10 +61,9 @@ def test_a_head_trains_resumes_evaluates_and_exports(tmp_path, capsys, algorithm
     assert last.startswith(f"test/acc: {straight['test/acc']:.4f} ± ")
 
     folder = make_support_folder(tmp_path, shots=2, ways=5)
-    report = export_from_checkpoint(path, folder, tmp_path / "adapted.pt2")
+    report = export_from_checkpoint(path, folder, tmp_path / "adapted")
     assert report.max_abs_diff < 1e-5 and report.class_names == tuple(f"class{c}" for c in range(5))
-    program, meta = load_exported(report.path)
-    assert meta["algorithm"] == algorithm
+    assert load_package(report.path).document["source"]["algorithm"] == algorithm
 
 
 def test_train_ways_draws_wider_training_tasks_for_the_heads(tmp_path):
@@ -163,7 +162,7 @@ def test_r2d2_with_dropout_resumes_and_tests_without_it(tmp_path, capsys):
         last = capsys.readouterr().out.strip().splitlines()[-1]
         assert last.startswith(f"test/acc: {straight['test/acc']:.4f} ± ")
     folder = make_support_folder(tmp_path, shots=2, ways=5)
-    report = export_from_checkpoint(path, folder, tmp_path / "adapted.pt2")
+    report = export_from_checkpoint(path, folder, tmp_path / "adapted")
     assert report.max_abs_diff < 1e-5
     # a loaded learner is in evaluation mode: its own evaluate draws no masks
     learner, _ = load_learner(path)

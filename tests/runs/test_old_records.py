@@ -14,7 +14,7 @@ import torch
 
 from metalearn.algorithms import MetaOptNet, MetaOptNetLR, complete_arguments
 from metalearn.data import ImageFormat
-from metalearn.deploy import export_from_checkpoint, load_exported
+from metalearn.deploy import export_from_checkpoint, load_package
 from metalearn.runs.lifecycle import UserError
 from metalearn.runs.recipe import build_learner, read_recipe
 from metalearn.tools import evaluate
@@ -68,9 +68,9 @@ def test_evaluate_reproduces_the_test_accuracy_the_old_code_measured(name, capsy
 @needs_omniglot
 def test_an_old_checkpoint_exports(tmp_path):
     report = export_from_checkpoint(RECORDS / "omniglot-maml.ckpt", make_support_folder(tmp_path),
-                                    tmp_path / "old.pt2")  # fmt: skip
-    meta = load_exported(report.path)[1]
-    assert (meta["image_size"], meta["channels"], meta["invert"]) == (28, 1, True)
+                                    tmp_path / "old")  # fmt: skip
+    image = load_package(report.path).document["image"]
+    assert (image["size"], image["channels"], image["invert"]) == (28, 1, True)
     assert report.max_abs_diff <= 1e-5
 
 

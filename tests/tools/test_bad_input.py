@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from metalearn.deploy import export_adapted
+from metalearn.deploy import export_program
 from metalearn.runs import lock
 from metalearn.tools import grid
 from tests.conftest import OMNIGLOT, ROOT, needs_omniglot
@@ -178,21 +178,31 @@ def test_resuming_what_is_not_this_experiments_checkpoint(tmp_path, kind):
     assert path.read_bytes() == before
 
 
-def test_export_to_a_full_disk_is_one_line_and_keeps_the_old_file(tmp_path, monkeypatch):
+def test_a_program_to_a_full_disk_is_one_line_and_keeps_the_old_file(tmp_path, monkeypatch):
+    """The disk fills while the program is written (the real `write_atomically`; only the
+    bytes it is handed stop with ENOSPC halfway)."""
+    import metalearn.deploy.program as program
+
     target = tmp_path / "adapted.pt2"
     target.write_bytes(b"the previous export")
+    real = program.write_atomically
 
-    def full(self, data):
-        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+    def full(path, data, **kwargs):
+        def half_then_full(file) -> None:
+            file.write(bytes(data)[: len(data) // 2])
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
 
-    monkeypatch.setattr(Path, "write_bytes", full)
+        return real(path, half_then_full, **kwargs)
+
+    monkeypatch.setattr(program, "write_atomically", full)
     model, x = torch.nn.Linear(4, 3), torch.randn(2, 4)
     with pytest.raises(ValueError) as info:
-        export_adapted(model, x, target, overwrite=True)
+        export_program(model, x, target, overwrite=True)
     monkeypatch.undo()
-    message = str(info.value)
-    assert message == (f"could not write {target}: No space left on device; free space there "
-                       "or choose another --out; nothing was replaced")  # fmt: skip
+    assert str(info.value) == (
+        f"could not write --program {target}: No space left on device; free space on the "
+        f"disk holding {tmp_path}, or write elsewhere (nothing was replaced)"
+    )
     assert target.read_bytes() == b"the previous export"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["adapted.pt2"]
 

@@ -1,7 +1,8 @@
-"""metalearn-export never destroys data: an existing --out (or --aot package, or
-latency table) is replaced only with --overwrite, a training checkpoint never; every
-refusal is one line on stderr, exit status 2, and leaves every file as it was; the write
-is atomic. (--aot's compile itself is tested in test_aot.py.)"""
+"""metalearn-export never destroys data: an existing --out package (or --program file,
+--aot package, latency table) is replaced only with --overwrite, a training checkpoint or
+a folder that is no package never; every refusal is one line on stderr, exit status 2, and
+leaves every file as it was; the write is atomic. (--aot's compile itself is tested in
+test_aot.py.)"""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ import numpy as np
 import pytest
 import torch
 
-from metalearn.deploy import is_run_checkpoint, load_exported
+from metalearn.deploy import is_run_checkpoint, load_package, load_program
 from metalearn.tools import export as script
 from tests.conftest import NO_OMNIGLOT, ROOT
 from tests.deploy.test_deploy import CHARACTERS, _args, experiment_checkpoint, make_support_folder
@@ -53,26 +54,33 @@ def test_prints_the_path_and_the_self_check(run, capsys) -> None:
                        dynamic_batch=False)  # fmt: skip
     report = script.export(args)
     printed = capsys.readouterr().out
-    assert report.path == checkpoint.parent / "adapted.pt2" and report.path.is_file()
-    assert f"exported: {report.path}" in printed and "inner steps: 2" in printed
-    assert "self-check: max |exported - eager| logit on the support set = " in printed
-    assert report.max_abs_diff <= 1e-5
-    assert load_exported(report.path)[1]["class_names"] == [f"class{c}" for c in range(5)]
-    assert not list(checkpoint.parent.glob(".*.tmp*"))  # the atomic write left no temp file
+    assert report.path == checkpoint.parent / "adapted" and report.path.is_dir()
+    assert f"package: {report.path}" in printed and "inner steps: 2" in printed
+    assert "self-check: max |package - eager| logit on the support set = 0" in printed
+    assert report.max_abs_diff == 0 and report.program_path is None
+    assert load_package(report.path).class_names == tuple(f"class{c}" for c in range(5))
+    assert sorted(p.name for p in report.path.iterdir()) == ["package.json", "weights.safetensors"]
+    assert not list(checkpoint.parent.glob(".*"))  # the atomic write left no staging folder
 
 
 def test_an_existing_out_is_replaced_only_with_overwrite(run, tmp_path, capsys) -> None:
     checkpoint, support = run
-    out = tmp_path / "adapted.pt2"
-    out.write_bytes(b"an earlier export someone kept")
+    out = tmp_path / "adapted"
     argv = ["--checkpoint", str(checkpoint), "--support", str(support), "--out", str(out)]
+    assert script.main([*argv, "--which", "last"]) == 0
+    capsys.readouterr()
     _refused(capsys, argv, tmp_path, f"--out {out} exists; pass --overwrite")
     assert script.main([*argv, "--overwrite"]) == 0
-    assert f"exported: {out}" in capsys.readouterr().out
-    assert load_exported(out)[1]["checkpoint"] == str(checkpoint)
-    # The default --out (adapted.pt2 beside the checkpoint) is refused the same way.
-    (checkpoint.parent / "adapted.pt2").write_bytes(b"kept")
-    _refused(capsys, argv[:4], tmp_path, "adapted.pt2 exists; pass --overwrite")
+    assert f"package: {out}" in capsys.readouterr().out
+    assert load_package(out).document["source"]["which"] == "best"
+    # Anything else at --out is never replaced: a file, a folder that is no package.
+    (tmp_path / "kept.txt").write_bytes(b"an earlier file someone kept")
+    for kept, what in ((tmp_path / "kept.txt", "a file"), (support, "a folder")):
+        _refused(capsys, [*argv[:4], "--out", str(kept), "--overwrite"], tmp_path,
+                 f"--out {kept} is {what}, not a metalearn package, never replaced")  # fmt: skip
+    # The default --out (adapted beside the checkpoint) is refused the same way.
+    (checkpoint.parent / "adapted").write_bytes(b"kept")
+    _refused(capsys, argv[:4], tmp_path, "adapted is a file, not a metalearn package")
 
 
 def test_the_checkpoint_is_never_the_out_even_with_overwrite(run, tmp_path, capsys) -> None:
@@ -90,7 +98,7 @@ def test_no_training_checkpoint_is_written_over(run, tmp_path, capsys) -> None:
     other = experiment_checkpoint(tmp_path / "second", _args(algorithm="anil"))
     argv = ["--checkpoint", str(checkpoint), "--support", str(support), "--out", str(other),
             "--overwrite"]  # fmt: skip
-    _refused(capsys, argv, tmp_path, "is a metalearn training checkpoint, never overwritten")
+    _refused(capsys, argv, tmp_path, "is a file, not a metalearn package, never replaced")
 
 
 def test_other_user_errors_are_one_line_and_change_nothing(run, tmp_path, capsys) -> None:
@@ -101,8 +109,6 @@ def test_other_user_errors_are_one_line_and_change_nothing(run, tmp_path, capsys
         err = capsys.readouterr().err.strip().splitlines()
         assert stop.value.code == 2 and len(err) == 1 and "Missing" in err[0], err
         assert ("--support" if "--checkpoint" in given else "--checkpoint") in err[0]
-    folder_out = ["--checkpoint", str(checkpoint), "--support", str(support), "--out"]
-    _refused(capsys, [*folder_out, str(support)], tmp_path, "is a folder; give the .pt2 file")
     missing = ["--checkpoint", str(tmp_path / "nope.pt"), "--support", str(support)]
     _refused(capsys, missing, tmp_path, "no checkpoint at")
     argv = ["--checkpoint", str(checkpoint), "--support", str(tmp_path / "nowhere")]
@@ -119,40 +125,43 @@ def test_the_command_exits_2_with_one_line(run, tmp_path) -> None:
     assert done.returncode == 2, done.stderr
     assert done.stderr.strip().splitlines() == [
         f"metalearn-export: error: --out {checkpoint} is the checkpoint being exported; choose "
-        f"another --out (e.g. {checkpoint.parent / 'adapted.pt2'})"
+        "another --out (a package is a folder)"
     ]
     assert _files(tmp_path) == before
 
 
-def test_a_crash_while_writing_leaves_the_previous_file_intact(run, tmp_path, monkeypatch):
-    checkpoint, support = run
-    out = tmp_path / "adapted.pt2"
-    out.write_bytes(b"the previous export")
-    real_write = Path.write_bytes
+def test_a_crash_while_writing_leaves_the_previous_package_intact(run, tmp_path, monkeypatch):
+    """Ctrl-C after the new package's files are written, before it is renamed into place."""
+    import metalearn.deploy.package as package
 
-    def write_then_crash(self, data):  # the whole temporary file written, then Ctrl-C
-        real_write(self, data)
-        assert self != out and self.stat().st_size > 0
+    checkpoint, support = run
+    out = tmp_path / "adapted"
+    argv = ["--checkpoint", str(checkpoint), "--support", str(support), "--out", str(out)]
+    assert script.main([*argv, "--which", "last"]) == 0
+    before = _files(out)
+
+    def crash(staging: Path, target: Path, overwrite: bool) -> None:
+        assert sorted(p.name for p in staging.iterdir()) == ["package.json", "weights.safetensors"]
         raise KeyboardInterrupt("interrupted before the rename")
 
-    monkeypatch.setattr(Path, "write_bytes", write_then_crash)
-    argv = ["--checkpoint", str(checkpoint), "--support", str(support), "--out", str(out),
-            "--overwrite"]  # fmt: skip
+    monkeypatch.setattr(package, "_move_folder", crash)
     with pytest.raises(KeyboardInterrupt):
-        script.main(argv)
-    assert out.read_bytes() == b"the previous export"
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["adapted.pt2", "run", "support-0"]
+        script.main([*argv, "--overwrite"])
+    assert _files(out) == before and load_package(out).document["source"]["which"] == "last"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["adapted", "run", "support-0"]
 
 
-def test_aot_outputs_are_refused_like_the_pt2_before_any_work(run, tmp_path, capsys) -> None:
+def test_program_outputs_are_refused_before_any_work(run, tmp_path, capsys) -> None:
     checkpoint, support = run
-    out = tmp_path / "adapted.pt2"
+    out = tmp_path / "adapted"
     argv = ["--checkpoint", str(checkpoint), "--support", str(support), "--out", str(out),
-            "--aot"]  # fmt: skip
+            "--aot", "--program"]  # fmt: skip
+    program = tmp_path / "adapted.pt2"
     package, table = tmp_path / "adapted.aoti.pt2", tmp_path / "adapted.latency.md"
-    package.write_bytes(b"an earlier package")
-    _refused(capsys, argv, tmp_path, f"the --aot package {package} exists; pass --overwrite")
-    package.unlink()
+    for path, what in ((program, "the --program file"), (package, "the --aot package")):
+        path.write_bytes(b"an earlier file")
+        _refused(capsys, argv, tmp_path, f"{what} {path} exists; pass --overwrite")
+        path.unlink()
     table.write_text("an earlier table")
     _refused(capsys, argv, tmp_path, f"the latency table {table} exists; pass --overwrite")
     table.unlink()
@@ -160,14 +169,14 @@ def test_aot_outputs_are_refused_like_the_pt2_before_any_work(run, tmp_path, cap
     # A training checkpoint where the package would go: never written over.
     experiment_checkpoint(tmp_path / "second", _args()).rename(package)
     _refused(capsys, [*argv, "--overwrite"], tmp_path, "training checkpoint, never overwritten")
-    assert not out.exists()  # refused before the .pt2 was written, too
+    assert not out.exists()  # refused before the package was written, too
 
 
 def test_the_checkpoint_is_never_the_aot_package(run, tmp_path, capsys) -> None:
     checkpoint, support = run
     source = checkpoint.rename(checkpoint.with_name("model.aoti.pt2"))
     argv = ["--checkpoint", str(source), "--support", str(support), "--out",
-            str(source.with_name("model.pt2")), "--aot", "--overwrite"]  # fmt: skip
+            str(source.with_name("model")), "--aot", "--overwrite"]  # fmt: skip
     message = f"the --aot package {source} is the checkpoint being exported; choose another --out"
     _refused(capsys, argv, tmp_path, message)
 
@@ -183,9 +192,9 @@ def test_tensorrt_without_its_needs_is_one_line_and_changes_nothing(run, tmp_pat
 
 
 @pytest.mark.parametrize(("dataset", "shape"), [("folder", (1, 16)), ("cifar-fs", (3, 32))])
-def test_a_fewshot_checkpoint_exports_a_program_for_its_own_images(tmp_path, dataset, shape):
+def test_a_fewshot_checkpoint_exports_a_package_for_its_own_images(tmp_path, dataset, shape):
     """A folder run (16 px grayscale) and a CIFAR-FS run (32 px RGB): the support folder is
-    decoded as that run's training images, and the program takes them."""
+    decoded as that run's training images, and the package and the program take them."""
     from PIL import Image
 
     from tests.helpers.run_helpers import checkpoint_of, fs, make
@@ -203,12 +212,17 @@ def test_a_fewshot_checkpoint_exports_a_program_for_its_own_images(tmp_path, dat
         pixels = rng.integers(0, 256, (40, 40, 3), dtype=np.uint8)
         Image.fromarray(pixels).save(support / f"c{c}" / "a.png")
     report = script.export(script.Args(checkpoint=str(checkpoint), support=str(support),
-                                     out=str(tmp_path / "a.pt2")))  # fmt: skip
-    program, meta = load_exported(report.path)
-    assert (meta["image_size"], meta["channels"], meta["invert"]) == (side, channels, False)
-    assert meta["dataset"] == dataset and report.max_abs_diff <= 1e-5
+                                     out=str(tmp_path / "a"), program=True,
+                                     latency_repeats=2))  # fmt: skip
+    loaded = load_package(report.path)
+    meta = loaded.document
+    assert (meta["image"]["size"], meta["image"]["channels"]) == (side, channels)
+    assert meta["image"]["invert"] is False and meta["source"]["dataset"] == dataset
+    assert report.max_abs_diff == 0 and report.program_max_abs_diff <= 1e-5
+    program, program_meta = load_program(report.program_path, trust=True)
+    assert program_meta == {k: v for k, v in meta.items() if k != "files"}
     x = torch.rand(2, channels, side, side)
-    assert program.module()(x).shape == (2, 3)
+    assert program.module()(x).shape == loaded.model(x).shape == (2, 3)
     with pytest.raises(Exception):  # noqa: B017  (torch.export's guard error on the shape)
         program.module()(torch.rand(2, 1 if channels == 3 else 3, side, side))
 
@@ -219,7 +233,7 @@ def test_support_images_of_different_sizes_are_refused_unless_asked(run, tmp_pat
     checkpoint, support = run
     Image.new("L", (400, 60), 255).save(support / "class0" / "wide.png")
     argv = ["--checkpoint", str(checkpoint), "--support", str(support), "--out",
-            str(tmp_path / "m.pt2")]  # fmt: skip
+            str(tmp_path / "m")]  # fmt: skip
     _refused(capsys, argv, tmp_path, "holds images of different sizes")
     assert script.main([*argv, "--mixed-sizes"]) == 0
-    assert load_exported(tmp_path / "m.pt2")[1]["mixed_sizes"] is True
+    assert load_package(tmp_path / "m").document["source"]["mixed_sizes"] is True
