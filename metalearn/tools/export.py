@@ -103,9 +103,7 @@ def export(args: Args) -> ExportReport:
     print(f"classes: {', '.join(f'{i}={n}' for i, n in enumerate(report.class_names))}")
     print(f"inner steps: {report.steps}, support accuracy: {report.support_accuracy:.3f}")
     print(f"batch norm: {report.norm} (the learner's evaluate reads {report.evaluation_norm})")
-    print(
-        f"self-check: max |package - eager| logit on the support set = {report.max_abs_diff:.3g}"
-    )
+    print(f"self-check: max |package - eager| logit on the support set = {report.max_abs_diff:.3g}")
     if report.program_path is not None:
         print(f"program: {report.program_path} (code: load it here, with --trust)")
         print(

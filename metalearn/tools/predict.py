@@ -42,6 +42,7 @@ from metalearn.runs.cli import parse_dataclass
 
 PROG = "metalearn-predict"
 
+
 @dataclass
 class Args:
     """Arguments of metalearn-predict (each is a --flag; see --help)."""
