@@ -1,7 +1,8 @@
 """The README's tool commands (metalearn-evaluate, -compare, -export, -predict), run as written
 on a real tiny run of the experiment and on its real evaluation run, each output checked
 against what it must equal: compare's evaluation row against evaluate's printed result,
-predict's probabilities against the exported program run by torch alone."""
+predict's probabilities against the learner adapted in this process (load_learner,
+adapt_to_support, adapted_model: no package loader)."""
 
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from metalearn.deploy import load_learner
+from metalearn.deploy import adapt_to_support, adapted_model, load_learner, load_support_folder
 from metalearn.tools import compare, evaluate, export, predict
 from tests.conftest import OMNIGLOT, ROOT, needs_omniglot
 from tests.deploy.test_deploy import make_support_folder
@@ -109,24 +110,28 @@ def test_the_readmes_commands_run_on_a_real_run_and_its_evaluation(clone, capsys
 
     export_lines, predict_lines = commands["metalearn-export"], commands["metalearn-predict"]
     assert [run_tool(line, name) for line in export_lines] == [0]
-    assert "exported: adapted.pt2" in capsys.readouterr().out
+    assert "package: adapted\n" in capsys.readouterr().out
     assert [run_tool(line, name) for line in predict_lines] == [0]
     check_predictions(capsys.readouterr().out, checkpoint)
 
 
 def check_predictions(printed: str, checkpoint: Path) -> None:
     """The README's predict (CSV): one row per query image, its class the argmax of its
-    probabilities, which are the softmax of the program's logits on the image decoded as the
-    run's recipe says (torch.export.load alone, not metalearn's loader)."""
+    probabilities, which are the softmax of the logits of the learner adapted here on the
+    support folder (its eval_inner_steps, frozen support statistics), on the images decoded
+    as the run's recipe says."""
     rows = list(csv.reader(io.StringIO(printed)))
     header, rows = rows[0], rows[1:]
     classes = sorted(p.name for p in Path("my_support").iterdir())
     assert header == ["file", "class", *classes]
     files = sorted(Path("my_queries").iterdir())
     assert [r[0] for r in rows] == [f.name for f in files]
-    image = load_learner(checkpoint)[1].data.image
-    x = torch.stack([torch.from_numpy(image.decode(f)) for f in files]).float() / 255
-    logits = torch.export.load("adapted.pt2").module()(x)
+    learner, recipe = load_learner(checkpoint)
+    x = torch.stack([torch.from_numpy(recipe.data.image.decode(f)) for f in files]).float() / 255
+    support = load_support_folder("my_support", image=recipe.data.image, ways=recipe.model.ways)
+    params = adapt_to_support(learner, support.x, support.y, recipe.training.eval_inner_steps)
+    with torch.inference_mode():
+        logits = adapted_model(learner, params, norm="support", support_x=support.x)(x)
     want = torch.softmax(logits.double(), dim=-1)
     got = torch.tensor([[float(v) for v in r[2:]] for r in rows], dtype=torch.float64)
     torch.testing.assert_close(got, want, atol=1e-6, rtol=0)
@@ -136,12 +141,12 @@ def check_predictions(printed: str, checkpoint: Path) -> None:
 
 def test_predict_writes_json_and_refuses_bad_input_in_one_line(clone, capsys, monkeypatch):
     monkeypatch.chdir(clone)
-    if not Path("adapted.pt2").is_file():  # the README test above writes it
+    if not Path("adapted").is_dir():  # the README test above writes it
         (checkpoint,) = Path("runs").glob("*/checkpoint.pt")
         assert export.main(["--checkpoint", str(checkpoint), "--support", "my_support"]) == 0
-        Path(checkpoint.parent / "adapted.pt2").rename("adapted.pt2")
+        Path(checkpoint.parent / "adapted").rename("adapted")
         capsys.readouterr()
-    argv = ["--model", "adapted.pt2", "--images", "my_queries", "--out", "p.json"]
+    argv = ["--model", "adapted", "--images", "my_queries", "--out", "p.json"]
     assert predict.main(argv) == 0
     found = json.loads(Path("p.json").read_text())
     assert found["classes"] == sorted(p.name for p in Path("my_support").iterdir())
@@ -152,28 +157,33 @@ def test_predict_writes_json_and_refuses_bad_input_in_one_line(clone, capsys, mo
         best = max(p["probabilities"], key=p["probabilities"].get)
         assert p["class"] == best == found["classes"][p["index"]]
     # A program of one fixed batch size (--no-dynamic-batch: the support set's 5 images)
-    # classifies 3 images (padded) as the dynamic one does: each image alone.
+    # classifies 3 images (padded) as the package does: each image alone.
     (checkpoint,) = Path("runs").glob("*/checkpoint.pt")
     assert export.main(["--checkpoint", str(checkpoint), "--support", "my_support", "--out",
-                        "fixed.pt2", "--no-dynamic-batch"]) == 0  # fmt: skip
+                        "fixed", "--program", "--no-dynamic-batch",
+                        "--latency-repeats", "2"]) == 0  # fmt: skip
     three = Path("three")
     three.mkdir()
     for png in sorted(Path("my_queries").iterdir())[:3]:
         (three / png.name).write_bytes(png.read_bytes())
     capsys.readouterr()
-    for model in ("fixed.pt2", "adapted.pt2"):
-        assert predict.main(["--model", model, "--images", "three", "--out", f"{model}.json"]) == 0
+    for model in ("fixed.pt2", "adapted"):
+        assert predict.main(["--model", model, "--images", "three", "--out", f"{model}.json",
+                             "--trust"]) == 0  # fmt: skip
     fixed, dynamic = (json.loads(Path(f"{m}.json").read_text())["predictions"]
-                      for m in ("fixed.pt2", "adapted.pt2"))  # fmt: skip
+                      for m in ("fixed.pt2", "adapted"))  # fmt: skip
     assert [p["file"] for p in fixed] == [p["file"] for p in dynamic] and len(fixed) == 3
     for a, b in zip(fixed, dynamic):
         assert a["class"] == b["class"]
         assert all(abs(a["probabilities"][k] - v) < 1e-6 for k, v in b["probabilities"].items())
     before = Path("p.json").read_bytes()
     bad = {"exists; pass --overwrite": argv,
-           "no such folder": ["--model", "adapted.pt2", "--images", "nowhere"],
-           "holds folders (class0": ["--model", "adapted.pt2", "--images", "my_support"],
-           "no such file": ["--model", "none.pt2", "--images", "my_queries"]}  # fmt: skip
+           "no such folder": ["--model", "adapted", "--images", "nowhere"],
+           "holds folders (class0": ["--model", "adapted", "--images", "my_support"],
+           "no package at none": ["--model", "none", "--images", "my_queries"],
+           "runs code from the file": ["--model", "fixed.pt2", "--images", "my_queries"],
+           "is a metalearn training checkpoint, never overwritten": [
+               *argv[:4], "--out", str(checkpoint), "--overwrite"]}  # fmt: skip
     for message, args in bad.items():
         assert predict.main(args) == 2
         err = capsys.readouterr().err.strip().splitlines()
@@ -191,7 +201,7 @@ def test_deploy_docs_library_example_runs_and_names_the_classes(clone, capsys, m
     block = next(part.split("```", 1)[0] for part in text.split("```python\n")[1:]
                  if "load_support_folder" in part)  # fmt: skip
     code = block.replace("runs/NAME/", f"runs/{checkpoint.parent.name}/")
-    code = code.replace('"adapted.pt2"', '"docs-example.pt2"')  # beside the README's
+    code = code.replace('"adapted"', '"docs-example"')  # beside the README's
     image = load_learner(checkpoint)[1].data.image
     files = sorted(Path("my_queries").iterdir())
     images = torch.stack([torch.from_numpy(image.decode(f)) for f in files]).float() / 255
