@@ -58,7 +58,7 @@ def load_cache(path: Path, key: str, *, what: str, mmap: bool = False) -> dict |
     Warns:
         UserWarning: the file exists but cannot be read (it is then rebuilt).
     """
-    if not path.is_file():
+    if not path.is_file() or path.is_symlink():  # a FIFO, a folder, a link: rebuilt instead
         return None
     try:
         found = torch.load(path, weights_only=True, mmap=mmap)

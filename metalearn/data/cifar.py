@@ -47,6 +47,7 @@ from metalearn.data.image_set import (
     warn_on_counts,
 )
 from metalearn.data.safe_pickle import load_pickle
+from metalearn.files import read_bytes
 
 __all__ = [
     "CIFAR100_SUPERCLASSES",
@@ -199,7 +200,8 @@ def _from_r2d2(folder: Path, split: str, cache_dir, workers) -> ImageSet:
     listing = folder / "splits" / "bertinetto" / f"{split}.txt"
     if not listing.is_file():
         raise FileNotFoundError(f"{listing} is missing; re-extract R2-D2's cifar100.zip")
-    names = sorted(line.strip() for line in listing.read_text().splitlines() if line.strip())
+    text = read_bytes(listing, limit=1 << 20, what="class list").decode("utf-8", "replace")
+    names = sorted(line.strip() for line in text.splitlines() if line.strip())
     check_split_classes("cifar-fs", split, len(names), len(CIFAR_FS_CLASSES[split]), listing.name)
     if names != list(CIFAR_FS_CLASSES[split]):
         odd = sorted(set(names) ^ set(CIFAR_FS_CLASSES[split]))

@@ -27,6 +27,7 @@ the layouts of the same data give the same `ImageSet`.
 from __future__ import annotations
 
 import csv
+import io
 import os
 from pathlib import Path
 
@@ -43,6 +44,7 @@ from metalearn.data.image_set import (
     warn_on_counts,
 )
 from metalearn.data.safe_pickle import load_pickle
+from metalearn.files import read_bytes
 
 __all__ = [
     "MINI_IMAGENET_CLASSES",
@@ -160,8 +162,8 @@ def _from_csv(
 ) -> ImageSet:
     """Read ``filename,label`` rows (after a header) and decode ``images/<filename>``."""
     by_class: dict[str, list[Path]] = {}
-    with open(listing, newline="") as f:
-        rows = list(csv.reader(f))
+    text = read_bytes(listing, limit=64 << 20, what="split file").decode("utf-8", "replace")
+    rows = list(csv.reader(io.StringIO(text, newline="")))
     if not rows or [c.strip() for c in rows[0]] != ["filename", "label"]:
         raise ValueError(f"{listing} must start with the header line filename,label")
     seen: dict[str, int] = {}

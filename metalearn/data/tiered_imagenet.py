@@ -40,6 +40,7 @@ from metalearn.data.checks import image_array, integer_labels
 from metalearn.data.hdf5 import class_names, encoded_classes, read_encoded
 from metalearn.data.image_set import ImageSet, cached_decode, check_split, check_split_classes
 from metalearn.data.safe_pickle import load_pickle
+from metalearn.files import regular_file
 
 __all__ = [
     "TIERED_IMAGENET_CLASSES",
@@ -223,6 +224,7 @@ def _images(
 
 def _npz_images(npz: Path) -> Any:
     """The ``images`` array of an npz (object arrays refused: they would need pickle)."""
+    regular_file(npz, what="data file")  # a FIFO named like the npz: refused, not waited on
     try:
         with np.load(npz, allow_pickle=False) as archive:
             data = archive["images"] if "images" in archive.files else None
