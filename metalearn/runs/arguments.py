@@ -152,6 +152,10 @@ class LearnerArgs:
     train_on_query: bool | None = None
     """reptile only: the inner loop trains on support + query (the reference's --train-shots
     examples per class: --query = train-shots - shots); none: the learner's (support only)."""
+    inner_loss: Literal["sum", "mean"] | None = None
+    """reptile only: its inner loss, the sum of the mini-batch's per-example losses (the
+    reference's: TensorFlow minimising the loss vector) or their mean; none: the learner's
+    (sum)."""
     inner_batch: int | None = None
     """reptile only: examples per inner mini-batch in training; none: the learner's (10, the
     reference's --inner-batch)."""

@@ -46,6 +46,9 @@ def test_reptile_presets_are_its_readme_commands(experiment, name):
     assert (recipe.model.head, build_model(recipe).head.in_features) == ("flatten", flat)
     assert (a["inner_batch"], a["inner_steps"], a["inner_lr"]) == (batch, iters, lr)
     assert (a["inner_optimizer"], a["inner_beta1"], a["inner_state"]) == ("adam", 0.0, "carried")
+    # models.py lines 27-30: minimize() of the per-example losses, which tf.gradients sums;
+    # --learning-rate is Adam's step on that sum
+    assert a["inner_loss"] == "sum"
     assert (a["eval_inner_batch"], t.eval_inner_steps, a["transductive"]) == (eval_batch, 50,
                                                                               False)  # fmt: skip
     assert (t.meta_batch, t.iterations, t.outer_lr, a["anneal"]) == (5, meta_iters, 1.0, True)
