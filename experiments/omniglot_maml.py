@@ -129,7 +129,7 @@ class Args(ExperimentArgs):
         "paper-20w5s", "mamlpp-5w1s", "mamlpp-5w5s", "mamlpp-20w1s", "mamlpp-20w5s",
         "cpu-mamlpp", "reptile-5w1s", "reptile-5w5s", "reptile-20w1s", "reptile-20w5s",
         "reptile-cpu", "protonet-5w-paper", "protonet-20w-paper", "r2d2-5w-paper",
-        "r2d2-20w-paper", "imaml-5w1s", "imaml-cpu",
+        "r2d2-20w-paper", "imaml-5w1s", "imaml-5w1s-gpu", "imaml-cpu",
     ] = "cpu"  # fmt: skip
     """Named configuration: cpu (the default: 5-way 1-shot Proto-MAML as measured, at 0.4, 1
     step, second order, norm layers adapted; about 15 min on 2 cores), cpu-20w1s (Lake et
@@ -138,7 +138,8 @@ class Args(ExperimentArgs):
     (mamlpp-*, GPU), cpu-mamlpp (MAML++'s recipe with its schedules shrunk 100x: 500
     meta-steps, about 25 min on 2 cores), or another algorithm's reference commands
     (reptile-*, protonet-*-paper, r2d2-*-paper, imaml-5w1s; docs/algorithms.md; reptile-cpu
-    and imaml-cpu: CPU-sized runs of those recipes)."""
+    and imaml-cpu: CPU-sized runs of those recipes; imaml-5w1s-gpu: iMAML's command at the
+    20,000 meta-steps its README names for replicating the paper)."""
     data: OmniglotData = field(default_factory=OmniglotData)
     """Data options."""
     model: OmniglotModel = field(default_factory=OmniglotModel)
@@ -200,6 +201,8 @@ R2D2 = dict(algorithm="r2d2", backbone="rrnet", hidden=64, train_ways=60, shots=
             outer_lr=5e-3, lr_schedule="step", step_size=20, gamma=0.5, schedule_every=100,
             iterations=40_000, val_every=100, checkpoint_every=1000, val_tasks=200,
             test_tasks=10_000)  # fmt: skip
+IMAML = dict(algorithm="imaml", ways=5, shots=1, query=1, eval_query=1, meta_batch=32,
+             outer_lr=1e-3, eval_inner_steps=16, eval_lam=0.0, test_tasks=600)  # fmt: skip
 PRESETS: dict[str, dict[str, Any]] = {
     # the learner the documented 97.5% was measured with (docs/benchmarks.md): Proto-MAML
     # at MAML's Omniglot rate and step count, second order, norm layers adapted, the query
@@ -239,12 +242,17 @@ PRESETS: dict[str, dict[str, Any]] = {
     "reptile-cpu": {**REPTILE, "ways": 5, "shots": 1, "iterations": 1000,
                     "val_every": 250, "checkpoint_every": 250, "val_tasks": 50,
                     "test_tasks": 300},
-    # aravindr93/imaml_dev, examples/README.md (the Omniglot 5-way 1-shot command): 16 steps
-    # at 0.1, lam 2, 5 CG steps, meta-batch 32, 500 meta-steps of Adam 1e-3; evaluated
-    # with 16 steps on 600 tasks (measure_accuracy.py). The learner's defaults are its values.
-    "imaml-5w1s": {"algorithm": "imaml", "ways": 5, "shots": 1, "meta_batch": 32,
-                   "outer_lr": 1e-3, "iterations": 500, "eval_inner_steps": 16,
-                   "val_every": 100, "test_tasks": 600},
+    # aravindr93/imaml_dev at 6a2a669, examples/README.md: the Omniglot 5-way 1-shot command
+    # (line 12: 16 steps at 0.1, lam 2, 5 CG steps, meta-batch 32, 500 meta-steps of Adam
+    # 1e-3), its test (line 17: measure_accuracy.py --n_steps 16 --lam 0.0 --inner_lr 1e-1 on
+    # 600 tasks; measure_accuracy.py line 75: learn_task without the proximal term, so
+    # eval_lam 0), K queries a class in training and test (implicit_maml/dataset.py lines
+    # 147-148: num_inst support and num_inst query instances). The learner's defaults are
+    # its values. 500 meta-steps are the README's smoke test (line 14: "To replicate the paper
+    # results you need to use meta_steps (at least) 20000"): imaml-5w1s-gpu.
+    "imaml-5w1s": {**IMAML, "iterations": 500, "val_every": 100},
+    "imaml-5w1s-gpu": {**IMAML, "iterations": 20_000, "val_every": 1000,
+                       "checkpoint_every": 1000, "val_tasks": 600},
     # iMAML on the default CPU run: 5 inner steps, about a third of the inner loop's cost
     "imaml-cpu": {"algorithm": "imaml", "inner_steps": 5},
     "protonet-5w-paper": {**PROTONET, "ways": 5},

@@ -169,6 +169,10 @@ class LearnerArgs:
     lam: float | None = None
     """r2d2: the ridge penalty (fixed unless learned); imaml: the proximal strength; none:
     the learner's (r2d2 50, imaml 2)."""
+    eval_lam: float | None = None
+    """imaml only: the proximal strength of adaptation at validation, test and deployment
+    (0: gradient descent on the support loss alone); none: the learner's (0, the reference's
+    test, measure_accuracy.py --lam 0.0)."""
     scale: float | None = None
     """r2d2, metaoptnet, metaoptnet-lr: the logits' learned scale at the start; none: the
     learner's (r2d2: 10, the reference's Omniglot value; its mini-ImageNet value is 1e-4)."""

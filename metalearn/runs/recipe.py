@@ -98,8 +98,8 @@ _OPTIMIZER_FLAGS = ("inner_optimizer", "inner_momentum", "inner_beta1", "inner_b
 # resolved for those, refused for the others.
 _OWN_FLAGS = ("cg_damping", "cg_negative_curvature", "lora_rank", "msl_steps",
               "msl_epoch_length", "first_order_steps", "label_smoothing", "adapt_norm",
-              "inner_batch", "eval_inner_batch", "inner_loss", "ridge_form", "lam", "scale",
-              "inner_state", "transductive", "train_on_query")  # fmt: skip
+              "inner_batch", "eval_inner_batch", "inner_loss", "ridge_form", "lam", "eval_lam",
+              "scale", "inner_state", "transductive", "train_on_query")  # fmt: skip
 LEARNER_FLAGS = _SHARED_FLAGS + _OPTIMIZER_FLAGS + _OWN_FLAGS
 
 

@@ -95,7 +95,7 @@ def test_imaml_equals_the_closed_form_implicit_gradient(hvp_method: str, damping
         optima.append(phi)
     learner = IMAML(
         model, lam=lam, inner_lr=lr, inner_steps=steps, cg_steps=d + 1, cg_tol=1e-14,
-        loss_fn=_mse, hvp_method=hvp_method, cg_damping=damping,
+        loss_fn=_mse, hvp_method=hvp_method, cg_damping=damping, eval_lam=None,
     )  # fmt: skip
     metrics = learner.backward(tasks)
     torch.testing.assert_close(_flat_grad(model), torch.stack(expected).mean(0), rtol=0, atol=1e-12)
@@ -206,10 +206,12 @@ def test_imaml_memory_does_not_grow_with_inner_steps() -> None:
 
 
 def test_imaml_metrics_report_cg_and_evaluate_uses_the_proximal_loop() -> None:
+    """With ``eval_lam=None`` evaluation solves the training problem: its query numbers are
+    the meta-step's."""
     torch.manual_seed(5)
     model = MLP(3, [5], 4, activation=nn.Tanh).double()
     tasks = _classification_tasks(torch.Generator().manual_seed(5), 3)
-    learner = IMAML(model, lam=2.0, inner_lr=0.3, inner_steps=10, cg_steps=1)
+    learner = IMAML(model, lam=2.0, inner_lr=0.3, inner_steps=10, cg_steps=1, eval_lam=None)
     metrics = learner.backward(tasks)
     assert isinstance(metrics, StepMetrics)
     assert metrics.cg_iterations == 1 and metrics.cg_converged == 0.0
@@ -220,8 +222,68 @@ def test_imaml_metrics_report_cg_and_evaluate_uses_the_proximal_loop() -> None:
     assert metrics.accuracy == pytest.approx(float(accs.mean()), abs=1e-12)
 
 
+def _measure_accuracy(model: nn.Module, task: Task, steps: int, lr: float, lam: float,
+                      prox: float = 0.0) -> tuple[Tensor, Tensor]:  # fmt: skip
+    """aravindr93/imaml_dev's test (``examples/measure_accuracy.py`` lines 72-82) written out:
+    ``learn_task`` (``Learner.learn_on_data``: torch.optim.SGD at the inner rate, ``steps``
+    steps on the support loss plus, here, ``prox/2 ||w - w_0||^2``; the script passes
+    ``add_regularization=False``: ``prox`` 0), then ``zero_grad``, ``regularization_loss(
+    meta_params, lam)`` (``0.5 lam ||w - w_0||^2``) backward and one more SGD step; the
+    query loss and accuracy after."""
+    clone = copy.deepcopy(model)
+    w_0 = {n: p.detach().clone() for n, p in clone.named_parameters()}
+    opt = torch.optim.SGD(clone.parameters(), lr=lr)
+
+    def regularization(strength: float) -> Tensor:
+        return 0.5 * strength * sum(((p - w_0[n]) ** 2).sum() for n, p in clone.named_parameters())
+
+    for _ in range(steps):
+        opt.zero_grad()
+        (F.cross_entropy(clone(task.support[0]), task.support[1]) + regularization(prox)).backward()
+        opt.step()
+    opt.zero_grad()
+    regularization(lam).backward()
+    opt.step()
+    with torch.no_grad():
+        out = clone(task.query[0])
+        return F.cross_entropy(out, task.query[1]), (out.argmax(1) == task.query[1]).double().mean()
+
+
+def test_imaml_evaluates_as_the_reference_tests() -> None:
+    """The default ``eval_lam`` 0 is the reference's test (``measure_accuracy.py --lam 0.0``:
+    gradient descent on the support loss alone, the pull-back step at lambda 0 a zero step);
+    ``eval_lam=None`` descends the training problem (the support loss plus the proximal term
+    at ``lam``), which is another number."""
+    torch.manual_seed(16)
+    model = MLP(3, [5], 4, activation=nn.Tanh).double()
+    tasks = _classification_tasks(torch.Generator().manual_seed(16), 3)
+    steps, lr, lam = 16, 0.1, 2.0
+    learner = IMAML(model, lam=lam, inner_lr=lr, inner_steps=steps)
+    assert learner.eval_lam == 0.0
+    expected = [_measure_accuracy(model, t, steps, lr, 0.0) for t in tasks]
+    losses, accs = learner.evaluate(tasks)
+    torch.testing.assert_close(losses, torch.stack([e[0] for e in expected]), rtol=0, atol=1e-13)
+    torch.testing.assert_close(accs, torch.stack([e[1] for e in expected]).to(accs.dtype),
+                               rtol=0, atol=0)  # fmt: skip
+    fast = learner.adapt(tasks[0])
+    clone = copy.deepcopy(model)
+    clone.load_state_dict(fast)
+    loss = F.cross_entropy(clone(tasks[0].query[0]), tasks[0].query[1]).detach()
+    assert float(loss) == pytest.approx(float(expected[0][0]), abs=1e-13)
+    training = IMAML(model, lam=lam, inner_lr=lr, inner_steps=steps, eval_lam=None)
+    proximal = [_measure_accuracy(model, t, steps, lr, 0.0, prox=lam) for t in tasks]
+    losses_at_lam, _ = training.evaluate(tasks)
+    torch.testing.assert_close(losses_at_lam, torch.stack([e[0] for e in proximal]), rtol=0,
+                               atol=1e-13)  # fmt: skip
+    assert (losses_at_lam - losses).abs().max() > 1e-3  # the two tests differ
+
+
 def test_imaml_rejects_bad_settings() -> None:
     model = nn.Linear(2, 1).double()
+    with pytest.raises(ValueError, match=r"eval_lam must be >= 0 \(0: plain gradient descent"):
+        IMAML(model, eval_lam=-1.0)
+    with pytest.raises(ValueError, match="lower eval_lam below 2 / inner_lr"):
+        IMAML(model, inner_lr=0.1, eval_lam=20.0)
     with pytest.raises(ValueError, match="lam must be > 0"):
         IMAML(model, lam=0.0)
     with pytest.raises(ValueError, match="lower inner_lr below 2 / lam"):
@@ -305,7 +367,8 @@ def test_imaml_default_runs_cg_through_negative_curvature_as_the_reference() -> 
 
     tasks = [Task(data(6), data(5)) for _ in range(2)]
     lam, steps = 0.2, 3
-    learner = IMAML(model, lam=lam, inner_lr=1.0, inner_steps=3, cg_steps=steps, loss_fn=_mse)
+    learner = IMAML(model, lam=lam, inner_lr=1.0, inner_steps=3, cg_steps=steps, loss_fn=_mse,
+                    eval_lam=None)  # adapt: the training problem's phi  # fmt: skip
     assert (learner.cg_negative_curvature, learner.cg_damping) == ("continue", 11.0)
     expected, met, indefinite = [], [], []
     for task in tasks:
@@ -334,7 +397,7 @@ def test_imaml_stop_truncates_cg_before_negative_curvature() -> None:
     task = Task((x[:6], y[:6]), (x[6:], y[6:]))
     lam = 0.2
     learner = IMAML(model, lam=lam, inner_lr=1.0, inner_steps=3, cg_steps=3, cg_damping=0.0,
-                    loss_fn=_mse, cg_negative_curvature="stop")  # fmt: skip
+                    loss_fn=_mse, cg_negative_curvature="stop", eval_lam=None)  # fmt: skip
     hessian, g = _flat_support_hessian_and_query_grad(model, learner.adapt(task), task)
     iterates = written_out_cg(torch.eye(len(g), dtype=F64) + hessian / lam, g, 3)
     first = first_negative_curvature(iterates)

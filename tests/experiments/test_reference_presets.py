@@ -10,9 +10,11 @@ from __future__ import annotations
 
 import pytest
 
-from metalearn.algorithms import make_learner
+from metalearn.algorithms import IMAML, make_learner
+from metalearn.checkpoint import load_checkpoint
 from metalearn.runs.outer_loop import scheduled_lr
-from metalearn.runs.recipe import build_model
+from metalearn.runs.recipe import build_model, read_recipe
+from tests.conftest import OMNIGLOT, needs_omniglot
 from tests.helpers.run_helpers import fs, make, om, recipe_of
 
 # Reptile: preset -> (--classes, --shots, --train-shots, --inner-batch, --inner-iters,
@@ -116,12 +118,50 @@ def test_metaoptnet_preset_is_its_svm_command():
     assert scheduled_lr(t, 1000 * 19 - 1) == 0.1 and scheduled_lr(t, 1000 * 19) == 0.1 * 0.06
 
 
-def test_imaml_presets_are_its_command_and_a_cpu_run():
-    recipe = preset(om, "imaml-5w1s")
-    a, t = recipe.learner.arguments, recipe.training
+@pytest.mark.parametrize(("name", "meta_steps"), [("imaml-5w1s", 500), ("imaml-5w1s-gpu", 20_000)])
+def test_imaml_presets_are_its_command_and_a_cpu_run(name, meta_steps):
+    """examples/README.md line 12 (--inner_lr 1e-1 --outer_lr 1e-3 --n_steps 16 --meta_steps
+    500 --task_mb_size 32 --lam 2.0 --cg_steps 5), line 14 (replicating: meta_steps 20000),
+    line 17 (measure_accuracy.py --num_tasks 600 --n_steps 16 --lam 0.0 --inner_lr 1e-1);
+    implicit_maml/dataset.py lines 147-148 (num_inst support and query instances a class)."""
+    recipe = preset(om, name)
+    d, a, t = recipe.data, recipe.learner.arguments, recipe.training
+    assert (d.ways, d.shots, d.query, d.eval_query) == (5, 1, 1, 1)
     assert (a["inner_lr"], a["inner_steps"], a["lam"], a["cg_steps"]) == (0.1, 16, 2.0, 5)
+    assert a["eval_lam"] == 0.0  # tested without the proximal term, at the same rate
     assert (t.meta_batch, t.outer_lr, t.eval_inner_steps, t.test_tasks) == (32, 1e-3, 16, 600)
+    assert t.iterations == meta_steps
     assert preset(om, "imaml-cpu").learner.arguments["inner_steps"] == 5
+
+
+def _captured_learners(monkeypatch) -> list:
+    """The learners the Omniglot experiment builds, as it builds them."""
+    built, build = [], om.make_learner
+    monkeypatch.setattr(om, "make_learner", lambda *a: built.append(build(*a)) or built[-1])
+    return built
+
+
+@needs_omniglot
+def test_the_imaml_replication_preset_runs_two_steps_on_the_cpu(tmp_path, monkeypatch):
+    """imaml-5w1s-gpu end to end at a tiny size (2 meta-steps, 8 filters, few evaluation
+    tasks): the learner that trains and tests is the recorded one, its evaluation the
+    reference's plain gradient descent (eval_lam 0; the learner's evaluate against
+    measure_accuracy.py written out: tests/algorithms/test_imaml_reptile.py)."""
+    built = _captured_learners(monkeypatch)
+    argv = ["--preset", "imaml-5w1s-gpu", "--iterations", "2", "--hidden", "8",
+            "--val-tasks", "2", "--test-tasks", "3", "--data-root", str(OMNIGLOT), "--no-track",
+            "--out-dir", str(tmp_path), "--run-name", "r", "--device", "cpu"]  # fmt: skip
+    results = om.main(om.parse_args(argv))
+    (learner,) = built
+    assert type(learner) is IMAML
+    settings = (learner.eval_lam, learner.lam, learner.inner_steps, learner.cg_steps)
+    assert settings == (0.0, 2.0, 16, 5)
+    recipe = read_recipe(load_checkpoint(tmp_path / "r" / "checkpoint.pt"))
+    assert recipe.learner.arguments["eval_lam"] == 0.0
+    assert (recipe.training.iterations, recipe.training.meta_batch) == (2, 32)
+    assert (recipe.data.query, recipe.data.eval_query, recipe.training.eval_inner_steps) == (
+        1, 1, 16)  # fmt: skip
+    assert 0.0 <= results["test/acc"] <= 1.0
 
 
 def test_the_cpu_preset_names_the_proto_maml_its_result_was_measured_with():
