@@ -212,7 +212,12 @@ class TrainingArgs:
     nesterov: bool = False
     """--outer-optimizer sgd: Nesterov momentum (needs --outer-momentum)."""
     weight_decay: float = 0.0
-    """The outer optimizer's weight decay (L2 on the meta-parameters; MetaOptNet's 5e-4)."""
+    """The outer optimizer's weight decay (torch's: d theta added to the gradient, the L2
+    penalty d/2 ||theta||^2; MetaOptNet's 5e-4)."""
+    weight_decay_on: Literal["all", "weights"] = "all"
+    """What --weight-decay decays: all the meta-parameters, or the convolution and linear
+    layers' weights alone (TensorFlow's L2 regularizers on weight variables; Proto-MAML's
+    reference)."""
     lr_schedule: Literal["constant", "cosine", "step", "linear", "piecewise"] = "constant"
     """Outer step-size schedule, as torch's schedulers (metalearn.runs.outer_loop): cosine
     (CosineAnnealingLR to --eta-min over the run; MAML++), step (StepLR: x --gamma every

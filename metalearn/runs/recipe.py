@@ -81,9 +81,9 @@ EXPERIMENTS = ("omniglot_maml", "fewshot_maml")
 """The experiments that write recipes (``experiments/<name>.py``)."""
 
 # The outer loop's fields of `TrainingRecipe`, each set by the flag of its name.
-_OUTER_FIELDS = ("outer_optimizer", "outer_momentum", "nesterov", "weight_decay", "lr_schedule",
-                 "eta_min", "step_size", "gamma", "schedule_every", "lr_milestones",
-                 "lr_factors", "grad_clamp")  # fmt: skip
+_OUTER_FIELDS = ("outer_optimizer", "outer_momentum", "nesterov", "weight_decay",
+                 "weight_decay_on", "lr_schedule", "eta_min", "step_size", "gamma",
+                 "schedule_every", "lr_milestones", "lr_factors", "grad_clamp")  # fmt: skip
 # The flags that set a learner argument, each named after the argument it sets, in three
 # groups, each flag written once. A value left at None sets nothing: the learner's default
 # stands (and is recorded); a resolved False is passed on (Proto-MAML's ``first_order``
@@ -186,6 +186,7 @@ class TrainingRecipe:
     outer_momentum: float = 0.0
     nesterov: bool = False
     weight_decay: float = 0.0
+    weight_decay_on: str = "all"  # a record without it decayed every meta-parameter
     lr_schedule: str = "constant"
     eta_min: float = 0.0
     step_size: int | None = None

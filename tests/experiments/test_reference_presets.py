@@ -134,6 +134,31 @@ def test_imaml_presets_are_its_command_and_a_cpu_run(name, meta_steps):
     assert preset(om, "imaml-cpu").learner.arguments["inner_steps"] == 5
 
 
+@pytest.mark.parametrize(("name", "shots"), [("protomaml-5w1s", 1), ("protomaml-5w5s", 5)])
+def test_protomaml_presets_are_meta_datasets_gin_files(name, shots):
+    """google-research/meta-dataset's meta_dataset/learn/gin/: learners/learner_config.gin
+    lines 15-18 (learning_rate 1e-4, decay_every 5000, decay_rate 0.5),
+    learners/maml_init_with_proto_config.gin lines 3, 7, 9-16 (decay_learning_rate True,
+    weight_decay 1e-4, the learner), setups/trainer_config.gin lines 1, 3, 5 (75,000
+    updates, 600 evaluation episodes, validation every 500), setups/fixed_way_and_shot.gin
+    line 3 (15 queries); its weight decay a Keras L2 on the kernels, 1e-4 ||w||^2, whose
+    gradient is torch's 2e-4 w on the weights alone."""
+    recipe = preset(om, name)
+    d, t, a = recipe.data, recipe.training, recipe.learner.arguments
+    assert recipe.learner.algorithm == "protomaml"
+    learner = (a["inner_lr"], a["inner_steps"], a["first_order"], a["adapt_norm"])
+    assert learner == (0.01, 5, True, False)
+    assert a["transductive"] is False  # Learner.transductive_batch_norm = False
+    assert (d.ways, d.shots, d.query, d.eval_query) == (5, shots, 15, 15)
+    assert (t.outer_optimizer, t.outer_lr, t.meta_batch, t.iterations) == ("adam", 1e-4, 1, 75_000)
+    assert (t.weight_decay, t.weight_decay_on) == (2e-4, "weights")
+    # exponential_decay(1e-4, global_step, 5000, 0.5, staircase=True) at each update
+    for step in (0, 4999, 5000, 9999, 10_000, 74_999):
+        assert scheduled_lr(t, step) == pytest.approx(1e-4 * 0.5 ** (step // 5000), rel=1e-15)
+    assert (t.eval_inner_steps, t.val_every, t.val_tasks, t.test_tasks) == (5, 500, 600, 600)
+    assert (recipe.model.pool, recipe.model.hidden) == ("max", 64)  # four_layer_convnet
+
+
 def _captured_learners(monkeypatch) -> list:
     """The learners the Omniglot experiment builds, as it builds them."""
     built, build = [], om.make_learner
