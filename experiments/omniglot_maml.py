@@ -104,6 +104,10 @@ class OmniglotData(DataArgs):
     support and query by different drawers)."""
     train_tasks: Literal["episodic", "within-alphabet"] = "episodic"
     """Training tasks, drawn as by --eval-protocol (within-alphabet: --split alphabet only)."""
+    trainval: bool = False
+    """Train on the split's training and validation classes together for --iterations, with
+    no validation, and test the last weights: Prototypical Networks' final model
+    (run_trainval.py retrains so for the epochs its validation chose; docs/algorithms.md)."""
 
 
 @dataclass
@@ -288,9 +292,13 @@ PRESETS: dict[str, dict[str, Any]] = {
 
 
 def check_args(args: Args) -> None:
-    """Refuse a --data-root that does not exist, or Lake's protocol on MAML's split (the
-    shared checks run first)."""
+    """Refuse a --data-root that does not exist, Lake's protocol on MAML's split, or an
+    ensemble of validations with --trainval (the shared checks run first)."""
     data = args.data
+    k = args.training.ensemble_top_k
+    require(not (data.trainval and k > 1),
+            f"--trainval trains on the validation classes too, so there are no validations "
+            f"for --ensemble-top-k {k} to rank; drop --ensemble-top-k")  # fmt: skip
     for name, value in (("--eval-protocol", data.eval_protocol),
                         ("--train-tasks", data.train_tasks)):  # fmt: skip
         require(value == "episodic" or data.split == "alphabet",

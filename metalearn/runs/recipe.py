@@ -125,6 +125,9 @@ class DataRecipe:
         train_min_shots: set: each training task's support examples a class are drawn
             uniformly from ``[train_min_shots, train_shots]``, the rest of its
             ``train_shots + query`` examples a class its queries (None: ``train_shots``).
+        trainval: Omniglot only: the training tasks draw from the training and validation
+            classes together and there is no validation (`metalearn.data.omniglot_splits`;
+            False in records written before it).
     """
 
     dataset: str
@@ -141,6 +144,7 @@ class DataRecipe:
     train_ways: int | None = None
     train_shots: int | None = None
     train_min_shots: int | None = None
+    trainval: bool = False
 
 
 @dataclass(frozen=True)
@@ -400,7 +404,7 @@ def recipe_from_args(experiment: str, args: Mapping[str, Any]) -> Recipe:
         eval_protocol=args.get("eval_protocol", "episodic"), ways=ways, shots=args["shots"],
         query=args["query"], eval_query=args["eval_query"], augment=bool(args.get("augment")),
         image=image, train_ways=args["train_ways"], train_shots=args["train_shots"],
-        train_min_shots=args.get("train_min_shots"),
+        train_min_shots=args.get("train_min_shots"), trainval=bool(args.get("trainval")),
     )  # fmt: skip
     backbone, head = args.get("backbone", "conv4"), args.get("head", "mean")
     side = args.get("image_size")  # Omniglot's experiment has no flag: its images' side
@@ -572,6 +576,9 @@ def build_samplers(
         ValueError, FileNotFoundError: what the loaders refuse (missing or malformed data).
     """
     root = data.root if root is None else root
+    if data.trainval and data.dataset != "omniglot":
+        raise ValueError(f"trainval joins Omniglot's training and validation classes; "
+                         f"{data.dataset} has no such option")  # fmt: skip
     if data.dataset != "omniglot":
         return image_set_samplers(
             data.dataset, root, ways=data.ways, shots=data.shots, queries=data.query,
@@ -587,7 +594,7 @@ def build_samplers(
         resample=data.image.resample,
     )
     draw = {"episodic": omniglot_samplers, "within-alphabet": within_alphabet_samplers}
-    common = dict(ways=data.ways, shots=data.shots, device=device)
+    common = dict(ways=data.ways, shots=data.shots, device=device, trainval=data.trainval)
     samplers: dict[str, EpisodicSampler] = {}
     if "train" in splits:
         augment = standard_augmentation("character") if data.augment else None
