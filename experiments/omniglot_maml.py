@@ -104,6 +104,10 @@ class OmniglotData(DataArgs):
     support and query by different drawers)."""
     train_tasks: Literal["episodic", "within-alphabet"] = "episodic"
     """Training tasks, drawn as by --eval-protocol (within-alphabet: --split alphabet only)."""
+    trainval: bool = False
+    """Train on the split's training and validation classes together for --iterations, with
+    no validation, and test the last weights: Prototypical Networks' final model
+    (run_trainval.py retrains so for the epochs its validation chose; docs/algorithms.md)."""
 
 
 @dataclass
@@ -129,7 +133,8 @@ class Args(ExperimentArgs):
         "paper-20w5s", "mamlpp-5w1s", "mamlpp-5w5s", "mamlpp-20w1s", "mamlpp-20w5s",
         "cpu-mamlpp", "reptile-5w1s", "reptile-5w5s", "reptile-20w1s", "reptile-20w5s",
         "reptile-cpu", "protonet-5w-paper", "protonet-20w-paper", "r2d2-5w-paper",
-        "r2d2-20w-paper", "imaml-5w1s", "imaml-cpu",
+        "r2d2-20w-paper", "imaml-5w1s", "imaml-5w1s-gpu", "imaml-cpu", "protomaml-5w1s",
+        "protomaml-5w5s",
     ] = "cpu"  # fmt: skip
     """Named configuration: cpu (the default: 5-way 1-shot Proto-MAML as measured, at 0.4, 1
     step, second order, norm layers adapted; about 15 min on 2 cores), cpu-20w1s (Lake et
@@ -137,8 +142,10 @@ class Args(ExperimentArgs):
     recipe, longer), the MAML paper's settings (paper-*), MAML++'s final configurations
     (mamlpp-*, GPU), cpu-mamlpp (MAML++'s recipe with its schedules shrunk 100x: 500
     meta-steps, about 25 min on 2 cores), or another algorithm's reference commands
-    (reptile-*, protonet-*-paper, r2d2-*-paper, imaml-5w1s; docs/algorithms.md; reptile-cpu
-    and imaml-cpu: CPU-sized runs of those recipes)."""
+    (reptile-*, protonet-*-paper, r2d2-*-paper, imaml-5w1s, protomaml-5w*: meta-dataset's
+    fo-Proto-MAML and its outer loop; docs/algorithms.md; reptile-cpu and imaml-cpu:
+    CPU-sized runs of those recipes; imaml-5w1s-gpu: iMAML's command at the 20,000
+    meta-steps its README names for replicating the paper)."""
     data: OmniglotData = field(default_factory=OmniglotData)
     """Data options."""
     model: OmniglotModel = field(default_factory=OmniglotModel)
@@ -200,6 +207,29 @@ R2D2 = dict(algorithm="r2d2", backbone="rrnet", hidden=64, train_ways=60, shots=
             outer_lr=5e-3, lr_schedule="step", step_size=20, gamma=0.5, schedule_every=100,
             iterations=40_000, val_every=100, checkpoint_every=1000, val_tasks=200,
             test_tasks=10_000)  # fmt: skip
+# fo-Proto-MAML as google-research/meta-dataset (at 1676095) trains it, here on Omniglot: the
+# learner's defaults are its learners/maml_init_with_proto_config.gin values (lines 9-16); the
+# outer loop: Adam (trainer.py line 536) at 1e-4 (learners/learner_config.gin line 15),
+# halved every 5,000 updates (decay_learning_rate = True, maml_init_with_proto_config.gin line
+# 3; decay_every 5000, decay_rate 0.5, learner_config.gin lines 17-18; exponential_decay with
+# staircase=True on the update count, trainer.py lines 524-530); weight_decay = 1e-4
+# (maml_init_with_proto_config.gin line 7, overriding learner_config.gin line 11's 0.001), the
+# penalty 1e-4 ||w||^2 of a Keras L2 regularizer on each convolution kernel
+# (models/functional_backbones.py lines 422-429) added to the meta-loss (trainer.py lines
+# 1413-1414), whose gradient 2e-4 w is torch's weight decay 2e-4 on the weights alone
+# (--weight-decay-on weights; biases and batch norm undecayed); one episode an update
+# (trainer.py lines 1403-1454), 75,000 updates, validation every 500 on 600 episodes
+# (setups/trainer_config.gin lines 1, 3, 5), 15 queries a class (setups/fixed_way_and_shot.gin
+# line 3), the training's 5 steps at evaluation (additional_evaluation_update_steps = 0,
+# maml_init_with_proto_config.gin line 10); its four-layer convnet: 3x3 convolutions at stride
+# 1, batch norm, ReLU, a 2x2 max-pool (functional_backbones.py lines 1212-1250: --pool max).
+PROTOMAML = dict(algorithm="protomaml", pool="max", query=15, eval_query=15, meta_batch=1,
+                 outer_lr=1e-4, lr_schedule="step", step_size=5000, gamma=0.5,
+                 weight_decay=2e-4, weight_decay_on="weights", iterations=75_000,
+                 eval_inner_steps=5, val_every=500, checkpoint_every=500, val_tasks=600,
+                 test_tasks=600)  # fmt: skip
+IMAML = dict(algorithm="imaml", ways=5, shots=1, query=1, eval_query=1, meta_batch=32,
+             outer_lr=1e-3, eval_inner_steps=16, eval_lam=0.0, test_tasks=600)  # fmt: skip
 PRESETS: dict[str, dict[str, Any]] = {
     # the learner the documented 97.5% was measured with (docs/benchmarks.md): Proto-MAML
     # at MAML's Omniglot rate and step count, second order, norm layers adapted, the query
@@ -239,12 +269,19 @@ PRESETS: dict[str, dict[str, Any]] = {
     "reptile-cpu": {**REPTILE, "ways": 5, "shots": 1, "iterations": 1000,
                     "val_every": 250, "checkpoint_every": 250, "val_tasks": 50,
                     "test_tasks": 300},
-    # aravindr93/imaml_dev, examples/README.md (the Omniglot 5-way 1-shot command): 16 steps
-    # at 0.1, lam 2, 5 CG steps, meta-batch 32, 500 meta-steps of Adam 1e-3; evaluated
-    # with 16 steps on 600 tasks (measure_accuracy.py). The learner's defaults are its values.
-    "imaml-5w1s": {"algorithm": "imaml", "ways": 5, "shots": 1, "meta_batch": 32,
-                   "outer_lr": 1e-3, "iterations": 500, "eval_inner_steps": 16,
-                   "val_every": 100, "test_tasks": 600},
+    # aravindr93/imaml_dev at 6a2a669, examples/README.md: the Omniglot 5-way 1-shot command
+    # (line 12: 16 steps at 0.1, lam 2, 5 CG steps, meta-batch 32, 500 meta-steps of Adam
+    # 1e-3), its test (line 17: measure_accuracy.py --n_steps 16 --lam 0.0 --inner_lr 1e-1 on
+    # 600 tasks; measure_accuracy.py line 75: learn_task without the proximal term, so
+    # eval_lam 0), K queries a class in training and test (implicit_maml/dataset.py lines
+    # 147-148: num_inst support and num_inst query instances). The learner's defaults are
+    # its values. 500 meta-steps are the README's smoke test (line 14: "To replicate the paper
+    # results you need to use meta_steps (at least) 20000"): imaml-5w1s-gpu.
+    "imaml-5w1s": {**IMAML, "iterations": 500, "val_every": 100},
+    "imaml-5w1s-gpu": {**IMAML, "iterations": 20_000, "val_every": 1000,
+                       "checkpoint_every": 1000, "val_tasks": 600},
+    "protomaml-5w1s": {**PROTOMAML, "ways": 5, "shots": 1},
+    "protomaml-5w5s": {**PROTOMAML, "ways": 5, "shots": 5},
     # iMAML on the default CPU run: 5 inner steps, about a third of the inner loop's cost
     "imaml-cpu": {"algorithm": "imaml", "inner_steps": 5},
     "protonet-5w-paper": {**PROTONET, "ways": 5},
@@ -255,9 +292,13 @@ PRESETS: dict[str, dict[str, Any]] = {
 
 
 def check_args(args: Args) -> None:
-    """Refuse a --data-root that does not exist, or Lake's protocol on MAML's split (the
-    shared checks run first)."""
+    """Refuse a --data-root that does not exist, Lake's protocol on MAML's split, or an
+    ensemble of validations with --trainval (the shared checks run first)."""
     data = args.data
+    k = args.training.ensemble_top_k
+    require(not (data.trainval and k > 1),
+            f"--trainval trains on the validation classes too, so there are no validations "
+            f"for --ensemble-top-k {k} to rank; drop --ensemble-top-k")  # fmt: skip
     for name, value in (("--eval-protocol", data.eval_protocol),
                         ("--train-tasks", data.train_tasks)):  # fmt: skip
         require(value == "episodic" or data.split == "alphabet",

@@ -84,7 +84,8 @@ def proximal_adapt(
         model: the network (``functional_call``).
         theta: the meta-parameters, name -> tensor (used as constants: detached here).
         support: ``(x [N_s, ...], y [N_s])``.
-        lam: the proximal strength lambda > 0.
+        lam: the proximal strength lambda >= 0 (0: gradient descent on the support loss
+            alone, iMAML's meta-test adaptation by default).
         steps: gradient steps from ``phi_0 = theta``.
         lr: inner learning rate (see `metalearn.optim.Hyperparameter`).
         loss_fn: ``loss_fn(outputs, y) -> Tensor[]``.
@@ -106,7 +107,8 @@ def proximal_adapt(
         fast = adapt(
             model, anchor, support, steps=steps, lr=detached(lr), loss_fn=loss_fn,
             first_order=True, buffers=buffers, model_kwargs=model_kwargs,
-            regularizer=proximal, stop=stop, check_finite=True, task_index=task_index,
+            regularizer=proximal if lam else None, stop=stop, check_finite=True,
+            task_index=task_index,
         )  # fmt: skip
     return fast
 
@@ -251,7 +253,9 @@ class IMAML(MetaLearner):
 
     Tasks run in a Python loop; each costs ``inner_steps`` gradient evaluations plus
     ``cg_steps`` Hessian-vector products, with memory independent of ``inner_steps``.
-    Meta-test adaptation (`adapt`, `evaluate`) solves the same proximal problem.
+    Meta-test adaptation (`adapt`, `evaluate`) descends the proximal objective at
+    ``eval_lam``: by default 0, plain gradient descent on the support loss, as the
+    reference tests.
 
     Args:
         model: the network; its parameters are theta (all of them are adapted).
@@ -279,6 +283,13 @@ class IMAML(MetaLearner):
             the fraction of tasks where it happened.
         first_order: use ``grad L_query(phi_i)`` as g_i (no CG).
         hvp_method: how ``H u`` is computed (see `implicit_meta_gradient`).
+        eval_lam: the proximal strength of meta-test adaptation (`adapt`, `evaluate`, and
+            so validation, test and deployment), >= 0; None: ``lam``, the training problem.
+            The default 0.0 is the reference's test: ``examples/measure_accuracy.py`` runs
+            ``learn_task(..., add_regularization=False)`` (line 75, gradient descent on the
+            support loss), then one step on ``regularization_loss(meta_params, args.lam)``
+            (lines 76-79), a zero gradient at the command's ``--lam 0.0``
+            (``examples/README.md`` line 17; ``--lam`` defaults to 0.0, line 40).
         **kwargs: as for `MetaLearner` (``loss_fn``, ``on_nonfinite``). ``adapt_keys`` is
             not supported; ``vectorize`` must be ``"auto"`` or ``"loop"``.
     """
@@ -286,7 +297,9 @@ class IMAML(MetaLearner):
     fixed_arguments = ("adapt_keys",)
     # before the reference's command was the default: 5 steps, damping 10
     # and before the policy was an argument, CG raised at non-positive curvature
-    arguments_before = {"inner_steps": 5, "cg_damping": 10.0, "cg_negative_curvature": "raise"}
+    # and before eval_lam, evaluation solved the training problem (None: lam)
+    arguments_before = {"inner_steps": 5, "cg_damping": 10.0, "cg_negative_curvature": "raise",
+                        "eval_lam": None}  # fmt: skip
 
     def __init__(
         self,
@@ -301,6 +314,7 @@ class IMAML(MetaLearner):
         cg_negative_curvature: NegativeCurvature = "continue",
         first_order: bool = False,
         hvp_method: HVPMethod = DEFAULT_HVP_METHOD,
+        eval_lam: float | None = 0.0,
         **kwargs: Any,
     ) -> None:
         if kwargs.get("adapt_keys") is not None:
@@ -310,6 +324,7 @@ class IMAML(MetaLearner):
                 "drop adapt_keys"
             )
         _check_settings(lam, inner_lr, cg_steps, cg_damping, cg_negative_curvature)
+        _check_eval_lam(eval_lam, inner_lr)
         super().__init__(
             model, inner_lr=inner_lr, inner_steps=inner_steps, first_order=first_order, **kwargs
         )
@@ -317,6 +332,7 @@ class IMAML(MetaLearner):
         self.lam, self.cg_steps, self.cg_tol = lam, cg_steps, cg_tol
         self.cg_damping, self.hvp_method = cg_damping, hvp_method
         self.cg_negative_curvature = cg_negative_curvature
+        self.eval_lam = eval_lam
 
     def backward(self, tasks: Sequence[Task]) -> IMAMLMetrics:
         """Accumulate ``mean_i g_i`` (Eq. 5-7) into ``.grad`` of theta.
@@ -356,19 +372,21 @@ class IMAML(MetaLearner):
         )  # fmt: skip
 
     def adapt(self, task: Task, steps: int | None = None) -> dict[str, Tensor]:
-        """Fast weights for one task: the proximal inner problem (Eq. 4), detached."""
+        """Fast weights for one task: gradient descent on the support loss plus the proximal
+        term at ``eval_lam`` (Eq. 4; 0: the support loss alone), detached."""
         return self._adapt(task, steps, None)
 
     def _adapt(self, task: Task, steps: int | None, index: int | None) -> dict[str, Tensor]:
+        lam = self.lam if self.eval_lam is None else self.eval_lam
         return proximal_adapt(
-            self.model, self.theta(), task.support, lam=self.lam,
+            self.model, self.theta(), task.support, lam=lam,
             steps=self.inner_steps if steps is None else steps, lr=self.learning_rate(),
             loss_fn=self.loss_fn, buffers=self.buffers_dict(),
             model_kwargs=task.model_kwargs, task_index=index,
         )  # fmt: skip
 
     def evaluate(self, tasks: Sequence[Task], steps: int | None = None) -> tuple[Tensor, Tensor]:
-        """Query loss and accuracy per task after the proximal inner loop: ``([T], [T])``.
+        """Query loss and accuracy per task after `adapt`'s inner loop: ``([T], [T])``.
 
         Under ``on_nonfinite="skip"`` a task whose loss is not finite gets NaN for both.
         """
@@ -408,6 +426,18 @@ def _check_settings(lam: float, inner_lr: float, cg_steps: int, cg_damping: floa
     if cg_damping < 0:
         raise ValueError(f"cg_damping must be >= 0, got {cg_damping}")
     check_negative_curvature(cg_negative_curvature, "cg_negative_curvature")
+
+
+def _check_eval_lam(eval_lam: float | None, inner_lr: float) -> None:
+    if eval_lam is None:
+        return
+    if not eval_lam >= 0:
+        raise ValueError(f"eval_lam must be >= 0 (0: plain gradient descent at evaluation, "
+                         f"the reference's test) or None (lam), got {eval_lam}")  # fmt: skip
+    if isinstance(inner_lr, (int, float)) and inner_lr * eval_lam >= 2:
+        raise ValueError(f"inner_lr * eval_lam = {inner_lr * eval_lam:g} >= 2: evaluation's "
+                         "gradient descent on the proximal term diverges; lower eval_lam below "
+                         "2 / inner_lr")  # fmt: skip
 
 
 def _metrics(results: Sequence[ImplicitResult], skipped: int) -> IMAMLMetrics:

@@ -16,7 +16,9 @@ construction.
 The inner loop is the reference code's (``openai/supervised-reptile``, ``reptile.py``,
 ``models.py``): each step trains on a mini-batch of ``inner_batch`` examples of the task's
 training data (`minibatch_indices`: consecutive slices of a stream of random permutations),
-with TensorFlow's Adam at ``beta1 = 0`` (`tf_adam_update`); evaluation adapts with
+with TensorFlow's Adam at ``beta1 = 0`` (`tf_adam_update`) on the sum of the mini-batch's
+per-example losses (``inner_loss="sum"``: ``models.py`` hands ``minimize`` the vector of
+per-example cross-entropies, which ``tf.gradients`` sums); evaluation adapts with
 mini-batches of ``eval_inner_batch``. The reference's Adam slots (its moments and step count)
 are TensorFlow variables that its Reptile never restores in training (``VariableState``
 holds the trainable variables only): they carry on from task to task and from meta-step to
@@ -57,6 +59,8 @@ INNER_OPTIMIZERS = ("adam", "sgd")
 """Reptile's inner optimizers (``inner_optimizer``)."""
 INNER_STATES = ("carried", "task")
 """Where the inner Adam's state starts (``inner_state``)."""
+INNER_LOSSES = ("sum", "mean")
+"""How a mini-batch's per-example losses make the inner loss (``inner_loss``)."""
 EVAL_SEED = 0
 """Seed of each task's mini-batch order in `Reptile.evaluate` and `Reptile.adapt` (so a
 task's numbers are a function of the task alone, and validation does not move training's
@@ -147,8 +151,9 @@ class Reptile(MetaLearner):
     training metrics.
 
     Defaults: the reference's Omniglot 5-way commands (``openai/supervised-reptile``,
-    ``README.md``): 5 inner iterations of Adam at 1e-3 with ``beta1 = 0``, mini-batches of
-    10, evaluation mini-batches of 5; outer step 1.0 annealed linearly to 0.
+    ``README.md``): 5 inner iterations of Adam at 1e-3 with ``beta1 = 0`` on the summed
+    loss of mini-batches of 10, evaluation mini-batches of 5; outer step 1.0 annealed
+    linearly to 0.
 
     Args:
         model: the network; its parameters are theta.
@@ -161,6 +166,12 @@ class Reptile(MetaLearner):
             in the reference's TensorFlow graph; evaluation starts from it and discards its
             changes) or ``"task"`` (zero moments at each task's start).
         inner_beta1, inner_beta2, inner_eps: Adam's (TensorFlow's form, `tf_adam_update`).
+        inner_loss: ``"sum"`` (the reference's: ``loss_fn``, a mean over the mini-batch,
+            times the mini-batch's size, the sum of the per-example losses that
+            ``supervised_reptile/models.py`` lines 27-30 minimise) or ``"mean"``
+            (``loss_fn`` itself). Under Adam the two differ through ``inner_eps`` alone
+            (the sum is the mean scaled by the batch size, which Adam's step divides out
+            but for its epsilon); under SGD the step is the batch size times larger.
         inner_batch: examples per inner mini-batch in training (``--inner-batch``); None:
             the whole training data at every step.
         eval_inner_batch: the same in `evaluate` and `adapt` (``--eval-batch``).
@@ -189,6 +200,7 @@ class Reptile(MetaLearner):
         inner_beta1: float = 0.0,
         inner_beta2: float = 0.999,
         inner_eps: float = 1e-8,
+        inner_loss: Literal["sum", "mean"] = "sum",
         inner_batch: int | None = 10,
         eval_inner_batch: int | None = 5,
         transductive: bool = False,
@@ -211,6 +223,9 @@ class Reptile(MetaLearner):
         if inner_state not in INNER_STATES:
             raise ValueError(f"inner_state {inner_state!r}; choose one of "
                              f"{', '.join(INNER_STATES)}")  # fmt: skip
+        if inner_loss not in INNER_LOSSES:
+            raise ValueError(f"Reptile's inner_loss {inner_loss!r}; choose one of "
+                             f"{', '.join(INNER_LOSSES)}")  # fmt: skip
         for name, value in (("beta1", inner_beta1), ("beta2", inner_beta2), ("eps", inner_eps)):
             check_hyperparameter(name, value, f"inner_{name}")
         for name, value in (("inner_batch", inner_batch), ("eval_inner_batch", eval_inner_batch)):
@@ -218,6 +233,7 @@ class Reptile(MetaLearner):
                 raise ValueError(f"{name} must be >= 1 (or None: the whole set), got {value}")
         self.inner_optimizer = inner_optimizer
         self.inner_state = inner_state
+        self.inner_loss = inner_loss
         self.adam = (inner_beta1, inner_beta2, inner_eps)
         if self.carries_state:
             theta = self.theta()
@@ -229,9 +245,11 @@ class Reptile(MetaLearner):
         self.anneal = anneal
 
     fixed_arguments = ("first_order",)
-    # before the reference's inner loop: full-batch gradient descent, one query batch
+    # before the reference's inner loop: full-batch gradient descent on the mean loss, one
+    # query batch (a record without inner_loss ran the mean: it was the only loss then)
     arguments_before = {"inner_optimizer": "sgd", "inner_state": "task", "inner_batch": None,
-                        "eval_inner_batch": None, "transductive": True}  # fmt: skip
+                        "eval_inner_batch": None, "transductive": True,
+                        "inner_loss": "mean"}  # fmt: skip
     default_outer_lr = 1.0  # the reference's --meta-step 1 (every README command)
     default_outer_optimizer = "sgd"  # plain SGD: exactly Alg. 2's update
     scores_adapted_weights = False  # each query is scored beside the support set
@@ -371,7 +389,8 @@ class Reptile(MetaLearner):
     ) -> tuple[dict[str, Tensor], Slots]:
         """phi: ``steps`` (None: the task's, else ``inner_steps``) inner iterations from
         ``theta`` on mini-batches of ``data``, without a graph, and Adam's state after them
-        (from ``slots``; unchanged for SGD).
+        (from ``slots``; unchanged for SGD). Each step descends ``inner_loss``; the
+        finiteness check and ``task.stop`` read ``loss_fn``'s value, the mean.
 
         Raises:
             NonFiniteLossError: a support loss that is not finite (naming task and step).
@@ -384,16 +403,21 @@ class Reptile(MetaLearner):
         buffers = dict(self.model.named_buffers())
         kwargs = dict(task.model_kwargs)
 
-        def loss_of(adapted: dict[str, Tensor], xb: Tensor, yb: Tensor) -> Tensor:
+        def loss_of(adapted: dict[str, Tensor], xb: Tensor, yb: Tensor
+                    ) -> tuple[Tensor, Tensor]:  # fmt: skip
             out = functional_call(self.model, {**buffers, **fast, **adapted}, (xb,), kwargs)
-            return self.loss_fn(out, yb)
+            mean = self.loss_fn(out, yb)
+            # the reference's minimize(loss vector): tf.gradients sums the per-example losses
+            return (mean * xb.shape[0] if self.inner_loss == "sum" else mean), mean
 
         taken, m, v = slots[0], dict(slots[1]), dict(slots[2])
         beta1, beta2, eps = self.adam
         for step, rows in enumerate(minibatch_indices(x.shape[0], batch, count, generator)):
             rows = rows.to(x.device)
-            grads, loss = grad_and_value(loss_of)({k: fast[k] for k in keys}, x[rows], y[rows])
-            value = float(loss)
+            grads, (_, mean) = grad_and_value(loss_of, has_aux=True)(
+                {k: fast[k] for k in keys}, x[rows], y[rows]
+            )
+            value = float(mean)
             if not math.isfinite(value):
                 raise NonFiniteLossError("support", index, step, value)
             if task.stop is not None and task.stop(step, value):

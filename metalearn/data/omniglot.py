@@ -328,6 +328,7 @@ def omniglot_splits(
     seed: int = 1,
     sizes: tuple[int, int] = (1100, 100),
     val_alphabets: int = 5,
+    trainval: bool = False,
 ) -> dict[str, Tensor]:
     """Character indices of the meta-train, -validation and -test sets.
 
@@ -342,9 +343,26 @@ def omniglot_splits(
 
     Rotations (new classes) are the sampler's business, see `omniglot_samplers`.
 
+    ``trainval``: the validation characters join the training ones and no validation set is
+    left (an empty tensor), the test set unchanged: a final model trained on both, as
+    Prototypical Networks' reference retrains (``jakesnell/prototypical-networks``,
+    ``scripts/train/few_shot/trainval.py``: ``data.trainval``, the ``trainval.txt`` split,
+    ``train.txt`` and ``val.txt`` together).
+
     Returns:
         ``{"train", "val", "test"}`` -> long tensors of indices into ``data.characters``.
     """
+    splits = _splits(data, split, seed, sizes, val_alphabets)
+    if trainval:
+        joined = torch.cat([splits["train"], splits["val"]]).sort().values
+        return {"train": joined, "val": splits["val"][:0], "test": splits["test"]}
+    return splits
+
+
+def _splits(
+    data: OmniglotImages, split: str, seed: int, sizes: tuple[int, int], val_alphabets: int
+) -> dict[str, Tensor]:
+    """`omniglot_splits` without ``trainval``."""
     generator = torch.Generator().manual_seed(seed)
     count = len(data.characters)
     if split == "maml":
@@ -390,6 +408,7 @@ def omniglot_samplers(
     dtype: torch.dtype = torch.float32,
     device: torch.device | str | None = None,
     min_shots: int | None = None,
+    trainval: bool = False,
 ) -> dict[str, EpisodicSampler]:
     """One `EpisodicSampler` per non-empty set of `omniglot_splits`.
 
@@ -403,13 +422,15 @@ def omniglot_samplers(
         dtype: of the task images (in [0, 1], strokes 1, background 0).
         device: where the images stay resident and tasks are made.
         min_shots: for the ``"train"`` sampler only: random shots (`EpisodicSampler`).
+        trainval: train on the training and validation characters together, no ``"val"``
+            sampler (`omniglot_splits`).
 
     Returns:
         ``{"train": ..., "val": ..., "test": ...}`` (``"val"`` absent when empty).
     """
     rotations = SPLIT_ROTATIONS.get(split, (0,)) if rotations is None else rotations
     samplers = {}
-    for name, index in omniglot_splits(data, split, seed=seed).items():
+    for name, index in omniglot_splits(data, split, seed=seed, trainval=trainval).items():
         if len(index):
             # uint8 stays resident (a quarter of float's memory); tasks come out as dtype.
             images = data.images[index].unsqueeze(2).to(device)

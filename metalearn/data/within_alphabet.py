@@ -129,6 +129,7 @@ def within_alphabet_samplers(
     augment: Augmentation | None = None,
     dtype: torch.dtype = torch.float32,
     device: torch.device | str | None = None,
+    trainval: bool = False,
 ) -> dict[str, WithinAlphabetSampler]:
     """One `WithinAlphabetSampler` per non-empty set of Omniglot's alphabet split.
 
@@ -142,6 +143,8 @@ def within_alphabet_samplers(
         ways, shots, queries: N, K, Q of every task.
         augment: for the ``"train"`` sampler only (e.g. `SmallAffine`).
         dtype, device: of the task images.
+        trainval: train on the training and validation alphabets together, no ``"val"``
+            sampler (`metalearn.data.omniglot_splits`).
 
     Raises:
         ValueError: another split, drawings not named by drawer, or a bad N, K, Q.
@@ -153,7 +156,7 @@ def within_alphabet_samplers(
         )
     check_drawers(data)
     samplers = {}
-    for name, index in omniglot_splits(data, split, seed=seed).items():
+    for name, index in omniglot_splits(data, split, seed=seed, trainval=trainval).items():
         if len(index):
             samplers[name] = WithinAlphabetSampler(
                 data.images[index].unsqueeze(2).to(device),

@@ -152,6 +152,10 @@ class LearnerArgs:
     train_on_query: bool | None = None
     """reptile only: the inner loop trains on support + query (the reference's --train-shots
     examples per class: --query = train-shots - shots); none: the learner's (support only)."""
+    inner_loss: Literal["sum", "mean"] | None = None
+    """reptile only: its inner loss, the sum of the mini-batch's per-example losses (the
+    reference's: TensorFlow minimising the loss vector) or their mean; none: the learner's
+    (sum)."""
     inner_batch: int | None = None
     """reptile only: examples per inner mini-batch in training; none: the learner's (10, the
     reference's --inner-batch)."""
@@ -165,6 +169,10 @@ class LearnerArgs:
     lam: float | None = None
     """r2d2: the ridge penalty (fixed unless learned); imaml: the proximal strength; none:
     the learner's (r2d2 50, imaml 2)."""
+    eval_lam: float | None = None
+    """imaml only: the proximal strength of adaptation at validation, test and deployment
+    (0: gradient descent on the support loss alone); none: the learner's (0, the reference's
+    test, measure_accuracy.py --lam 0.0)."""
     scale: float | None = None
     """r2d2, metaoptnet, metaoptnet-lr: the logits' learned scale at the start; none: the
     learner's (r2d2: 10, the reference's Omniglot value; its mini-ImageNet value is 1e-4)."""
@@ -204,7 +212,12 @@ class TrainingArgs:
     nesterov: bool = False
     """--outer-optimizer sgd: Nesterov momentum (needs --outer-momentum)."""
     weight_decay: float = 0.0
-    """The outer optimizer's weight decay (L2 on the meta-parameters; MetaOptNet's 5e-4)."""
+    """The outer optimizer's weight decay (torch's: d theta added to the gradient, the L2
+    penalty d/2 ||theta||^2; MetaOptNet's 5e-4)."""
+    weight_decay_on: Literal["all", "weights"] = "all"
+    """What --weight-decay decays: all the meta-parameters, or the convolution and linear
+    layers' weights alone (TensorFlow's L2 regularizers on weight variables; Proto-MAML's
+    reference)."""
     lr_schedule: Literal["constant", "cosine", "step", "linear", "piecewise"] = "constant"
     """Outer step-size schedule, as torch's schedulers (metalearn.runs.outer_loop): cosine
     (CosineAnnealingLR to --eta-min over the run; MAML++), step (StepLR: x --gamma every

@@ -40,6 +40,7 @@ from collections.abc import Mapping
 from typing import Any
 
 import torch
+from torch import nn
 
 from metalearn import distributed
 from metalearn.algorithms import IMAMLMetrics, MetaLearner, StepMetrics
@@ -47,12 +48,24 @@ from metalearn.data import EpisodicSampler
 from metalearn.runs.lifecycle import NonFiniteGradientError
 from metalearn.runs.metrics import TRAIN_CG_CONVERGED, TRAIN_CG_NEGATIVE_CURVATURE
 
-__all__ = ["OUTER_OPTIMIZERS", "SCHEDULES", "build_outer_optimizer", "check_finite_gradient",
-           "check_outer_loop", "clamp_meta_gradient", "my_tasks", "scheduled_lr",
-           "solver_metrics"]  # fmt: skip
+__all__ = ["OUTER_OPTIMIZERS", "SCHEDULES", "WEIGHT_DECAY_ON", "build_outer_optimizer",
+           "check_finite_gradient", "check_outer_loop", "clamp_meta_gradient",
+           "decayed_parameters", "my_tasks", "scheduled_lr", "solver_metrics"]  # fmt: skip
 
 OUTER_OPTIMIZERS = ("adam", "sgd")
 SCHEDULES = ("constant", "cosine", "step", "linear", "piecewise")
+WEIGHT_DECAY_ON = ("all", "weights")
+"""What ``--weight-decay`` decays: every meta-parameter (torch's optimizers) or the
+convolution and linear layers' weights alone (`decayed_parameters`)."""
+_WEIGHTED = (nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.Linear)
+
+
+def decayed_parameters(learner: MetaLearner) -> list[torch.Tensor]:
+    """The weights of the learner's convolution and linear layers: what TensorFlow's L2
+    regularizers on ``weight`` variables decay (google-research/meta-dataset,
+    ``models/functional_backbones.py``, ``weight_variable``); biases, normalisation layers'
+    scales and shifts, and learned inner rates are left out."""
+    return [m.weight for m in learner.modules() if isinstance(m, _WEIGHTED)]
 
 
 def scheduled_lr(training: Any, step: int) -> float:
@@ -85,14 +98,23 @@ def build_outer_optimizer(learner: MetaLearner, training: Any) -> torch.optim.Op
 
     ``outer_optimizer`` None (a record written before it existed) is the learner's own
     (`MetaLearner.default_outer_optimizer`: Adam; Reptile: plain SGD). Adam and plain SGD at
-    weight decay 0 are exactly `MetaLearner.outer_optimizer`'s.
+    weight decay 0 are exactly `MetaLearner.outer_optimizer`'s. ``weight_decay`` ``d`` adds
+    ``d theta`` to the gradient (torch's coupled L2, the gradient of ``d/2 ||theta||^2``) of
+    every parameter (``weight_decay_on`` ``"all"``) or of `decayed_parameters` alone
+    (``"weights"``: the other parameters in a group at weight decay 0).
 
     Args:
         learner: the learner whose parameters are trained.
         training: a `metalearn.runs.recipe.TrainingRecipe`.
     """
     name = training.outer_optimizer or type(learner).default_outer_optimizer
-    params, lr, decay = learner.parameters(), training.outer_lr, training.weight_decay
+    params, lr, decay = list(learner.parameters()), training.outer_lr, training.weight_decay
+    if training.weight_decay_on == "weights":
+        weights = {id(p) for p in decayed_parameters(learner)}
+        params = [
+            {"params": [p for p in params if id(p) in weights]},
+            {"params": [p for p in params if id(p) not in weights], "weight_decay": 0.0},
+        ]
     if name == "adam":
         return torch.optim.Adam(params, lr=lr, weight_decay=decay)
     if name == "sgd":
@@ -123,6 +145,9 @@ def check_outer_loop(a: Mapping[str, Any]) -> None:
     decay, momentum = a["weight_decay"], a["outer_momentum"]
     if not (math.isfinite(decay) and decay >= 0):
         raise ValueError(f"--weight-decay {decay}: must be >= 0 and finite (0: none)")
+    if a.get("weight_decay_on", "all") != "all" and not decay:
+        raise ValueError(f"--weight-decay-on {a['weight_decay_on']} says what --weight-decay "
+                         "decays; add --weight-decay (e.g. 2e-4) or drop it")  # fmt: skip
     if not 0 <= momentum < 1:
         raise ValueError(f"--outer-momentum {momentum}: must be in [0, 1) (0: none)")
     if a["outer_optimizer"] != "sgd" and (momentum or a["nesterov"]):

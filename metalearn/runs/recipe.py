@@ -81,9 +81,9 @@ EXPERIMENTS = ("omniglot_maml", "fewshot_maml")
 """The experiments that write recipes (``experiments/<name>.py``)."""
 
 # The outer loop's fields of `TrainingRecipe`, each set by the flag of its name.
-_OUTER_FIELDS = ("outer_optimizer", "outer_momentum", "nesterov", "weight_decay", "lr_schedule",
-                 "eta_min", "step_size", "gamma", "schedule_every", "lr_milestones",
-                 "lr_factors", "grad_clamp")  # fmt: skip
+_OUTER_FIELDS = ("outer_optimizer", "outer_momentum", "nesterov", "weight_decay",
+                 "weight_decay_on", "lr_schedule", "eta_min", "step_size", "gamma",
+                 "schedule_every", "lr_milestones", "lr_factors", "grad_clamp")  # fmt: skip
 # The flags that set a learner argument, each named after the argument it sets, in three
 # groups, each flag written once. A value left at None sets nothing: the learner's default
 # stands (and is recorded); a resolved False is passed on (Proto-MAML's ``first_order``
@@ -98,8 +98,8 @@ _OPTIMIZER_FLAGS = ("inner_optimizer", "inner_momentum", "inner_beta1", "inner_b
 # resolved for those, refused for the others.
 _OWN_FLAGS = ("cg_damping", "cg_negative_curvature", "lora_rank", "msl_steps",
               "msl_epoch_length", "first_order_steps", "label_smoothing", "adapt_norm",
-              "inner_batch", "eval_inner_batch", "ridge_form", "lam", "scale", "inner_state",
-              "transductive", "train_on_query")  # fmt: skip
+              "inner_batch", "eval_inner_batch", "inner_loss", "ridge_form", "lam", "eval_lam",
+              "scale", "inner_state", "transductive", "train_on_query")  # fmt: skip
 LEARNER_FLAGS = _SHARED_FLAGS + _OPTIMIZER_FLAGS + _OWN_FLAGS
 
 
@@ -125,6 +125,9 @@ class DataRecipe:
         train_min_shots: set: each training task's support examples a class are drawn
             uniformly from ``[train_min_shots, train_shots]``, the rest of its
             ``train_shots + query`` examples a class its queries (None: ``train_shots``).
+        trainval: Omniglot only: the training tasks draw from the training and validation
+            classes together and there is no validation (`metalearn.data.omniglot_splits`;
+            False in records written before it).
     """
 
     dataset: str
@@ -141,6 +144,7 @@ class DataRecipe:
     train_ways: int | None = None
     train_shots: int | None = None
     train_min_shots: int | None = None
+    trainval: bool = False
 
 
 @dataclass(frozen=True)
@@ -186,6 +190,7 @@ class TrainingRecipe:
     outer_momentum: float = 0.0
     nesterov: bool = False
     weight_decay: float = 0.0
+    weight_decay_on: str = "all"  # a record without it decayed every meta-parameter
     lr_schedule: str = "constant"
     eta_min: float = 0.0
     step_size: int | None = None
@@ -399,7 +404,7 @@ def recipe_from_args(experiment: str, args: Mapping[str, Any]) -> Recipe:
         eval_protocol=args.get("eval_protocol", "episodic"), ways=ways, shots=args["shots"],
         query=args["query"], eval_query=args["eval_query"], augment=bool(args.get("augment")),
         image=image, train_ways=args["train_ways"], train_shots=args["train_shots"],
-        train_min_shots=args.get("train_min_shots"),
+        train_min_shots=args.get("train_min_shots"), trainval=bool(args.get("trainval")),
     )  # fmt: skip
     backbone, head = args.get("backbone", "conv4"), args.get("head", "mean")
     side = args.get("image_size")  # Omniglot's experiment has no flag: its images' side
@@ -571,6 +576,9 @@ def build_samplers(
         ValueError, FileNotFoundError: what the loaders refuse (missing or malformed data).
     """
     root = data.root if root is None else root
+    if data.trainval and data.dataset != "omniglot":
+        raise ValueError(f"trainval joins Omniglot's training and validation classes; "
+                         f"{data.dataset} has no such option")  # fmt: skip
     if data.dataset != "omniglot":
         return image_set_samplers(
             data.dataset, root, ways=data.ways, shots=data.shots, queries=data.query,
@@ -586,7 +594,7 @@ def build_samplers(
         resample=data.image.resample,
     )
     draw = {"episodic": omniglot_samplers, "within-alphabet": within_alphabet_samplers}
-    common = dict(ways=data.ways, shots=data.shots, device=device)
+    common = dict(ways=data.ways, shots=data.shots, device=device, trainval=data.trainval)
     samplers: dict[str, EpisodicSampler] = {}
     if "train" in splits:
         augment = standard_augmentation("character") if data.augment else None

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import copy
 import math
+from typing import Any
 
 import pytest
 import torch
@@ -94,7 +95,7 @@ def test_imaml_equals_the_closed_form_implicit_gradient(hvp_method: str, damping
         optima.append(phi)
     learner = IMAML(
         model, lam=lam, inner_lr=lr, inner_steps=steps, cg_steps=d + 1, cg_tol=1e-14,
-        loss_fn=_mse, hvp_method=hvp_method, cg_damping=damping,
+        loss_fn=_mse, hvp_method=hvp_method, cg_damping=damping, eval_lam=None,
     )  # fmt: skip
     metrics = learner.backward(tasks)
     torch.testing.assert_close(_flat_grad(model), torch.stack(expected).mean(0), rtol=0, atol=1e-12)
@@ -205,10 +206,12 @@ def test_imaml_memory_does_not_grow_with_inner_steps() -> None:
 
 
 def test_imaml_metrics_report_cg_and_evaluate_uses_the_proximal_loop() -> None:
+    """With ``eval_lam=None`` evaluation solves the training problem: its query numbers are
+    the meta-step's."""
     torch.manual_seed(5)
     model = MLP(3, [5], 4, activation=nn.Tanh).double()
     tasks = _classification_tasks(torch.Generator().manual_seed(5), 3)
-    learner = IMAML(model, lam=2.0, inner_lr=0.3, inner_steps=10, cg_steps=1)
+    learner = IMAML(model, lam=2.0, inner_lr=0.3, inner_steps=10, cg_steps=1, eval_lam=None)
     metrics = learner.backward(tasks)
     assert isinstance(metrics, StepMetrics)
     assert metrics.cg_iterations == 1 and metrics.cg_converged == 0.0
@@ -219,8 +222,68 @@ def test_imaml_metrics_report_cg_and_evaluate_uses_the_proximal_loop() -> None:
     assert metrics.accuracy == pytest.approx(float(accs.mean()), abs=1e-12)
 
 
+def _measure_accuracy(model: nn.Module, task: Task, steps: int, lr: float, lam: float,
+                      prox: float = 0.0) -> tuple[Tensor, Tensor]:  # fmt: skip
+    """aravindr93/imaml_dev's test (``examples/measure_accuracy.py`` lines 72-82) written out:
+    ``learn_task`` (``Learner.learn_on_data``: torch.optim.SGD at the inner rate, ``steps``
+    steps on the support loss plus, here, ``prox/2 ||w - w_0||^2``; the script passes
+    ``add_regularization=False``: ``prox`` 0), then ``zero_grad``, ``regularization_loss(
+    meta_params, lam)`` (``0.5 lam ||w - w_0||^2``) backward and one more SGD step; the
+    query loss and accuracy after."""
+    clone = copy.deepcopy(model)
+    w_0 = {n: p.detach().clone() for n, p in clone.named_parameters()}
+    opt = torch.optim.SGD(clone.parameters(), lr=lr)
+
+    def regularization(strength: float) -> Tensor:
+        return 0.5 * strength * sum(((p - w_0[n]) ** 2).sum() for n, p in clone.named_parameters())
+
+    for _ in range(steps):
+        opt.zero_grad()
+        (F.cross_entropy(clone(task.support[0]), task.support[1]) + regularization(prox)).backward()
+        opt.step()
+    opt.zero_grad()
+    regularization(lam).backward()
+    opt.step()
+    with torch.no_grad():
+        out = clone(task.query[0])
+        return F.cross_entropy(out, task.query[1]), (out.argmax(1) == task.query[1]).double().mean()
+
+
+def test_imaml_evaluates_as_the_reference_tests() -> None:
+    """The default ``eval_lam`` 0 is the reference's test (``measure_accuracy.py --lam 0.0``:
+    gradient descent on the support loss alone, the pull-back step at lambda 0 a zero step);
+    ``eval_lam=None`` descends the training problem (the support loss plus the proximal term
+    at ``lam``), which is another number."""
+    torch.manual_seed(16)
+    model = MLP(3, [5], 4, activation=nn.Tanh).double()
+    tasks = _classification_tasks(torch.Generator().manual_seed(16), 3)
+    steps, lr, lam = 16, 0.1, 2.0
+    learner = IMAML(model, lam=lam, inner_lr=lr, inner_steps=steps)
+    assert learner.eval_lam == 0.0
+    expected = [_measure_accuracy(model, t, steps, lr, 0.0) for t in tasks]
+    losses, accs = learner.evaluate(tasks)
+    torch.testing.assert_close(losses, torch.stack([e[0] for e in expected]), rtol=0, atol=1e-13)
+    torch.testing.assert_close(accs, torch.stack([e[1] for e in expected]).to(accs.dtype),
+                               rtol=0, atol=0)  # fmt: skip
+    fast = learner.adapt(tasks[0])
+    clone = copy.deepcopy(model)
+    clone.load_state_dict(fast)
+    loss = F.cross_entropy(clone(tasks[0].query[0]), tasks[0].query[1]).detach()
+    assert float(loss) == pytest.approx(float(expected[0][0]), abs=1e-13)
+    training = IMAML(model, lam=lam, inner_lr=lr, inner_steps=steps, eval_lam=None)
+    proximal = [_measure_accuracy(model, t, steps, lr, 0.0, prox=lam) for t in tasks]
+    losses_at_lam, _ = training.evaluate(tasks)
+    torch.testing.assert_close(losses_at_lam, torch.stack([e[0] for e in proximal]), rtol=0,
+                               atol=1e-13)  # fmt: skip
+    assert (losses_at_lam - losses).abs().max() > 1e-3  # the two tests differ
+
+
 def test_imaml_rejects_bad_settings() -> None:
     model = nn.Linear(2, 1).double()
+    with pytest.raises(ValueError, match=r"eval_lam must be >= 0 \(0: plain gradient descent"):
+        IMAML(model, eval_lam=-1.0)
+    with pytest.raises(ValueError, match="lower eval_lam below 2 / inner_lr"):
+        IMAML(model, inner_lr=0.1, eval_lam=20.0)
     with pytest.raises(ValueError, match="lam must be > 0"):
         IMAML(model, lam=0.0)
     with pytest.raises(ValueError, match="lower inner_lr below 2 / lam"):
@@ -304,7 +367,8 @@ def test_imaml_default_runs_cg_through_negative_curvature_as_the_reference() -> 
 
     tasks = [Task(data(6), data(5)) for _ in range(2)]
     lam, steps = 0.2, 3
-    learner = IMAML(model, lam=lam, inner_lr=1.0, inner_steps=3, cg_steps=steps, loss_fn=_mse)
+    learner = IMAML(model, lam=lam, inner_lr=1.0, inner_steps=3, cg_steps=steps, loss_fn=_mse,
+                    eval_lam=None)  # adapt: the training problem's phi  # fmt: skip
     assert (learner.cg_negative_curvature, learner.cg_damping) == ("continue", 11.0)
     expected, met, indefinite = [], [], []
     for task in tasks:
@@ -333,7 +397,7 @@ def test_imaml_stop_truncates_cg_before_negative_curvature() -> None:
     task = Task((x[:6], y[:6]), (x[6:], y[6:]))
     lam = 0.2
     learner = IMAML(model, lam=lam, inner_lr=1.0, inner_steps=3, cg_steps=3, cg_damping=0.0,
-                    loss_fn=_mse, cg_negative_curvature="stop")  # fmt: skip
+                    loss_fn=_mse, cg_negative_curvature="stop", eval_lam=None)  # fmt: skip
     hessian, g = _flat_support_hessian_and_query_grad(model, learner.adapt(task), task)
     iterates = written_out_cg(torch.eye(len(g), dtype=F64) + hessian / lam, g, 3)
     first = first_negative_curvature(iterates)
@@ -354,6 +418,7 @@ def test_an_unknown_cg_negative_curvature_is_refused() -> None:
 # Reptile as plain full-batch gradient descent (the inner loop before Adam and mini-batches).
 PLAIN = {
     "inner_optimizer": "sgd",
+    "inner_loss": "mean",
     "inner_batch": None,
     "eval_inner_batch": None,
     "transductive": True,
@@ -485,15 +550,19 @@ def test_reptile_rejects_bad_settings() -> None:
         Reptile(model, inner_beta1=1.0)
     with pytest.raises(ValueError, match="inner_batch must be >= 1"):
         Reptile(model, inner_batch=0)
+    with pytest.raises(ValueError, match="Reptile's inner_loss 'max'; choose one of sum, mean"):
+        Reptile(model, inner_loss="max")
 
 
 def _adam_reference(model: nn.Module, data: tuple[Tensor, Tensor], steps: int, batch: int,
                     lr: float, beta1: float, beta2: float, eps: float,
-                    slots: dict | None = None) -> tuple[dict[str, Tensor], dict]:  # fmt: skip
+                    slots: dict | None = None, reduction: str = "sum",
+                    ) -> tuple[dict[str, Tensor], dict]:  # fmt: skip
     """TensorFlow's AdamOptimizer (its documented update: ``lr_t = lr sqrt(1 - beta2^t) /
     (1 - beta1^t)``, ``p -= lr_t m_t / (sqrt(v_t) + eps)``) on a copy of the model, one step
     per mini-batch of `tests.helpers.reptile_batches.mini_batches`, from the slots ``slots``
-    (None: zero, t = 0).
+    (None: zero, t = 0), on the mini-batch's cross-entropies reduced by ``reduction``
+    (``"sum"``: the reference's ``minimize`` of the loss vector).
     Returns the weights and the slots after."""
     clone = copy.deepcopy(model)
     params = dict(clone.named_parameters())
@@ -504,7 +573,7 @@ def _adam_reference(model: nn.Module, data: tuple[Tensor, Tensor], steps: int, b
     for rows in mini_batches(len(data[0]), batch, steps):
         t += 1
         clone.zero_grad()
-        F.cross_entropy(clone(data[0][rows]), data[1][rows]).backward()
+        F.cross_entropy(clone(data[0][rows]), data[1][rows], reduction=reduction).backward()
         lr_t = lr * math.sqrt(1 - beta2**t) / (1 - beta1**t)
         with torch.no_grad():
             for n, p in params.items():
@@ -515,21 +584,25 @@ def _adam_reference(model: nn.Module, data: tuple[Tensor, Tensor], steps: int, b
     return weights, {"t": t, "m": m, "v": v}
 
 
-@pytest.mark.parametrize(("batch", "train_on_query", "state"),
-                         [(3, False, "carried"), (5, True, "carried"), (11, False, "carried"),
-                          (3, False, "task")])  # fmt: skip
-def test_reptile_inner_loop_is_the_reference_adam_on_minibatches(batch, train_on_query, state):
-    """The defaults' inner loop (Adam, beta1 = 0; mini-batches) equals the reference's
-    written out over two meta-steps, task after task from one random stream: Adam's slots
-    carried from task to task and step to step as the reference's TensorFlow variables are
-    (``inner_state="task"``: reset per task). A mini-batch larger than the data (11 of 8)
-    spans two shuffles, as the reference's does."""
+@pytest.mark.parametrize(("batch", "train_on_query", "state", "loss"),
+                         [(3, False, "carried", "sum"), (5, True, "carried", "sum"),
+                          (11, False, "carried", "sum"), (3, False, "task", "sum"),
+                          (3, False, "carried", "mean")])  # fmt: skip
+def test_reptile_inner_loop_is_the_reference_adam_on_minibatches(batch, train_on_query, state,
+                                                                 loss):  # fmt: skip
+    """The defaults' inner loop (Adam, beta1 = 0, the summed loss; mini-batches) equals the
+    reference's written out over two meta-steps, task after task from one random stream:
+    Adam's slots carried from task to task and step to step as the reference's TensorFlow
+    variables are (``inner_state="task"``: reset per task; ``inner_loss="mean"``: Adam on the
+    mean). A mini-batch larger than the data (11 of 8) spans two shuffles, as the
+    reference's does."""
     torch.manual_seed(12)
     model = MLP(3, [6], 4, activation=nn.Tanh).double()
     gen = torch.Generator().manual_seed(12)
     batches = [_classification_tasks(gen, 3), _classification_tasks(gen, 2)]
+    options = {} if loss == "sum" else {"inner_loss": loss}  # the default is the sum
     learner = Reptile(model, inner_lr=0.05, inner_steps=6, inner_batch=batch,
-                      train_on_query=train_on_query, inner_state=state)  # fmt: skip
+                      train_on_query=train_on_query, inner_state=state, **options)  # fmt: skip
     assert (learner.inner_optimizer, learner.adam) == ("adam", (0.0, 0.999, 1e-8))
     slots, expected = None, []
     torch.manual_seed(99)
@@ -541,7 +614,8 @@ def test_reptile_inner_loop_is_the_reference_adam_on_minibatches(batch, train_on
             if train_on_query:
                 data = (torch.cat([t.support[0], t.query[0]]),
                         torch.cat([t.support[1], t.query[1]]))  # fmt: skip
-            phi, after = _adam_reference(model, data, 6, batch, 0.05, 0.0, 0.999, 1e-8, slots)
+            phi, after = _adam_reference(model, data, 6, batch, 0.05, 0.0, 0.999, 1e-8, slots,
+                                         reduction=loss)  # fmt: skip
             slots = after if state == "carried" else None
             directions.append({n: theta[n] - phi[n] for n in theta})
         expected.append({n: torch.stack([d[n] for d in directions]).mean(0) for n in theta})
@@ -604,3 +678,103 @@ def test_reptile_scores_each_query_beside_the_support_set_unless_transductive() 
         torch.testing.assert_close(losses[0], F.cross_entropy(expected, yq), rtol=0, atol=1e-12)
         assert accs[0] == (expected.argmax(1) == yq).double().mean()
     assert (per_example - model(xq)).abs().max() > 1e-3  # the two differ here
+
+
+def _separable_tasks(gen: torch.Generator, n: int, ways: int, shots: int, d: int) -> list[Task]:
+    """Tasks of ``ways`` classes around random means (``shots`` examples a class to train
+    on, one query a class), float64."""
+    tasks = []
+    for _ in range(n):
+        means = 2 * torch.randn(ways, d, generator=gen, dtype=F64)
+
+        def draw(k: int, means: Tensor = means) -> tuple[Tensor, Tensor]:
+            y = torch.arange(ways).repeat_interleave(k)
+            return means[y] + torch.randn(len(y), d, generator=gen, dtype=F64), y
+
+        tasks.append(Task(draw(shots), draw(1)))
+    return tasks
+
+
+def _supervised_reptile(model: nn.Module, meta_batches: list[list[Task]], *, reduction: str
+                        ) -> list[Tensor]:  # fmt: skip
+    """``openai/supervised-reptile`` (8f2b71c) written out in float64, theta flattened after
+    each outer update: ``train.py`` lines 53-60 (``frac_done = i / meta_iters``, the meta
+    step ``frac_done * 0 + (1 - frac_done) * 1``); ``reptile.py`` lines 62-74 (per task the
+    inner loop from the old variables, the new ones averaged, ``old + step (average -
+    old)``); ``models.py`` lines 10 and 27-30 (``AdamOptimizer(beta1=0).minimize`` of the
+    per-example cross-entropies, a vector: ``tf.gradients`` differentiates its sum), Adam's
+    slots never restored (``VariableState`` holds the trainable variables); mini-batches of
+    10 from ``_mini_batches`` (`mini_batches`), 5 of them."""
+    lr, beta2, eps, batch, iters = 1e-3, 0.999, 1e-8, 10, 5
+    theta = {n: p.detach().clone() for n, p in model.named_parameters()}
+    t = 0
+    m = {n: torch.zeros_like(p) for n, p in theta.items()}
+    v = {n: torch.zeros_like(p) for n, p in theta.items()}
+    history = []
+    for i, tasks in enumerate(meta_batches):
+        step = (1 - i / len(meta_batches)) * 1.0 + (i / len(meta_batches)) * 0.0
+        new = []
+        for task in tasks:
+            w = dict(theta)
+            x, y = task.support
+            for rows in mini_batches(len(y), batch, iters):
+                leaves = {n: p.clone().requires_grad_() for n, p in w.items()}
+                logits = functional_call(model, leaves, (x[rows],))
+                losses = -logits.log_softmax(1).gather(1, y[rows, None]).squeeze(1)  # [batch]
+                loss = losses.sum() if reduction == "sum" else losses.mean()
+                g = dict(zip(leaves, torch.autograd.grad(loss, list(leaves.values()))))
+                t += 1
+                rate = lr * math.sqrt(1 - beta2**t) / (1 - 0.0**t)
+                for n in w:  # beta1 = 0: m is the gradient
+                    m[n] = 0.0 * m[n] + (1 - 0.0) * g[n]
+                    v[n] = beta2 * v[n] + (1 - beta2) * g[n] ** 2
+                    w[n] = w[n] - rate * m[n] / (v[n].sqrt() + eps)
+            new.append(w)
+        average = {n: torch.stack([w[n] for w in new]).mean(0) for n in theta}
+        theta = {n: theta[n] + step * (average[n] - theta[n]) for n in theta}
+        history.append(torch.cat([theta[n].reshape(-1) for n in theta]))
+    return history
+
+
+def _library_reptile(model: nn.Module, meta_batches: list[list[Task]], **options: Any
+                     ) -> list[Tensor]:  # fmt: skip
+    """The learner's path of a run: `Reptile.backward`, its outer optimizer at
+    ``outer_lr_factor`` times its step (as the experiments' ``meta_step``), theta flattened
+    after each update."""
+    learner = Reptile(copy.deepcopy(model), **options)
+    opt = learner.outer_optimizer()
+    history = []
+    for i, tasks in enumerate(meta_batches):
+        for group in opt.param_groups:
+            group["lr"] = learner.default_outer_lr * learner.outer_lr_factor(i, len(meta_batches))
+        opt.zero_grad()
+        learner.backward(tasks)
+        opt.step()
+        history.append(_flat(learner.model))
+    return history
+
+
+def test_reptile_default_is_the_reference_rule_on_the_summed_loss() -> None:
+    """The default learner (Adam 1e-3, beta1 0, 5 iterations on mini-batches of 10, meta-batch
+    5, outer step 1 annealed to 0) against openai/supervised-reptile's rule written out on
+    5-way 10-shot tasks, after one outer update and after 20: the reference's step on the
+    sum of the per-example losses; ``inner_loss="mean"`` equals the same rule on their mean,
+    which is a different run (10 times Adam's epsilon, relatively)."""
+    torch.manual_seed(15)
+    model = MLP(4, [16], 5, activation=nn.Tanh).double()
+    gen = torch.Generator().manual_seed(15)
+    meta_batches = [_separable_tasks(gen, 5, ways=5, shots=10, d=4) for _ in range(20)]
+    runs = {}
+    for loss in ("sum", "mean"):
+        torch.manual_seed(100)
+        reference = _supervised_reptile(model, meta_batches, reduction=loss)
+        torch.manual_seed(100)
+        options = {} if loss == "sum" else {"inner_loss": "mean"}
+        library = _library_reptile(model, meta_batches, **options)
+        for update in (0, 19):  # after one outer update, and after 20
+            torch.testing.assert_close(library[update], reference[update], rtol=0, atol=1e-13)
+        runs[loss] = reference
+    for update in (0, 19):
+        # the two losses' runs differ 10^4 times beyond the tolerance above (1.7e-7 here):
+        # the comparison tells them apart
+        assert (runs["mean"][update] - runs["sum"][update]).abs().max() > 1e4 * 1e-13

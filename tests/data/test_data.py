@@ -344,6 +344,29 @@ def test_maml_split_sizes_disjoint_and_seeded(omniglot):
 
 
 @needs_real
+@pytest.mark.parametrize("split", ["maml", "alphabet"])
+def test_trainval_trains_on_the_training_and_validation_characters(omniglot, split):
+    """``trainval``: the training set is the training and validation characters (their
+    sorted union), no validation set, the test set untouched; on MAML's split 1,200
+    characters, 4,800 classes with rotations, as the Prototypical Networks reference's
+    ``data/omniglot/splits/vinyals/trainval.txt`` lists (its ``test.txt``: 1,692, here 423
+    characters times four rotations)."""
+    apart = omniglot_splits(omniglot, split)
+    joined = omniglot_splits(omniglot, split, trainval=True)
+    union = sorted(apart["train"].tolist() + apart["val"].tolist())
+    assert joined["train"].tolist() == union and len(joined["val"]) == 0
+    assert torch.equal(joined["test"], apart["test"])
+    samplers = omniglot_samplers(omniglot, split, ways=5, shots=1, queries=15, trainval=True)
+    assert "val" not in samplers
+    if split == "maml":
+        assert (samplers["train"].num_classes, samplers["test"].num_classes) == (4800, 1692)
+    # the validation characters' classes (with their rotations) join the training ones
+    train = omniglot_samplers(omniglot, split, ways=5, shots=1, queries=15)["train"]
+    assert samplers["train"].num_classes == train.num_classes + (
+        len(apart["val"]) * len(train.rotations))  # fmt: skip
+
+
+@needs_real
 def test_alphabet_split_follows_the_subsets(omniglot):
     splits = omniglot_splits(omniglot, "alphabet")
     background = set(torch.nonzero(omniglot.background).flatten().tolist())

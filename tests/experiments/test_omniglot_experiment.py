@@ -302,6 +302,30 @@ def test_a_nan_validation_is_never_the_best_and_a_diverged_run_exits_non_zero(
     assert saved["results"] is None
 
 
+def test_trainval_trains_on_train_and_validation_classes_and_tests_the_last_weights(
+    tmp_path, monkeypatch
+):
+    """``--trainval`` (Prototypical Networks' final model, run_trainval.py): ProtoNet trains
+    on the 4,800 classes of MAML's training and validation characters (the reference's
+    vinyals/trainval.txt: 4,800) for --iterations, validates never, and tests the weights of
+    its last step; the recipe records it."""
+    seen, load = [], om.load_samplers
+    monkeypatch.setattr(om, "load_samplers", lambda *a: seen.append(load(*a)) or seen[-1])
+    flags = _flags(tmp_path, algorithm="protonet", trainval=True, iterations=3, val_every=2,
+                   run_name="tv")  # fmt: skip
+    results = om.main(om.parse_args(flags))
+    (samplers,) = seen
+    assert set(samplers) == {"train", "test"}
+    assert (samplers["train"].num_classes, samplers["test"].num_classes) == (4800, 1692)
+    saved = _checkpoint(tmp_path, "tv")
+    assert read_recipe(saved).data.trainval is True
+    assert not any(k.startswith("val/") for row in saved["history"] for k in row)
+    assert results["test/best_iteration"] == saved["best_iteration"] == 3  # the last step
+    for key, value in saved["learner"].items():  # tested: the weights training ended with
+        assert torch.equal(saved["best_learner"][key], value), key
+    assert 0.0 <= results["test/acc"] <= 1.0
+
+
 # --------------------------------------------------------------------------- arguments
 
 
@@ -316,7 +340,9 @@ def test_a_nan_validation_is_never_the_best_and_a_diverged_run_exits_non_zero(
      ({"threads": -2}, "--threads -2"),
      ({"shots": 0}, "--shots 0"),
      ({"ways": 1}, "--ways 1"),
-     ({"cg_damping": 1.0}, "--cg-damping is a setting of imaml")],
+     ({"cg_damping": 1.0}, "--cg-damping is a setting of imaml"),
+     ({"trainval": True, "ensemble_top_k": 2}, "--trainval trains on the validation classes "
+                                               "too, so there are no validations")],
 )  # fmt: skip
 def test_bad_values_are_refused_before_anything_runs(tmp_path, overrides, message):
     with pytest.raises(UserError, match=message):

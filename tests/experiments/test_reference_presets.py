@@ -10,9 +10,11 @@ from __future__ import annotations
 
 import pytest
 
-from metalearn.algorithms import make_learner
+from metalearn.algorithms import IMAML, make_learner
+from metalearn.checkpoint import load_checkpoint
 from metalearn.runs.outer_loop import scheduled_lr
-from metalearn.runs.recipe import build_model
+from metalearn.runs.recipe import build_model, read_recipe
+from tests.conftest import OMNIGLOT, needs_omniglot
 from tests.helpers.run_helpers import fs, make, om, recipe_of
 
 # Reptile: preset -> (--classes, --shots, --train-shots, --inner-batch, --inner-iters,
@@ -46,6 +48,9 @@ def test_reptile_presets_are_its_readme_commands(experiment, name):
     assert (recipe.model.head, build_model(recipe).head.in_features) == ("flatten", flat)
     assert (a["inner_batch"], a["inner_steps"], a["inner_lr"]) == (batch, iters, lr)
     assert (a["inner_optimizer"], a["inner_beta1"], a["inner_state"]) == ("adam", 0.0, "carried")
+    # models.py lines 27-30: minimize() of the per-example losses, which tf.gradients sums;
+    # --learning-rate is Adam's step on that sum
+    assert a["inner_loss"] == "sum"
     assert (a["eval_inner_batch"], t.eval_inner_steps, a["transductive"]) == (eval_batch, 50,
                                                                               False)  # fmt: skip
     assert (t.meta_batch, t.iterations, t.outer_lr, a["anneal"]) == (5, meta_iters, 1.0, True)
@@ -113,12 +118,75 @@ def test_metaoptnet_preset_is_its_svm_command():
     assert scheduled_lr(t, 1000 * 19 - 1) == 0.1 and scheduled_lr(t, 1000 * 19) == 0.1 * 0.06
 
 
-def test_imaml_presets_are_its_command_and_a_cpu_run():
-    recipe = preset(om, "imaml-5w1s")
-    a, t = recipe.learner.arguments, recipe.training
+@pytest.mark.parametrize(("name", "meta_steps"), [("imaml-5w1s", 500), ("imaml-5w1s-gpu", 20_000)])
+def test_imaml_presets_are_its_command_and_a_cpu_run(name, meta_steps):
+    """examples/README.md line 12 (--inner_lr 1e-1 --outer_lr 1e-3 --n_steps 16 --meta_steps
+    500 --task_mb_size 32 --lam 2.0 --cg_steps 5), line 14 (replicating: meta_steps 20000),
+    line 17 (measure_accuracy.py --num_tasks 600 --n_steps 16 --lam 0.0 --inner_lr 1e-1);
+    implicit_maml/dataset.py lines 147-148 (num_inst support and query instances a class)."""
+    recipe = preset(om, name)
+    d, a, t = recipe.data, recipe.learner.arguments, recipe.training
+    assert (d.ways, d.shots, d.query, d.eval_query) == (5, 1, 1, 1)
     assert (a["inner_lr"], a["inner_steps"], a["lam"], a["cg_steps"]) == (0.1, 16, 2.0, 5)
+    assert a["eval_lam"] == 0.0  # tested without the proximal term, at the same rate
     assert (t.meta_batch, t.outer_lr, t.eval_inner_steps, t.test_tasks) == (32, 1e-3, 16, 600)
+    assert t.iterations == meta_steps
     assert preset(om, "imaml-cpu").learner.arguments["inner_steps"] == 5
+
+
+@pytest.mark.parametrize(("name", "shots"), [("protomaml-5w1s", 1), ("protomaml-5w5s", 5)])
+def test_protomaml_presets_are_meta_datasets_gin_files(name, shots):
+    """google-research/meta-dataset's meta_dataset/learn/gin/: learners/learner_config.gin
+    lines 15-18 (learning_rate 1e-4, decay_every 5000, decay_rate 0.5),
+    learners/maml_init_with_proto_config.gin lines 3, 7, 9-16 (decay_learning_rate True,
+    weight_decay 1e-4, the learner), setups/trainer_config.gin lines 1, 3, 5 (75,000
+    updates, 600 evaluation episodes, validation every 500), setups/fixed_way_and_shot.gin
+    line 3 (15 queries); its weight decay a Keras L2 on the kernels, 1e-4 ||w||^2, whose
+    gradient is torch's 2e-4 w on the weights alone."""
+    recipe = preset(om, name)
+    d, t, a = recipe.data, recipe.training, recipe.learner.arguments
+    assert recipe.learner.algorithm == "protomaml"
+    learner = (a["inner_lr"], a["inner_steps"], a["first_order"], a["adapt_norm"])
+    assert learner == (0.01, 5, True, False)
+    assert a["transductive"] is False  # Learner.transductive_batch_norm = False
+    assert (d.ways, d.shots, d.query, d.eval_query) == (5, shots, 15, 15)
+    assert (t.outer_optimizer, t.outer_lr, t.meta_batch, t.iterations) == ("adam", 1e-4, 1, 75_000)
+    assert (t.weight_decay, t.weight_decay_on) == (2e-4, "weights")
+    # exponential_decay(1e-4, global_step, 5000, 0.5, staircase=True) at each update
+    for step in (0, 4999, 5000, 9999, 10_000, 74_999):
+        assert scheduled_lr(t, step) == pytest.approx(1e-4 * 0.5 ** (step // 5000), rel=1e-15)
+    assert (t.eval_inner_steps, t.val_every, t.val_tasks, t.test_tasks) == (5, 500, 600, 600)
+    assert (recipe.model.pool, recipe.model.hidden) == ("max", 64)  # four_layer_convnet
+
+
+def _captured_learners(monkeypatch) -> list:
+    """The learners the Omniglot experiment builds, as it builds them."""
+    built, build = [], om.make_learner
+    monkeypatch.setattr(om, "make_learner", lambda *a: built.append(build(*a)) or built[-1])
+    return built
+
+
+@needs_omniglot
+def test_the_imaml_replication_preset_runs_two_steps_on_the_cpu(tmp_path, monkeypatch):
+    """imaml-5w1s-gpu end to end at a tiny size (2 meta-steps, 8 filters, few evaluation
+    tasks): the learner that trains and tests is the recorded one, its evaluation the
+    reference's plain gradient descent (eval_lam 0; the learner's evaluate against
+    measure_accuracy.py written out: tests/algorithms/test_imaml_reptile.py)."""
+    built = _captured_learners(monkeypatch)
+    argv = ["--preset", "imaml-5w1s-gpu", "--iterations", "2", "--hidden", "8",
+            "--val-tasks", "2", "--test-tasks", "3", "--data-root", str(OMNIGLOT), "--no-track",
+            "--out-dir", str(tmp_path), "--run-name", "r", "--device", "cpu"]  # fmt: skip
+    results = om.main(om.parse_args(argv))
+    (learner,) = built
+    assert type(learner) is IMAML
+    settings = (learner.eval_lam, learner.lam, learner.inner_steps, learner.cg_steps)
+    assert settings == (0.0, 2.0, 16, 5)
+    recipe = read_recipe(load_checkpoint(tmp_path / "r" / "checkpoint.pt"))
+    assert recipe.learner.arguments["eval_lam"] == 0.0
+    assert (recipe.training.iterations, recipe.training.meta_batch) == (2, 32)
+    assert (recipe.data.query, recipe.data.eval_query, recipe.training.eval_inner_steps) == (
+        1, 1, 16)  # fmt: skip
+    assert 0.0 <= results["test/acc"] <= 1.0
 
 
 def test_the_cpu_preset_names_the_proto_maml_its_result_was_measured_with():

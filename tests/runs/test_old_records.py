@@ -162,9 +162,20 @@ def test_reptile_and_r2d2_records_before_their_reference_recipes_rebuild_what_th
     learner = build_learner(reptile)
     assert (learner.inner_optimizer, learner.inner_batch, learner.eval_inner_batch,
             learner.transductive, learner.inner_lr) == ("sgd", None, None, True, 0.4)  # fmt: skip
+    assert learner.inner_loss == "mean"
     flat = read_recipe(saved("omniglot-reptile")).learner.arguments
     assert (flat["inner_optimizer"], flat["inner_batch"], flat["transductive"]) == (
         "sgd", None, True)  # fmt: skip
+    assert flat["inner_loss"] == "mean"
+    # written with the inner Adam on mini-batches, before inner_loss (its mean): the mean
+    adam = {k: v for k, v in complete_arguments("reptile", {}).items() if k != "inner_loss"}
+    before_sum = read_recipe({"recipe": {**recipe, "learner": {"algorithm": "reptile",
+                                                               "arguments": adam}}})  # fmt: skip
+    assert build_learner(before_sum).inner_loss == "mean"
+    today = {"algorithm": "reptile", "arguments": complete_arguments("reptile", {})}
+    assert build_learner(read_recipe({"recipe": {**recipe, "learner": today}})).inner_loss == (
+        "sum"
+    )
     r2d2 = read_recipe(
         {"recipe": {**recipe, "learner": {"algorithm": "r2d2", "arguments": PLAIN_R2D2}}}
     )

@@ -30,7 +30,8 @@ def training(**overrides) -> SimpleNamespace:
     """A `TrainingRecipe`'s outer-loop fields at their defaults, with ``overrides``."""
     fields = dict(outer_lr=1e-3, iterations=40, lr_schedule="constant", eta_min=0.0,
                   step_size=None, gamma=0.1, schedule_every=1, outer_optimizer=None,
-                  outer_momentum=0.0, nesterov=False, weight_decay=0.0)  # fmt: skip
+                  outer_momentum=0.0, nesterov=False, weight_decay=0.0,
+                  weight_decay_on="all")  # fmt: skip
     return SimpleNamespace(**{**fields, **overrides})
 
 
@@ -144,15 +145,57 @@ def test_sgd_nesterov_with_weight_decay_steps_as_its_update():
         torch.testing.assert_close(p.detach(), before[k] - 0.1 * (g + 0.9 * g))
 
 
+def test_weight_decay_on_the_weights_is_tensorflows_l2_regularizer_on_the_kernels():
+    """``--weight-decay-on weights`` against meta-dataset's regularizer written out: the
+    penalty ``l2 ||w||^2`` of a Keras L2 on each convolution kernel and the head's weight
+    matrix (``functional_backbones.weight_variable``) added to the meta-loss, Adam on the
+    sum; torch's weight decay ``2 l2`` on those tensors alone is the same three steps, and
+    the biases and batch-norm weights move as undecayed Adam moves them. Decaying every
+    parameter (``all``) is another run."""
+    torch.manual_seed(0)
+    learner = MAML(Conv4(in_channels=1, ways=5, hidden=4, pool="max").double())
+    kernels = [f"model.features.{i}.conv.weight" for i in range(4)] + ["model.head.weight"]
+    start = {k: p.detach().clone() for k, p in learner.named_parameters()}
+    grads = [{k: torch.randn_like(p) for k, p in start.items()} for _ in range(3)]
+    l2, lr = 1e-4, 1e-3
+
+    def stepped(weight_decay_on: str | None) -> dict:
+        with torch.no_grad():
+            for k, p in learner.named_parameters():
+                p.copy_(start[k])
+        if weight_decay_on is None:  # the reference: Adam on the meta-loss plus the penalty
+            opt = torch.optim.Adam(learner.parameters(), lr=lr)
+        else:
+            t = training(outer_lr=lr, weight_decay=2 * l2, weight_decay_on=weight_decay_on)
+            opt = build_outer_optimizer(learner, t)
+        for g in grads:
+            opt.zero_grad()
+            named = dict(learner.named_parameters())
+            if weight_decay_on is None:
+                penalty = sum(l2 * (named[k] ** 2).sum() for k in kernels)
+                penalty.backward()
+            for k, p in named.items():
+                p.grad = g[k] if p.grad is None else p.grad + g[k]
+            opt.step()
+        return {k: p.detach().clone() for k, p in learner.named_parameters()}
+
+    reference, weights, every = stepped(None), stepped("weights"), stepped("all")
+    for k in start:
+        torch.testing.assert_close(weights[k], reference[k], rtol=0, atol=1e-15, msg=k)
+    assert max(float((every[k] - reference[k]).abs().max()) for k in start if k not in kernels) > 0
+
+
 def test_a_record_without_the_outer_settings_means_the_defaults():
     args = make(om, algorithm="maml", data_root=str(OMNIGLOT), track=False, device="cpu")
     record = recipe_of(om, args).to_dict()
     for name in ("outer_optimizer", "outer_momentum", "nesterov", "weight_decay", "lr_schedule",
-                 "eta_min", "step_size", "gamma", "schedule_every"):  # fmt: skip
+                 "eta_min", "step_size", "gamma", "schedule_every",
+                 "weight_decay_on"):  # fmt: skip
         del record["training"][name]
     t = Recipe.from_dict(record).training
     assert (t.outer_optimizer, t.lr_schedule, t.weight_decay, t.outer_momentum) == (
         None, "constant", 0.0, 0.0)  # fmt: skip
+    assert t.weight_decay_on == "all"
     learner = MAML(_conv4())
     assert type(build_outer_optimizer(learner, t)) is torch.optim.Adam
     assert [scheduled_lr(t, s) for s in range(3)] == [t.outer_lr] * 3
@@ -210,6 +253,7 @@ def _flags(**values) -> list[str]:
 @pytest.mark.parametrize(
     ("bad", "message"),
     [({"weight_decay": -1e-4}, "--weight-decay -0.0001: must be >= 0"),
+     ({"weight_decay_on": "weights"}, "--weight-decay-on weights says what --weight-decay"),
      ({"outer_optimizer": "sgd", "outer_momentum": 1.0}, "--outer-momentum 1.0: must be in"),
      ({"outer_optimizer": "sgd", "outer_momentum": -0.1}, "--outer-momentum -0.1: must be in"),
      ({"outer_momentum": 0.9}, "--outer-momentum and --nesterov set SGD's momentum"),
