@@ -31,9 +31,11 @@ from torch.func import functional_call, grad
 from tqdm import tqdm
 
 from metalearn import hessian_trace, top_eigenvalues
+from metalearn.files import write_atomically
 from metalearn.runs.cli import parse_dataclass
+from metalearn.runs.lifecycle import run_cli
 from metalearn.runs.metrics import TRAIN_LOSS
-from metalearn.runs.tracking import init_run
+from metalearn.runs.tracking import check_mode, init_run
 
 
 @dataclass
@@ -138,14 +140,14 @@ def plot(rows: list[dict], cfg: Config, path: Path) -> Path | None:
     ax2.set(xlabel="step", ylabel="sharpness", title="Hessian top eigenvalue (Lanczos)")
     ax2.legend()
     fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120)
+    write_atomically(path, lambda file: fig.savefig(file, format="png", dpi=120), what="plot")
     plt.close(fig)
     return path
 
 
 def main(cfg: Config) -> list[dict]:
     """Run the demo: train, print a table, save a plot, log to W&B."""
+    check_mode(cfg.wandb_mode)  # online needs a key: refused before training
     run = init_run(
         dataclasses.asdict(cfg), project=cfg.wandb_project, mode=cfg.wandb_mode,
         dir=cfg.out_dir, group="curvature_demo", tags=["hvp", "curvature"],
@@ -174,4 +176,4 @@ def parse_args(argv: list[str] | None = None) -> Config:
 
 
 if __name__ == "__main__":
-    main(parse_args())
+    run_cli(main, parse_args)

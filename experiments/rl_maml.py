@@ -64,6 +64,7 @@ from metalearn.rl import (  # noqa: E402
     task_distribution,
 )
 from metalearn.runs import arguments, experiment  # noqa: E402
+from metalearn.runs.cli import flag  # noqa: E402
 from metalearn.runs.experiment import Experiment  # noqa: E402
 from metalearn.runs.lifecycle import UserError, require, run_cli  # noqa: E402
 from metalearn.runs.policy_run import PolicyRun, saved_args  # noqa: E402
@@ -104,19 +105,20 @@ class TrainingArgs:
     (maml_rl's cluster_trpo_cheetah.py on the random-task env); evaluation adapts it as
     MAML's policy."""
     outer: Literal["trpo", "ppo"] = "trpo"
-    """Outer step: trpo (the paper's) or ppo (clipped first-order epochs, Adam)."""
-    max_kl: float = 0.01
-    """TRPO's trust region (maml_rl's meta_step_size: 0.01)."""
-    cg_iters: int = 10
-    """Conjugate-gradient iterations of the TRPO direction (rllab's 10)."""
-    cg_damping: float = 1e-5
-    """Damping added to the KL Hessian (rllab's 1e-5)."""
-    ppo_clip: float = 0.2
-    """--outer ppo: the ratio's clip epsilon."""
-    ppo_epochs: int = 5
-    """--outer ppo: Adam steps per iteration on the same episodes."""
-    ppo_lr: float = 1e-3
-    """--outer ppo: Adam's step size."""
+    """Outer step: trpo (the paper's) or ppo (clipped first-order epochs, Adam); each reads
+    its own settings below and refuses the other's."""
+    max_kl: float | None = None
+    """--outer trpo: the trust region (default: maml_rl's meta_step_size, 0.01)."""
+    cg_iters: int | None = None
+    """--outer trpo: conjugate-gradient iterations of the direction (default: rllab's 10)."""
+    cg_damping: float | None = None
+    """--outer trpo: damping added to the KL Hessian, >= 0 (default: rllab's 1e-5)."""
+    ppo_clip: float | None = None
+    """--outer ppo: the ratio's clip epsilon (default 0.2)."""
+    ppo_epochs: int | None = None
+    """--outer ppo: Adam steps per iteration on the same episodes (default 5)."""
+    ppo_lr: float | None = None
+    """--outer ppo: Adam's step size (default 1e-3)."""
     discount: float = 0.99
     """Gamma (maml_rl's 0.99)."""
     gae_lambda: float = 1.0
@@ -193,12 +195,23 @@ PRESETS: dict[str, dict[str, Any]] = {
 }
 
 
+# Each outer step's settings and their defaults: TRPO's are its own (`metalearn.rl.TRPO`, at
+# maml_rl's and rllab's values); the clipped step's are this experiment's.
+OUTER_DEFAULTS = {
+    "trpo": {"max_kl": TRPO.max_kl, "cg_iters": TRPO.cg_iters, "cg_damping": TRPO.damping},
+    "ppo": {"ppo_clip": 0.2, "ppo_epochs": 5, "ppo_lr": 1e-3},
+}
+
+
 def resolve(args: Args) -> Args:
-    """The environment's reference values for the open ``--horizon`` and ``--inner-lr``."""
-    nav = args.env.env == "2dnav"
+    """The environment's reference values for the open ``--horizon`` and ``--inner-lr``, and
+    the chosen outer step's defaults for its open settings (the other's stay unset)."""
+    nav, t = args.env.env == "2dnav", args.training
     env = replace(args.env, horizon=args.env.horizon or (100 if nav else 200))
-    lr = args.training.inner_lr if args.training.inner_lr is not None else (0.5 if nav else 0.1)
-    return replace(args, env=env, training=replace(args.training, inner_lr=lr))
+    lr = t.inner_lr if t.inner_lr is not None else (0.5 if nav else 0.1)
+    own = {k: default if getattr(t, k) is None else getattr(t, k)
+           for k, default in OUTER_DEFAULTS[t.outer].items()}  # fmt: skip
+    return replace(args, env=env, training=replace(t, inner_lr=lr, **own))
 
 
 def check_args(args: Args) -> None:
@@ -208,6 +221,16 @@ def check_args(args: Args) -> None:
               "ppo_epochs", "checkpoint_every")  # fmt: skip
     experiment.require_at_least_one(vars(t), counts)
     require(t.eval_tasks >= 2, f"--eval-tasks {t.eval_tasks}: an interval needs 2 tasks")
+    hidden = " ".join(map(str, t.hidden))
+    require(all(units >= 1 for units in t.hidden),
+            f"--hidden {hidden}: every hidden layer needs at least 1 unit")  # fmt: skip
+    require(t.cg_damping is None or (math.isfinite(t.cg_damping) and t.cg_damping >= 0),
+            f"--cg-damping {t.cg_damping}: must be >= 0 and finite")  # fmt: skip
+    for outer, settings in OUTER_DEFAULTS.items():
+        for name in settings if outer != t.outer else ():
+            require(getattr(t, name) is None,
+                    f"{flag(name)} {getattr(t, name)} is a setting of --outer {outer}; drop it "
+                    f"for --outer {t.outer}")  # fmt: skip
     require(0 <= t.eval_inner_steps <= 10, f"--eval-inner-steps {t.eval_inner_steps}: 0 to 10")
     require(horizon is None or horizon >= 1, f"--horizon {horizon}: must be at least 1")
     require(
@@ -238,7 +261,16 @@ EXPERIMENT = Experiment("rl_maml", Args, __doc__, PRESETS, check=check_args, res
 
 def parse_args(argv: Sequence[str] | None = None) -> Args:
     """The command line as `Args`; ``--resume --run-name NAME`` alone continues that run."""
-    return experiment.parse_args(EXPERIMENT, argv, saved_args=saved_args)
+    return experiment.parse_args(EXPERIMENT, argv, saved_args=own_outer_settings)
+
+
+def own_outer_settings(exp: Experiment, path: Any) -> dict[str, Any]:
+    """A saved run's arguments (`saved_args`) less the settings of the outer step it did not
+    take, which runs recorded at their defaults before each step refused the other's."""
+    flat = saved_args(exp, path)
+    unread = [k for outer, names in OUTER_DEFAULTS.items() if outer != flat.get("outer")
+              for k in names]  # fmt: skip
+    return {**flat, **dict.fromkeys(unread)}
 
 
 # --------------------------------------------------------------------------- the loop's steps
@@ -372,8 +404,8 @@ def main(args: Args) -> dict[str, float]:
     with PolicyRun(EXPERIMENT, args) as run:  # checked, resolved, locked; resumed if asked
         t = run.args.training
         policy, objective, sample = build(run.args)
-        opt = torch.optim.Adam(policy.parameters(), lr=t.ppo_lr)  # --outer ppo only
-        run.start({"policy": policy, "optimizer": opt})
+        opt = torch.optim.Adam(policy.parameters(), lr=t.ppo_lr) if t.outer == "ppo" else None
+        run.start({"policy": policy, **({"optimizer": opt} if opt is not None else {})})
         try:
             for iteration in run.steps():
                 run.log(meta_iteration(t, sample, objective, policy, opt, iteration), show)

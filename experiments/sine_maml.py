@@ -29,11 +29,12 @@ from tqdm import tqdm
 
 from metalearn.algorithms import MAML
 from metalearn.data import SineTasks, sine
+from metalearn.files import write_atomically
 from metalearn.models import MLP
 from metalearn.runs.cli import parse_dataclass
 from metalearn.runs.lifecycle import Stopped, require, run_cli
 from metalearn.runs.seeding import seed_everything
-from metalearn.runs.tracking import graceful_shutdown, init_run
+from metalearn.runs.tracking import check_mode, graceful_shutdown, init_run
 
 
 @dataclass
@@ -102,12 +103,17 @@ def evaluate(learner: MAML, scratch: MAML, tasks: SineTasks, n: int) -> dict[str
     return results
 
 
-def plot(learner: MAML, scratch: MAML, tasks: SineTasks, path: Path) -> Path:
-    """Three held-out tasks: truth, support points, and the adapted predictions."""
-    import matplotlib
+def plot(learner: MAML, scratch: MAML, tasks: SineTasks, path: Path) -> Path | None:
+    """Three held-out tasks: truth, support points, and the adapted predictions; None (the
+    plot skipped, said on stdout) where matplotlib is missing."""
+    try:
+        import matplotlib
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib not installed (pip install matplotlib): skipping the plot")
+        return None
 
     gen = torch.Generator().manual_seed(7)
     x = torch.linspace(-5, 5, 200).unsqueeze(1)
@@ -127,8 +133,7 @@ def plot(learner: MAML, scratch: MAML, tasks: SineTasks, path: Path) -> Path:
         ax.set(xlabel="x", title=f"A={amplitude:.2f}, phase={phase:.2f}")
     axes[0].legend(fontsize=7)
     fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
+    write_atomically(path, lambda file: fig.savefig(file, format="png", dpi=110), what="plot")
     plt.close(fig)
     return path
 
@@ -148,6 +153,8 @@ def main(args: Args) -> dict[str, float]:
     require(
         args.threads >= 0, f"--threads {args.threads}: must be at least 1, or 0 for torch's default"
     )
+    if args.track:
+        check_mode(args.wandb_mode)  # online needs a key: refused before training
     if args.threads > 0:
         torch.set_num_threads(args.threads)
     seed_everything(args.seed)
@@ -168,10 +175,11 @@ def main(args: Args) -> dict[str, float]:
         results["perf/train_minutes"] = (time.perf_counter() - started) / 60
         png = plot(learner, scratch, tasks, Path(args.out_dir) / "sine_maml.png")
         if run is not None:
-            import wandb
-
             run.summary.update(results)
-            run.log({"test/adapted_curves": wandb.Image(str(png))})
+            if png is not None:
+                import wandb
+
+                run.log({"test/adapted_curves": wandb.Image(str(png))})
         exit_code = 0
     except Stopped as stop:  # SIGTERM / Ctrl-C: the W&B run ends failed, with the signal's code
         exit_code = stop.exit_code
@@ -183,7 +191,8 @@ def main(args: Args) -> dict[str, float]:
     for steps in (0, 1, 10):
         print(f"{steps:>5} {results[f'test/mse_{steps}step']:>10.3f}"
               f" {results[f'test/scratch_mse_{steps}step']:>12.3f}")  # fmt: skip
-    print(f"plot: {png}")
+    if png is not None:
+        print(f"plot: {png}")
     return results
 
 

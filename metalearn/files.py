@@ -36,8 +36,10 @@ from pathlib import Path
 from typing import IO, Any
 
 __all__ = [
+    "FULL_DISK",
     "HOST",
     "FileError",
+    "disk_full",
     "open_regular",
     "process_alive",
     "read_bytes",
@@ -50,9 +52,30 @@ HOST = socket.gethostname().replace(".", "_")
 """This machine's name, as temporary files and run locks record their writer's host."""
 
 
+FULL_DISK = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
+"""The errors of a write refused for want of room: a full disk, a quota, a file-size limit
+(``ulimit -f``: the kernel refuses the write past it with EFBIG, as a full disk does)."""
+
+
 class FileError(ValueError):
     """A file refused before it was read (not a regular file, outside its folder, too
-    large, not valid JSON), or one that could not be written (a full disk): one line."""
+    large, not valid JSON), or one that could not be written (a full disk): one line.
+
+    Attributes:
+        errno: a failed write's ``errno`` (`FULL_DISK` for want of room); None otherwise.
+        path: the file that could not be written; None for a refused read.
+    """
+
+    def __init__(self, message: str, *, errno: int | None = None,
+                 path: Path | None = None) -> None:  # fmt: skip
+        super().__init__(message)
+        self.errno, self.path = errno, path
+
+
+def disk_full(err: BaseException) -> bool:
+    """Whether ``err`` is a write refused for want of room (`FULL_DISK`): an ``OSError`` or
+    a `FileError` from `write_atomically`."""
+    return getattr(err, "errno", None) in FULL_DISK
 
 
 def _kind(mode: int) -> str:
@@ -271,7 +294,7 @@ def write_atomically(
     try:
         with os.fdopen(fd, "wb") as file:
             if callable(data):
-                data(file)
+                _call_writer(data, file)
             else:
                 file.write(data.encode() if isinstance(data, str) else data)
             file.flush()
@@ -288,14 +311,47 @@ def write_atomically(
     return path
 
 
+class _Recording:
+    """A binary file whose failed writes are kept (``error``) as they pass through: a writer
+    such as ``torch.save`` reports a refused write as its own error (a ``RuntimeError``
+    "unexpected pos ..."), and the refusal's cause must still reach the user."""
+
+    def __init__(self, file: IO[bytes]) -> None:
+        self._file, self.error = file, None
+
+    def write(self, data: Any) -> int:
+        try:
+            return self._file.write(data)
+        except OSError as err:
+            self.error = err
+            raise
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._file, name)
+
+
+def _call_writer(write: Callable[[IO[bytes]], object], file: IO[bytes]) -> None:
+    """``write(file)``; a refused write it reported as another error raises the refusal."""
+    recording = _Recording(file)
+    try:
+        write(recording)  # type: ignore[arg-type]
+    except OSError:
+        raise
+    except Exception:
+        if recording.error is not None:
+            raise recording.error from None
+        raise
+
+
 def _write_failed(path: Path, what: str, err: OSError) -> FileError:
     """The one line a failed write ends with."""
     reason = err.strerror or str(err)
-    if err.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
+    if err.errno in FULL_DISK:
         fix = f"free space on the disk holding {path.parent}, or write elsewhere"
     else:
         fix = "check the folder's permissions, or write elsewhere"
-    return FileError(f"could not write {what} {path}: {reason}; {fix} (nothing was replaced)")
+    return FileError(f"could not write {what} {path}: {reason}; {fix} (nothing was replaced)",
+                     errno=err.errno, path=path)  # fmt: skip
 
 
 def _move_into_place(tmp: Path, path: Path, overwrite: bool, what: str) -> None:
@@ -314,7 +370,7 @@ def _move_into_place(tmp: Path, path: Path, overwrite: bool, what: str) -> None:
             f"{what} {path} appeared while it was written; pass --overwrite to replace it"
         ) from None
     except OSError as err:  # a file system without hard links: look once more, then rename
-        if err.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EROFS):
+        if err.errno in (*FULL_DISK, errno.EROFS):
             raise
         if os.path.lexists(path):
             raise FileExistsError(

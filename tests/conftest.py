@@ -104,6 +104,7 @@ SLOW_MODULES = {
     "test_distributed",
     "test_evaluate",
     "test_fewshot_experiment",
+    "test_full_disk",
     "test_grid",
     "test_omniglot_experiment",
     "test_readme_commands",

@@ -29,7 +29,13 @@ from metalearn.data.benchmarks import (
 from metalearn.data.cache import default_cache_dir
 from metalearn.data.cifar import load_cifar_fs, load_fc100
 from metalearn.data.cub import load_cub
-from metalearn.data.decoding import OMNIGLOT_FORMAT, RESAMPLE_FILTERS, ImageFormat, decode_image
+from metalearn.data.decoding import (
+    MAX_IMAGE_SIZE,
+    OMNIGLOT_FORMAT,
+    RESAMPLE_FILTERS,
+    ImageFormat,
+    decode_image,
+)
 from metalearn.data.download import ZipSource, safe_extract
 from metalearn.data.folders import IMAGE_SUFFIXES, SupportSet, load_images, load_support_folder
 from metalearn.data.image_folder import load_image_folder
@@ -81,6 +87,7 @@ __all__ = [
     "load_tiered_imagenet",
     "IMAGE_SUFFIXES",
     "ImageFormat",
+    "MAX_IMAGE_SIZE",
     "OMNIGLOT_FORMAT",
     "OMNIGLOT_ZIPS",
     "RESAMPLE_FILTERS",

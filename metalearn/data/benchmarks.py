@@ -28,7 +28,7 @@ import torch
 from metalearn.data.augment import standard_augmentation
 from metalearn.data.cifar import load_cifar_fs, load_fc100
 from metalearn.data.cub import load_cub
-from metalearn.data.decoding import OMNIGLOT_FORMAT, ImageFormat
+from metalearn.data.decoding import MAX_IMAGE_SIZE, OMNIGLOT_FORMAT, ImageFormat
 from metalearn.data.image_folder import load_image_folder
 from metalearn.data.image_set import IMAGE_SPLITS, ImageSet, check_split
 from metalearn.data.mini_imagenet import load_mini_imagenet
@@ -143,8 +143,9 @@ def image_options(name: str, image_size: int | None = None, channels: int | None
     """
     entry = _entry(name)
     default_channels, side = entry.shape
-    if image_size is not None and image_size < 1:
-        raise ValueError(f"image_size {image_size}: must be at least 1, or unset")
+    if image_size is not None and not 1 <= image_size <= MAX_IMAGE_SIZE:
+        raise ValueError(f"image_size {image_size}: must be from 1 to {MAX_IMAGE_SIZE} pixels, "
+                         "or unset")  # fmt: skip
     if image_size not in (None, side) and not entry.resizable:
         raise ValueError(f"image_size {image_size}: {name} holds {side}x{side} images; "
                          "leave image_size unset")  # fmt: skip

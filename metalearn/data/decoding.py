@@ -35,6 +35,7 @@ from torch import Tensor
 from metalearn.files import read_bytes
 
 __all__ = [
+    "MAX_IMAGE_SIZE",
     "OMNIGLOT_FORMAT",
     "RESAMPLE_FILTERS",
     "ImageFormat",
@@ -51,6 +52,9 @@ IMAGE_BYTES = 64 << 20
 IMAGE_PIXELS = 40_000_000
 """The most pixels one image may decode to (a 6000 x 6000 photograph is 36 million): a
 small file that inflates past this (a decompression bomb) is refused before decoding."""
+MAX_IMAGE_SIZE = 1024
+"""The largest side an image is decoded at: 12 times mini-ImageNet's 84, where 60,000 RGB
+images already take 180 GB decoded; a larger side is a typo or a damaged record."""
 _POOL_MIN_IMAGES = 2000  # below this, process start-up costs more than it saves
 _CHUNK = 256  # images per job handed to a worker
 
@@ -183,11 +187,13 @@ class ImageFormat:
     resample: str = "lanczos"
 
     def __post_init__(self) -> None:
-        if self.size < 1 or self.channels not in (1, 3):
-            raise ValueError(
-                f"an image format needs size >= 1 and 1 or 3 channels, got size {self.size} "
-                f"and {self.channels} channels"
-            )
+        if not _is_int(self.size) or not 1 <= self.size <= MAX_IMAGE_SIZE:
+            raise ValueError(f"size: {self.size!r} is not a whole number of pixels from 1 to "
+                             f"{MAX_IMAGE_SIZE}")  # fmt: skip
+        if not _is_int(self.channels) or self.channels not in (1, 3):
+            raise ValueError(f"channels: {self.channels!r} is neither 1 (grayscale) nor 3 (RGB)")
+        if not isinstance(self.invert, bool):
+            raise ValueError(f"invert: {self.invert!r} is not true or false")
         if self.resample not in RESAMPLE_FILTERS or (self.resample != "lanczos"
                                                      and not self.invert):  # fmt: skip
             raise ValueError(
@@ -207,6 +213,10 @@ class ImageFormat:
             return decode_image(str(path), self.size, self.resample)[None]
         # A writable copy: Pillow's buffer is read-only, which torch.from_numpy warns about.
         return np.array(decode_picture(str(path), self.size, self.channels))
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 OMNIGLOT_FORMAT = ImageFormat(28, 1, invert=True)

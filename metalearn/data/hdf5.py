@@ -9,7 +9,6 @@ against the published format like every other layout.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -18,6 +17,7 @@ from typing import Any
 import numpy as np
 
 from metalearn.data.checks import image_array
+from metalearn.files import FileError, read_json
 
 __all__ = [
     "class_arrays",
@@ -65,11 +65,11 @@ def _reading(path: Path) -> Iterator[Any]:
 
 def read_json_list(path: Path) -> list:
     """A JSON file holding a non-empty list (torchmeta's ``{split}_labels.json``)."""
-    try:
-        items = json.loads(path.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+    try:  # a regular file only (a FIFO is refused, not waited on), strict JSON
+        items = read_json(path, what="class list")
+    except (OSError, FileError) as err:
         why = " ".join(str(err).split())
-        raise ValueError(f"{path} is not a readable JSON list ({why}); {_FIX}") from None
+        raise ValueError(f"{why}; {_FIX}") from None
     if not isinstance(items, list) or not items:
         raise ValueError(f"{path} must hold a non-empty JSON list of class names; {_FIX}")
     return items

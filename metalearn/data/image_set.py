@@ -243,7 +243,22 @@ def cached_decode(
             raise ValueError(message) from None
 
     path = cache / f"{name}-{size}px-{fingerprinted[:20]}.pt"
-    return cached(path, fingerprinted, build, what=name, mmap=True)["images"], fingerprinted
+    check = partial(_cache_problem, shape=[channels, size, size])
+    found = cached(path, fingerprinted, build, what=name, mmap=True, check=check)
+    return found["images"], fingerprinted
+
+
+def _cache_problem(found: dict, shape: list[int]) -> str | None:
+    """What a cache whose fingerprint matches lacks to hold images decoded at ``shape``
+    (``[channels, size, size]``): uint8 ``[N, *shape]`` (None: nothing)."""
+    images = found.get("images")
+    if isinstance(images, Tensor):
+        if images.dtype == torch.uint8 and images.dim() == 4 and list(images.shape[1:]) == shape:
+            return None
+        held = f"{str(images.dtype).removeprefix('torch.')} {list(images.shape)}"
+    else:
+        held = "missing" if images is None else type(images).__name__
+    return f"its images are {held}, where the files decode to uint8 [N, *{shape}]"
 
 
 def image_set_from_files(

@@ -32,6 +32,7 @@ import os
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -302,7 +303,8 @@ def load_omniglot(
         }
 
     path = cache / f"omniglot-{image_size}px-{resample}-{key[:20]}.pt"
-    cached_set = cached(path, key, decode, what="Omniglot")
+    check = partial(_cache_problem, characters=characters, side=image_size)
+    cached_set = cached(path, key, decode, what="Omniglot", check=check)
     return OmniglotImages(
         images=cached_set["images"],
         characters=tuple(cached_set["characters"]),
@@ -311,6 +313,33 @@ def load_omniglot(
         fingerprint=key,
         drawers=_drawers(characters),
     )
+
+
+def _cache_problem(found: dict, characters: list[tuple[str, str, bool, list[Path]]],
+                   side: int) -> str | None:  # fmt: skip
+    """What a cached Omniglot whose fingerprint matches lacks to be the one ``characters``
+    (`_scan`'s) decode to at ``side`` pixels: uint8 images ``[C, M, side, side]``, the
+    characters' names and alphabets in order, their background flags (None: nothing)."""
+    shape = [len(characters), len(characters[0][3]), side, side]
+    images, background = found.get("images"), found.get("background")
+    if not isinstance(images, Tensor) or images.dtype != torch.uint8 or list(images.shape) != shape:
+        held = _described(images)
+        return f"its images are {held}, where the files decode to uint8 {shape}"
+    names = ([c[0] for c in characters], [c[1] for c in characters])
+    if (found.get("characters"), found.get("alphabets")) != names:
+        return "its characters or alphabets are not the folder's"
+    flags = torch.tensor([c[2] for c in characters])
+    if not isinstance(background, Tensor) or not torch.equal(background, flags):
+        held = _described(background)
+        return f"its background flags are {held}, not the folder's bool [{len(flags)}]"
+    return None
+
+
+def _described(value: object) -> str:
+    """A tensor as ``dtype [shape]``; anything else by its type."""
+    if isinstance(value, Tensor):
+        return f"{str(value.dtype).removeprefix('torch.')} {list(value.shape)}"
+    return "missing" if value is None else type(value).__name__
 
 
 def _drawers(characters: list[tuple[str, str, bool, list[Path]]]) -> Tensor | None:

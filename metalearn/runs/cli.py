@@ -18,6 +18,13 @@ an unknown flag is answered with the closest known ones.
 
 Flat names are also how the rest of a run speaks of its arguments: presets, checkpoints, the
 W&B config, ``--resume`` and ``metalearn-grid`` use `flatten` / `unflatten`.
+
+A program whose reader leaves (``metalearn-compare ... | head -1``) ends quietly:
+`quiet_on_closed_stdout` around every ``metalearn-*`` tool's ``main`` and the experiments'
+`metalearn.runs.lifecycle.run_cli` turn the ``BrokenPipeError`` of the next write into exit
+status `CLOSED_STDOUT`, 141, what a shell reports for a program that SIGPIPE ended (``yes |
+head -1`` under ``set -o pipefail``): the output was cut short, and a script can tell; no
+traceback and no "Exception ignored" line at exit (stdout then points at the null device).
 """
 
 from __future__ import annotations
@@ -25,17 +32,58 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import difflib
+import functools
 import io
+import os
+import signal
 import sys
 import types
 import typing
-from collections.abc import Iterator, Mapping, Sequence
-from typing import Any, TypeVar
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import Any, ParamSpec, TypeVar
 
-__all__ = ["flag", "flag_value", "flat_fields", "flatten", "parse_dataclass", "replace_flat",
-           "unflatten"]  # fmt: skip
+__all__ = ["CLOSED_STDOUT", "flag", "flag_value", "flat_fields", "flatten", "parse_dataclass",
+           "quiet_on_closed_stdout", "replace_flat", "silence_stdout", "unflatten"]  # fmt: skip
 
 T = TypeVar("T")
+P = ParamSpec("P")
+
+CLOSED_STDOUT = 128 + signal.SIGPIPE
+"""The exit status of a program whose stdout was closed by its reader: 141, as a shell reports
+a program that SIGPIPE ended."""
+
+
+def quiet_on_closed_stdout(main: Callable[P, int | None]) -> Callable[P, int]:
+    """``main`` (a tool's ``main(argv) -> status``), ending with `CLOSED_STDOUT` and nothing
+    printed when its stdout is a pipe whose reader has left.
+
+    The output is flushed before ``main``'s status is returned, so a write held in the buffer
+    fails here, not in the interpreter's exit (where it would print "Exception ignored").
+    """
+
+    @functools.wraps(main)
+    def quiet(*args: P.args, **kwargs: P.kwargs) -> int:
+        try:
+            status = main(*args, **kwargs)
+            sys.stdout.flush()
+        except BrokenPipeError:
+            silence_stdout()
+            return CLOSED_STDOUT
+        return 0 if status is None else status
+
+    return quiet
+
+
+def silence_stdout() -> None:
+    """Point stdout at the null device (after its reader left), so that what is still
+    buffered, and anything printed later, is dropped instead of failing again."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    try:
+        os.dup2(devnull, sys.stdout.fileno())
+    except (OSError, ValueError, io.UnsupportedOperation):  # no descriptor: a captured stdout
+        sys.stdout = open(os.devnull, "w")  # noqa: SIM115 (the process's stdout from now on)
+    finally:
+        os.close(devnull)
 
 
 def flat_fields(cls: type) -> dict[str, tuple[str, ...]]:

@@ -49,17 +49,20 @@ from metalearn.runs.recipe import (
     upgrade_args,
     with_resumed,
 )
+from metalearn.runs.tracking import check_mode
 
 __all__ = [
     "RESUMABLE",
     "Experiment",
     "check_args",
     "check_learner",
+    "checkpoint_owner",
     "checkpoint_path",
     "make_recipe",
     "new_run_identity",
     "parse_args",
     "require_at_least_one",
+    "require_owner",
     "require_positive_finite",
     "resolve_args",
     "run_name",
@@ -186,6 +189,11 @@ def check_args(exp: Experiment, args: Any) -> None:
     require(a["threads"] >= 0,
             f"--threads {a['threads']}: must be at least 1, or 0 for torch's default")  # fmt: skip
     require(0 <= a["seed"] < 2**32, f"--seed {a['seed']}: must be in [0, 2**32)")
+    require(a.get("inner_eps") != 0,
+            "--inner-eps 0: Adam and RMSprop divide by sqrt(v) + eps, 0 / 0 where a gradient "
+            "entry is 0 (a dead ReLU's); pass a positive --inner-eps, e.g. 1e-8")  # fmt: skip
+    if a["track"]:
+        check_mode(a["wandb_mode"])  # online needs a key: refused now, not after the data
     _check_ensemble(a)
     _check_device(a["device"])
     _check_run_folder(a["out_dir"], a["run_name"], a["resume"])
@@ -366,8 +374,36 @@ def _read(path: Path) -> dict:
     return saved
 
 
+def checkpoint_owner(saved: Mapping[str, Any]) -> str | None:
+    """The experiment that wrote a run's checkpoint: its recipe's, a meta-RL run's own entry
+    (`metalearn.runs.policy_run`), or, for records written before recipes, the one their
+    arguments name (`metalearn.runs.recipe.read_recipe`'s rule); None when it names none."""
+    recipe = saved.get("recipe")
+    if isinstance(recipe, Mapping) and isinstance(recipe.get("experiment"), str):
+        return recipe["experiment"]
+    if isinstance(saved.get("experiment"), str):
+        return saved["experiment"]
+    args = saved.get("args")
+    if isinstance(args, Mapping) and "algorithm" in args:
+        return "fewshot_maml" if "dataset" in args else "omniglot_maml"
+    return None
+
+
+def require_owner(exp: Experiment, path: Path, saved: Mapping[str, Any]) -> None:
+    """Refuse to resume a checkpoint another experiment wrote, naming the one that did.
+
+    Raises:
+        UserError: its owner (`checkpoint_owner`) is not ``exp``.
+    """
+    owner = checkpoint_owner(saved)
+    require(owner in (None, exp.name),
+            f"{path} is a run of experiments/{owner}.py, not of experiments/{exp.name}.py; "
+            "resume it with that script")  # fmt: skip
+
+
 def _saved_recipe(exp: Experiment, path: Path, saved: Mapping[str, Any]) -> Recipe:
     """The recipe a checkpoint holds, refused unless this experiment wrote it."""
+    require_owner(exp, path, saved)
     try:
         recipe = read_recipe(saved)
     except ValueError as err:

@@ -20,19 +20,32 @@ Shared by the experiments so that a run says exactly what ran:
   resume (a reader would have to stitch them).
 - **Errors a user can fix** (`UserError`) end the program with one line and exit code 2;
   SIGTERM/SIGINT end it with 128 + the signal number after the run is saved (`Stopped`).
+- **A full disk** (or a quota, or a file-size limit) is such an error: a write of the run's
+  that found no room ends it with one line naming the file, the checkpoint kept on disk (the
+  last one written: `metalearn.files.write_atomically` replaces nothing when it fails) and
+  the way on (`out_of_room`). wandb-core drops the records it cannot write without a word,
+  so a run's own checkpoint, written after the steps it holds were logged, is what finds a
+  full disk under a tracked run too; ``--resume`` then re-logs every step (above).
+- **A reader that leaves** (``| head -1``) ends the program quietly, exit status 141
+  (`metalearn.runs.cli.quiet_on_closed_stdout`); a run's checkpoint is saved first.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import logging
+import os
 import signal
 import sys
 import threading
-from collections.abc import Callable, Collection, Iterator, Mapping
+from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
+
+from metalearn.files import FileError, disk_full
+from metalearn.runs.cli import CLOSED_STDOUT, silence_stdout
 
 __all__ = [
     "RunState",
@@ -41,9 +54,11 @@ __all__ = [
     "diverged",
     "latest_segment",
     "merge_resumed_args",
+    "out_of_room",
     "require",
     "run_cli",
     "signals_held",
+    "unsaved_error",
 ]
 
 T = TypeVar("T")
@@ -91,6 +106,56 @@ def diverged(err: FloatingPointError, step: int) -> UserError:
         "diverged: lower --inner-lr or --outer-lr, check the data for NaNs, or pass "
         "--on-nonfinite skip to drop such tasks (recorded in the run)"
     )
+
+
+def out_of_room(err: OSError | FileError, checkpoint: Path, kept: int | None, *, unit: str,
+                resume: str) -> UserError:  # fmt: skip
+    """The one line a run ends with when a write of its found no room (`disk_full`).
+
+    Args:
+        err: the refused write (a `FileError` names its file; an ``OSError`` may).
+        checkpoint: the run's checkpoint file.
+        kept: the step of the checkpoint on disk (None: none was written).
+        unit: what a step is called (``"meta-step"``, ``"iteration"``).
+        resume: the flags that continue the run (``--resume --run-name ...``).
+    """
+    target = getattr(err, "path", None) or getattr(err, "filename", None) or checkpoint.parent
+    reason = os.strerror(err.errno) if err.errno else str(err)
+    if kept is None:
+        held, then = "no checkpoint of the run was written", "run it again"
+    else:
+        held, then = f"{checkpoint} of {unit} {kept} is kept", f"continue with {resume}"
+    return UserError(f"could not write {target}: {reason}; {held}: free space on the disk "
+                     f"holding {checkpoint.parent}, then {then}")  # fmt: skip
+
+
+def unsaved_error(err: BaseException | None, failed: Sequence[BaseException | None],
+                  checkpoint: Path, kept: int | None, *, unit: str, resume: str,
+                  stops: tuple[type, ...] = (KeyboardInterrupt,)) -> UserError | None:  # fmt: skip
+    """The one line a run ends with when a write of its failed, else None (``err``, if any,
+    goes on as it is).
+
+    Args:
+        err: what ended the run (None: it finished); a `UserError` is never replaced.
+        failed: the writes that failed as the run ended (its last checkpoint's `FileError`,
+            W&B's ``OSError``; None for one that did not fail).
+        checkpoint, kept, unit, resume: as `out_of_room`.
+        stops: the errors that end a run without a fault of its own (a signal): after one,
+            a failed last write is the line, whatever the failure.
+
+    Returns:
+        `out_of_room` of the first of ``err`` and ``failed`` that found no room; else a
+        failed last write's line after a stop; else None.
+    """
+    if isinstance(err, UserError):
+        return None
+    full = next((e for e in (err, *failed) if e is not None and disk_full(e)), None)
+    if full is not None:
+        return out_of_room(full, checkpoint, kept, unit=unit, resume=resume)
+    other = next((e for e in failed if e is not None), None)
+    if other is not None and isinstance(err, stops):
+        return UserError(" ".join(str(other).split()))
+    return None
 
 
 class Stopped(KeyboardInterrupt):
@@ -215,14 +280,32 @@ def signals_held() -> Iterator[None]:
 
 
 def run_cli(main: Callable[[T], Any], parse: Callable[[], T]) -> None:
-    """Run ``main(parse())`` as a program: exit 2 with one line on a `UserError`, exit
-    128 + signal when stopped by a signal (the run is saved by then), else exit 0."""
+    """Run ``main(parse())`` as a program: exit 2 with one line on a `UserError` (and on a
+    file refused or not written, `metalearn.files.FileError`, or a write that found no
+    room), exit 128 + signal when stopped by a signal (the run is saved by then), exit 141
+    quietly when stdout's reader has left (`metalearn.runs.cli.CLOSED_STDOUT`), else 0."""
+    # A log file on a full disk (wandb's debug.log in the run's folder) fails on each record:
+    # not a traceback each time; the run's own write that found no room is the one line.
+    logging.raiseExceptions = False
     try:
         main(parse())
-    except UserError as err:
-        print(f"error: {err}", file=sys.stderr)
-        sys.exit(2)
+        sys.stdout.flush()  # a closed stdout fails here, not in the interpreter's exit
+    except BrokenPipeError:
+        silence_stdout()
+        sys.exit(CLOSED_STDOUT)
+    except (UserError, FileError) as err:
+        _fail(str(err))
+    except OSError as err:
+        if not disk_full(err):
+            raise
+        _fail(f"could not write {err.filename or 'a file'}: {os.strerror(err.errno)}; free "
+              "space on its disk, then run again")  # fmt: skip
     except Stopped as stop:
         sys.exit(stop.exit_code)
     except KeyboardInterrupt:  # Ctrl-C outside the held sections: SIGINT
         sys.exit(128 + signal.SIGINT)
+
+
+def _fail(message: str) -> None:
+    print(f"error: {' '.join(message.split())}", file=sys.stderr)
+    sys.exit(2)

@@ -86,10 +86,26 @@ def _acquire(path: Path) -> None:
                 os.replace(path, aside)
                 aside.unlink(missing_ok=True)
             continue
-        with os.fdopen(fd, "w") as f:
-            f.write(record)
+        _write_record(fd, path, record)
         return
     raise UserError(f"could not take {path}: other processes keep creating it; retry")
+
+
+def _write_record(fd: int, path: Path, record: str) -> None:
+    """Write the owner's record into the new lock file; a write that fails (a full disk)
+    removes the file again, so no empty lock is left to refuse the next run, and is one line.
+
+    Raises:
+        UserError: the record could not be written.
+    """
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(record)
+    except OSError as err:
+        path.unlink(missing_ok=True)
+        raise UserError(f"could not write the run folder's lock {path}: {err.strerror or err}; "
+                        f"free space on the disk holding {path.parent}, or pass another "
+                        "--out-dir") from None  # fmt: skip
 
 
 def _age(path: Path) -> float:

@@ -34,6 +34,7 @@ from typing import Any
 import torch
 
 from metalearn.checkpoint import load_checkpoint, save_checkpoint
+from metalearn.files import FileError
 from metalearn.runs.cli import flatten, unflatten
 from metalearn.runs.experiment import (
     Experiment,
@@ -42,6 +43,7 @@ from metalearn.runs.experiment import (
     _taken,
     checkpoint_path,
     new_run_identity,
+    require_owner,
 )
 from metalearn.runs.lifecycle import (
     RunState,
@@ -50,9 +52,10 @@ from metalearn.runs.lifecycle import (
     merge_resumed_args,
     require,
     signals_held,
+    unsaved_error,
 )
 from metalearn.runs.run import run_lock
-from metalearn.runs.tracking import graceful_shutdown, init_run, log_model
+from metalearn.runs.tracking import check_mode, finish_run, graceful_shutdown, init_run, log_model
 
 __all__ = ["RESUMABLE", "PolicyRun", "saved_args"]
 
@@ -94,11 +97,12 @@ def _read(exp: Experiment, path: Path) -> dict:
             f"{path} cannot be read as a checkpoint ({type(err).__name__}); start "
             "a new run with another --run-name"
         ) from None
-    require(
-        isinstance(saved, dict) and saved.get("experiment") == exp.name,
-        f"{path} is not a checkpoint of experiments/{exp.name}.py; resume it with the "
-        "script that wrote it",
-    )
+    require(isinstance(saved, dict) and "args" in saved,
+            f"{path} is not a metalearn run's checkpoint (no 'args' entry)")  # fmt: skip
+    require_owner(exp, path, saved)
+    require(saved.get("experiment") == exp.name,
+            f"{path} is not a checkpoint of experiments/{exp.name}.py; resume it with the "
+            "script that wrote it")  # fmt: skip
     return saved
 
 
@@ -119,6 +123,7 @@ class PolicyRun:
         self._wandb: Any = None
         self._snapshot: dict | None = None
         self._finished = False
+        self._kept: int | None = None  # the iteration of the checkpoint on disk (None: none)
         self._started = time.perf_counter()
 
     def __enter__(self) -> PolicyRun:
@@ -133,6 +138,8 @@ class PolicyRun:
         t = args.tracking
         _check_device(args.system.device)
         _check_run_folder(t.out_dir, t.run_name, t.resume)
+        if t.track:
+            check_mode(t.wandb_mode)  # online needs a key: refused before anything runs
         exp.check(args)
         args = exp.resolve(args)
         t = args.tracking
@@ -159,13 +166,15 @@ class PolicyRun:
         self.state = RunState(run_name=str(t.run_name), wandb_id=t.wandb_id)
         if self.saved is not None:
             self.state = RunState.from_dict(self.saved)
-        print(f"checkpoint: {self.path}", flush=True)
-        if self.saved is not None:
-            print(
-                f"resuming {self.state.run_name} at iteration {self.state.iteration} of "
-                f"{args.training.iterations}",
-                flush=True,
-            )
+            self._kept = self.state.iteration
+        try:  # a closed stdout (| head -1) raises here: the lock is released, not left
+            print(f"checkpoint: {self.path}", flush=True)
+            if self.saved is not None:
+                print(f"resuming {self.state.run_name} at iteration {self.state.iteration} of "
+                      f"{args.training.iterations}", flush=True)  # fmt: skip
+        except BaseException:
+            self._stack.close()
+            raise
         return self
 
     def start(self, parts: Mapping[str, Any]) -> None:
@@ -202,16 +211,14 @@ class PolicyRun:
                 flush=True,
             )
         if state.iteration % self.args.training.checkpoint_every == 0:
-            with signals_held():
-                save_checkpoint(self.path, self._snapshot)
+            self._save(self._snapshot)
 
     def finish(self, results: dict[str, float], headline: tuple[str, str]) -> dict[str, float]:
         """Record ``results`` as the finished run (checkpoint and W&B summary); print them,
         the ``headline`` (metric, its 95% half-width) last."""
         results["perf/total_minutes"] = (time.perf_counter() - self._started) / 60
         self.state.results = results
-        with signals_held():
-            save_checkpoint(self.path, {**self._snapshot, "results": results})
+        self._save({**self._snapshot, "results": results})
         if self._wandb is not None:
             self._wandb.summary.update(results)
             if self.args.tracking.log_model:
@@ -225,23 +232,38 @@ class PolicyRun:
 
     def __exit__(self, kind: type | None, err: BaseException | None, tb: Any) -> None:
         """End the run: the last completed iteration checkpointed unless it finished, W&B
-        ended (failed unless `finish` ran), the lock released; a stop names ``--resume``."""
+        ended (failed unless `finish` ran), the lock released; a stop names ``--resume``; a
+        write that found no room is one line naming the checkpoint kept (`unsaved_error`)."""
         exit_code = 0 if err is None and self._finished else 1
+        failed: list[OSError | FileError | None] = []  # the writes that failed as it ended
         with contextlib.ExitStack() as ending:
             ending.callback(self._stack.close)
-            if self._wandb is not None:
-                ending.callback(lambda: self._wandb.finish(exit_code=exit_code))
+            if self._wandb is not None:  # a full disk may refuse W&B's last writes too
+                ending.callback(lambda: failed.append(finish_run(self._wandb, exit_code)))
             self._during.close()
             if err is not None and self._snapshot is not None:
-                with signals_held():
-                    save_checkpoint(self.path, self._snapshot)
-            if isinstance(err, KeyboardInterrupt):
+                try:
+                    self._save(self._snapshot)
+                except FileError as unsaved:  # the previous checkpoint is kept
+                    failed.append(unsaved)
+            if isinstance(err, KeyboardInterrupt) and not failed:
                 print(
                     f"\nstopped at iteration {self.state.iteration}; continue with --resume "
                     f"--run-name {self.state.run_name} --out-dir {self.args.tracking.out_dir}"
                 )
                 if isinstance(err, Stopped) and self._wandb is not None:
                     self._wandb.mark_preempting()
+        resume = f"--resume --run-name {self.state.run_name} --out-dir {self.args.tracking.out_dir}"
+        line = unsaved_error(err, failed, self.path, self._kept, unit="iteration", resume=resume)
+        if line is not None:
+            raise line from None
+
+    def _save(self, snapshot: dict) -> None:
+        """Write ``snapshot`` as the checkpoint (a signal held until it is written; a failed
+        write keeps the previous one), and remember its iteration as the one kept."""
+        with signals_held():
+            save_checkpoint(self.path, snapshot)
+        self._kept = snapshot["iteration"]
 
     def _init_wandb(self) -> Any:
         t = self.args.tracking

@@ -26,6 +26,9 @@ its flags) to a recipe, and `resolve_learner_args` fills the learner values a ru
 from __future__ import annotations
 
 import dataclasses
+import math
+import types
+import typing
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -45,6 +48,7 @@ from metalearn.algorithms.registry import (
 )
 from metalearn.data import (
     IMAGE_SET_NAMES,
+    MAX_IMAGE_SIZE,
     EpisodicSampler,
     ImageFormat,
     image_format,
@@ -240,9 +244,13 @@ class Recipe:
             data = dict(record["data"])
             data.setdefault("train_ways", data.get("ways"))  # recipes written before it
             data.setdefault("train_shots", data.get("shots"))
+            parts = {"data": data, "model": record["model"], "training": record["training"]}
+            for (part, fields), kind in zip(parts.items(), (DataRecipe, ModelRecipe,
+                                                            TrainingRecipe)):  # fmt: skip
+                check_fields(kind, fields, f"the recipe's {part}.")
             recipe = cls(
                 experiment=record["experiment"],
-                data=DataRecipe(**{**data, "image": ImageFormat(**data["image"])}),
+                data=DataRecipe(**{**data, "image": _image_format(data["image"])}),
                 model=ModelRecipe(**record["model"]),
                 learner=_upgrade_learner(LearnerRecipe(**record["learner"])),
                 training=TrainingRecipe(**record["training"]),
@@ -267,6 +275,89 @@ class Recipe:
         if self.learner.algorithm not in LEARNERS:
             raise ValueError(f"algorithm {self.learner.algorithm!r} is unknown; known: "
                              f"{', '.join(LEARNERS)}")  # fmt: skip
+
+
+# --------------------------------------------------------------------------- field checks
+
+# The bounds a recorded field must keep (beside its type): counts of classes, examples,
+# steps and tasks; every other number need only be finite. A record outside them was edited
+# or damaged, and is refused naming the field before anything is built from it.
+_LOWEST = {
+    **dict.fromkeys(("ways", "train_ways"), 2),
+    **dict.fromkeys(("shots", "query", "eval_query", "train_shots", "train_min_shots", "hidden",
+                     "meta_batch", "iterations", "val_every", "val_tasks", "test_tasks",
+                     "checkpoint_every", "curvature_tasks", "schedule_every", "ensemble_top_k",
+                     "step_size", "in_channels", "image_size"), 1),
+    **dict.fromkeys(("eval_inner_steps", "curvature_every", "seed"), 0),
+}  # fmt: skip
+_HIGHEST = {"image_size": MAX_IMAGE_SIZE, "in_channels": 3, "seed": 2**32 - 1}
+_DAMAGED = "the checkpoint was edited or damaged: use the one its run wrote"
+
+
+def check_fields(kind: type, record: Any, where: str) -> None:
+    """Refuse a record of dataclass ``kind`` whose fields do not have its fields' types, or
+    leave their bounds (`_LOWEST`, `_HIGHEST`): one line naming the field.
+
+    Args:
+        kind: `DataRecipe`, `ModelRecipe` or `TrainingRecipe`.
+        record: its fields as a mapping (a missing field is left to the constructor).
+        where: how the message names the record (``"the recipe's data."``).
+
+    Raises:
+        ValueError: ``record`` is not a mapping, or a field's value is refused.
+    """
+    if not isinstance(record, Mapping):
+        raise ValueError(f"{where.rstrip('.')} is {type(record).__name__}, not a record of fields")
+    hints = typing.get_type_hints(kind)
+    for name, value in record.items():
+        if name in hints and (problem := _field_problem(name, hints[name], value)):
+            raise ValueError(f"{where}{name}: {value!r} is not {problem}; {_DAMAGED}")
+
+
+def _field_problem(name: str, hint: Any, value: Any) -> str | None:
+    """What ``value`` lacks to be field ``name`` of type ``hint`` (None: nothing)."""
+    if typing.get_origin(hint) in (typing.Union, types.UnionType):
+        if value is None and type(None) in typing.get_args(hint):
+            return None
+        hint = next(h for h in typing.get_args(hint) if h is not type(None))
+    if typing.get_origin(hint) is tuple:
+        items = typing.get_args(hint)[0]
+        ok = isinstance(value, (list, tuple)) and not any(map(_number_problem(items), value))
+        return None if ok else f"a list of {_WORDS[items].removeprefix('a ')}s"
+    if hint in (int, float):
+        problem = _number_problem(hint)(value)
+        if problem is None and hint is int:
+            low, high = _LOWEST.get(name), _HIGHEST.get(name)
+            if (low is not None and value < low) or (high is not None and value > high):
+                return f"in [{low}, {high}]" if high else f"at least {low}"
+        return problem
+    if hint in (bool, str) and not isinstance(value, hint):
+        return _WORDS[hint]
+    return None
+
+
+_WORDS = {int: "a whole number", float: "a finite number", bool: "true or false", str: "a string"}
+
+
+def _number_problem(hint: type) -> Any:
+    """``value -> what it lacks to be a number of type hint`` (None: nothing)."""
+
+    def problem(value: Any) -> str | None:
+        if isinstance(value, bool) or not isinstance(value, (int, float) if hint is float else int):
+            return _WORDS[hint]
+        return None if math.isfinite(value) else _WORDS[hint]
+
+    return problem
+
+
+def _image_format(record: Any) -> ImageFormat:
+    """The recorded decoding (`ImageFormat`), a refused field named as the recipe's."""
+    if not isinstance(record, Mapping):
+        raise ValueError(f"the recipe's data.image is {type(record).__name__}, not a record")
+    try:
+        return ImageFormat(**record)
+    except ValueError as err:
+        raise ValueError(f"the recipe's data.image.{err}; {_DAMAGED}") from None
 
 
 # --------------------------------------------------------------------------- from arguments
@@ -452,6 +543,8 @@ def read_recipe(saved: Mapping[str, Any]) -> Recipe:
     if not isinstance(args, Mapping):
         raise ValueError("the checkpoint holds neither a recipe nor a run's arguments")
     experiment = "fewshot_maml" if "dataset" in args else "omniglot_maml"
+    for kind in (DataRecipe, ModelRecipe, TrainingRecipe):  # the fields the flags set
+        check_fields(kind, args, "the checkpoint's argument ")
     try:
         recipe = recipe_from_args(experiment, resolve_learner_args(args))
     except KeyError as err:

@@ -35,6 +35,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from metalearn.files import regular_file
+
 __all__ = [
     "STALE_AFTER_S",
     "OfflineArtifact",
@@ -102,12 +104,14 @@ def find_run_dirs(path: str | Path) -> list[Path]:
 
     Raises:
         FileNotFoundError: ``path`` does not exist, or holds no run.
+        metalearn.files.FileError: ``path`` is a ``.wandb`` name that is no regular file (a
+            FIFO, which wandb's reader would wait on for ever).
     """
     path = Path(path)
     if not path.exists():
         raise FileNotFoundError(f"no such run folder: {path}")
-    if path.is_file() and path.suffix == ".wandb":
-        return [path]
+    if path.suffix == ".wandb" and not path.is_dir():  # a FIFO is refused, never waited on
+        return [regular_file(path, what="W&B run file")]
     if any(path.glob("*.wandb")):
         return [path]
     base = path / "wandb" if (path / "wandb").is_dir() else path
@@ -138,12 +142,16 @@ def read_offline_run(run_dir: str | Path) -> RunRecord:
     Returns:
         The record; a damaged file gives state ``corrupt`` or ``truncated`` (with what was
         readable and a line in ``problems``) instead of an exception.
+
+    Raises:
+        metalearn.files.FileError: a ``.wandb`` file there is no regular file (a FIFO).
+        RunReadError: wandb's reader failed, or printed what is not its records.
     """
     file = _wandb_file(Path(run_dir))
     rc, stream, err = _leet(_inspect_command(file))
     if rc != 0:
         return _unreadable(file, err)
-    seen = _replay(stream)
+    seen = _replay(_records(stream, file))
     exit_code = seen.pop("exit_code")
     state = "running" if exit_code is None else ("finished" if exit_code == 0 else "failed")
     state, problem = _file_state(file, state, exit_code is not None, err)
@@ -157,16 +165,35 @@ def read_offline_run(run_dir: str | Path) -> RunRecord:
     )  # fmt: skip
 
 
-def _replay(stream: str) -> dict[str, Any]:
-    """The run as its record stream (``wandb leet inspect --json``, one JSON record a line)
-    leaves it: the run record's identity and config (later records update earlier ones), the
-    summary updates applied in order, the history rows, the exit code (None: no exit record).
+def _records(stream: str, file: Path) -> list[dict[str, Any]]:
+    """The records ``wandb leet inspect --json`` printed for ``file``, one JSON object a line.
+
+    Raises:
+        RunReadError: a line that is not a JSON object (a ``wandb`` printing another form).
+    """
+    records = []
+    for number, line in enumerate(stream.splitlines(), 1):
+        try:
+            record = json.loads(line)
+        except ValueError:
+            record = None
+        if not isinstance(record, dict):
+            raise RunReadError(f"wandb leet inspect printed line {number} of {file}'s records "
+                               f"as {line[:60]!r}, not a JSON object; reading offline runs "
+                               "needs wandb >= 0.31 (pip install -U wandb)")  # fmt: skip
+        records.append(record)
+    return records
+
+
+def _replay(records: list[dict[str, Any]]) -> dict[str, Any]:
+    """The run as its records (`_records`) leave it: the run record's identity and config
+    (later records update earlier ones), the summary updates applied in order, the history
+    rows, the exit code (None: no exit record).
     """
     seen: dict[str, Any] = {"name": "", "group": None, "tags": [], "config": {}, "summary": {},
                             "history": [], "start_time": "", "job_type": "", "run_id": "",
                             "exit_code": None, "project": ""}  # fmt: skip
-    for line in stream.splitlines():
-        record = json.loads(line)
+    for record in records:
         kind = record.get("type")
         if kind == "history":
             seen["history"].append(record["history"]["item"])
@@ -293,6 +320,8 @@ def _wandb_file(run_dir: Path) -> Path:
         raise FileNotFoundError(
             f"{run_dir} holds no .wandb file; pass a wandb/offline-run-* folder"
         )
+    for file in files:  # wandb's reader waits on a FIFO for ever: refused here, named
+        regular_file(file, what="W&B run file")
     if len(files) > 1:  # e.g. a file copied in: read the newest, name the others
         chosen = max(files, key=lambda f: (f.stat().st_mtime_ns, f.name))
         others = ", ".join(f.name for f in files if f != chosen)
@@ -362,8 +391,7 @@ def offline_artifacts(run_dir: str | Path) -> list[OfflineArtifact]:
     if rc != 0:
         raise RunReadError(f"wandb leet inspect failed on {file}: {_last_line(err)}")
     found = []
-    for line in out.splitlines():
-        record = json.loads(line)
+    for record in _records(out, file):
         if record.get("type") != "artifact":
             continue
         a = record["artifact"]

@@ -51,6 +51,7 @@ from metalearn.checkpoint import save_checkpoint
 from metalearn.data import EpisodicSampler
 from metalearn.data.omniglot import resolve_data_root
 from metalearn.engine import AllTasksSkippedError, NonFiniteLossError
+from metalearn.files import FileError
 from metalearn.runs import lock
 from metalearn.runs.cli import flatten
 from metalearn.runs.experiment import (
@@ -68,6 +69,7 @@ from metalearn.runs.lifecycle import (
     diverged,
     require,
     signals_held,
+    unsaved_error,
 )
 from metalearn.runs.metrics import (
     PERF_TOTAL_MINUTES,
@@ -80,6 +82,7 @@ from metalearn.runs.metrics import (
 from metalearn.runs.recipe import Recipe, build_samplers, flag_arguments
 from metalearn.runs.tracking import (
     define_summaries,
+    finish_run,
     graceful_shutdown,
     init_run,
     log_model,
@@ -115,6 +118,7 @@ class Run:
         self._wandb: Any = None
         self._snapshot: dict | None = None
         self._results: dict[str, float] | None = None
+        self._kept: int | None = None  # the step of the checkpoint on disk (None: none)
         self._started = time.perf_counter()
 
     # ----------------------------------------------------------------------- start
@@ -155,11 +159,16 @@ class Run:
         self.state = RunState(run_name=str(tracking.run_name), wandb_id=tracking.wandb_id)
         if self.saved is not None:
             self.state = RunState.from_dict(self.saved)
-        if dist.is_main:
-            print(f"checkpoint: {self.path}", flush=True)
-            if self.saved is not None:
-                print(f"resuming {self.state.run_name} at meta-step {self.state.iteration} of "
-                      f"{self.recipe.training.iterations}", flush=True)  # fmt: skip
+            self._kept = self.state.iteration
+        try:  # a closed stdout (| head -1) raises here: the lock is released, not left
+            if dist.is_main:
+                print(f"checkpoint: {self.path}", flush=True)
+                if self.saved is not None:
+                    print(f"resuming {self.state.run_name} at meta-step {self.state.iteration} "
+                          f"of {self.recipe.training.iterations}", flush=True)  # fmt: skip
+        except BaseException:
+            self._stack.close()
+            raise
         return self
 
     def start(
@@ -232,7 +241,7 @@ class Run:
         if state.iteration % t.checkpoint_every == 0:
             distributed.check_same(self._learner.parameters())  # a diverged rank fails loudly
             if self.dist.is_main:
-                save_checkpoint(self.path, self._snapshot)
+                self._save(self._snapshot)
 
     def keep_best(self, learner: MetaLearner, accuracy: float | None) -> float:
         """Remember the weights of the step being run if ``accuracy`` is the best validation
@@ -298,7 +307,7 @@ class Run:
         self.state.results = results
         final = {**self._snapshot, "results": results}
         if self.dist.is_main:
-            save_checkpoint(self.path, final)
+            self._save(final)
         if self._wandb is not None:
             self._wandb.summary.update(results)
             if self.args.tracking.log_model:
@@ -308,28 +317,51 @@ class Run:
 
     def __exit__(self, kind: type | None, err: BaseException | None, tb: Any) -> None:
         """End the run: the last completed step checkpointed unless it finished, W&B ended
-        (failed unless `finish` ran), the lock released; a stop names ``--resume``."""
+        (failed unless `finish` ran), the lock released; a stop names ``--resume``; a write
+        that found no room is one line naming the checkpoint kept (`unsaved_error`)."""
         exit_code = 0 if err is None and self._results is not None else 1
+        failed: list[OSError | FileError | None] = []  # the writes that failed as it ended
         with contextlib.ExitStack() as ending:  # runs its callbacks last-first
             ending.callback(self._stack.close)  # the lock, the process group
-            if self._wandb is not None:
-                ending.callback(lambda: self._wandb.finish(exit_code=exit_code))
+            if self._wandb is not None:  # a full disk may refuse W&B's last writes too
+                ending.callback(lambda: failed.append(finish_run(self._wandb, exit_code)))
             self._during.close()  # the bar, SIGTERM's handler
             if err is not None and self._snapshot is not None and self.dist.is_main:
                 # Ctrl-C / SIGTERM / an error: keep the last completed step, so --resume
                 # continues. No collective here: the other ranks may be gone.
-                with signals_held():
-                    save_checkpoint(self.path, self._snapshot)
+                failed.append(self._save_last())
             if isinstance(err, KeyboardInterrupt | distributed.PeerError):
                 exit_code = err.exit_code if isinstance(err, Stopped) else 1
-                self._stopped(err)
+                if not any(failed):  # else the checkpoint is an older step's (below)
+                    self._stopped(err)
         if isinstance(err, _DIVERGED):
             raise diverged(err, self.state.iteration + 1) from None
+        resume = f"--resume --run-name {self.state.run_name} --out-dir {self.args.tracking.out_dir}"
+        line = unsaved_error(err, failed, self.path, self._kept, unit="meta-step", resume=resume,
+                             stops=(KeyboardInterrupt, distributed.PeerError))  # fmt: skip
+        if line is not None:
+            raise line from None
         if err is None and self._results is not None and self.dist.is_main:
             results = self._results
             others = {k: v for k, v in results.items() if k not in (TEST_ACC, TEST_ACC_CI95)}
             print("  ".join(f"{k}: {v:.4g}" for k, v in others.items()))
             print(f"{TEST_ACC}: {results[TEST_ACC]:.4f} ± {results[TEST_ACC_CI95]:.4f}")
+
+    def _save(self, snapshot: dict) -> None:
+        """Write ``snapshot`` as the run's checkpoint (atomically: a failed write keeps the
+        previous one), and remember its step as the one kept."""
+        save_checkpoint(self.path, snapshot)
+        self._kept = snapshot["iteration"]
+
+    def _save_last(self) -> FileError | None:
+        """Checkpoint the last completed step as the run ends on an error; the write's own
+        error if it failed (the previous checkpoint is kept then), else None."""
+        with signals_held():
+            try:
+                self._save(self._snapshot)
+            except FileError as failed:
+                return failed
+        return None
 
     def _stopped(self, stop: BaseException) -> None:
         if self._wandb is not None and isinstance(stop, Stopped):

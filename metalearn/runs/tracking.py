@@ -25,14 +25,17 @@ from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
-from metalearn.runs.lifecycle import Stopped
+from metalearn.files import disk_full, open_regular, write_atomically
+from metalearn.runs.lifecycle import Stopped, UserError
 from metalearn.runs.metrics import TRAIN_ACC, TRAIN_LOSS, VAL_ACC
 
 __all__ = [
     "SUMMARIES",
     "add_run_file",
+    "check_mode",
     "decide_mode",
     "define_summaries",
+    "finish_run",
     "git_commit",
     "graceful_shutdown",
     "init_run",
@@ -83,6 +86,25 @@ def decide_mode(requested: str | None = "auto") -> str:
     if env == "dryrun":
         return "offline"
     return "online" if _has_api_key() and _reachable(WANDB_HOST) else "offline"
+
+
+def check_mode(requested: str | None = "auto", flag: str = "--wandb-mode") -> None:
+    """Refuse online tracking without a W&B API key, before anything loads: wandb's ``init``
+    would fail there (or ask for a key), after the data was read and the model built.
+
+    Args:
+        requested: the mode asked for (see `decide_mode`; ``auto`` is online only with a key).
+        flag: how messages name the setting.
+
+    Raises:
+        UserError: online (asked, or ``$WANDB_MODE``) and no key in ``$WANDB_API_KEY`` or
+            the netrc file.
+    """
+    if decide_mode(requested) != "online" or _has_api_key():
+        return
+    asked = f"{flag} online" if requested == "online" else "WANDB_MODE=online"
+    raise UserError(f"{asked} needs a W&B API key and none is set: run `wandb login` (or set "
+                    f"WANDB_API_KEY), or pass {flag} offline (`wandb sync` later)")  # fmt: skip
 
 
 def git_commit(cwd: str | Path | None = None) -> str:
@@ -167,6 +189,21 @@ def graceful_shutdown() -> Iterator[None]:
         signal.signal(signal.SIGTERM, previous)
 
 
+def finish_run(run: Any, exit_code: int) -> OSError | None:
+    """``run.finish(exit_code=...)``; on a full disk, the ``OSError`` wandb raises as it closes
+    its log file in the run's folder (returned, naming that folder, for the run's one line),
+    else None."""
+    folder = run.settings.sync_dir
+    try:
+        run.finish(exit_code=exit_code)
+    except OSError as err:
+        if not disk_full(err):
+            raise
+        err.filename = err.filename or folder
+        return err
+    return None
+
+
 def define_summaries(run: Any) -> None:
     """Make each metric of `SUMMARIES` summarised by its best value, not its last."""
     for metric, how in SUMMARIES.items():
@@ -209,12 +246,17 @@ def add_run_file(run: Any, artifact: Any, path: str | Path) -> Any:
     source = Path(path)
     folder = Path(run.settings.sync_dir).resolve()
     kept = folder / "artifacts" / artifact.name / source.name
-    kept.parent.mkdir(parents=True, exist_ok=True)
-    shutil.copyfile(source, kept)  # a copy, as wandb's own staging: the source may change
+    # a copy, as wandb's own staging (the source may change), written whole or not at all
+    write_atomically(kept, lambda file: _copy(source, file), what="model artifact")
     entry = artifact.add_file(str(kept), name=source.name, policy="immutable")
     if run.offline:
         entry.local_path = str(kept.relative_to(folder))
     return entry
+
+
+def _copy(source: Path, file: Any) -> None:
+    with open_regular(source, what="checkpoint") as src:
+        shutil.copyfileobj(src, file)
 
 
 def _in_main_thread() -> bool:

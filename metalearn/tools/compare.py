@@ -38,6 +38,7 @@ import csv
 import io
 import json
 import math
+import os
 import re
 import sys
 from collections import Counter
@@ -48,7 +49,8 @@ from typing import Any, Literal
 
 import tyro
 
-from metalearn.runs.cli import parse_dataclass
+from metalearn.files import FileError, write_atomically
+from metalearn.runs.cli import parse_dataclass, quiet_on_closed_stdout
 from metalearn.runs.records import (
     RunReadError,
     RunRecord,
@@ -576,8 +578,32 @@ def _fmt(value: Any) -> str:
 # --- plot --------------------------------------------------------------------------------
 
 
+def require_plot(out: Path, overwrite: bool) -> None:
+    """Fail before any work when the plot cannot be written: matplotlib missing, a name
+    matplotlib cannot write, a file there and no ``--overwrite``, or a folder there."""
+    require_matplotlib(out)
+    if out.is_dir():
+        raise UsageError(f"--plot {out} is a folder; give a file name, e.g. {out / 'compare.png'}")
+    if os.path.lexists(out) and not overwrite:
+        raise UsageError(f"--plot {out} exists; pass --overwrite to replace it, or another name")
+
+
+def write_plot(c: Comparison, out: Path, overwrite: bool) -> None:
+    """The figure written to ``out`` whole or not at all (`metalearn.files.write_atomically`).
+
+    Raises:
+        UsageError: the file could not be written (a full disk), or appeared meanwhile.
+    """
+    kind = out.suffix.lstrip(".").lower()
+    try:
+        write_atomically(out, lambda file: figure(c).savefig(file, format=kind, dpi=120),
+                         overwrite=overwrite, what="--plot")  # fmt: skip
+    except (FileExistsError, FileError) as err:
+        raise UsageError(str(err)) from None
+
+
 def require_matplotlib(out: Path) -> None:
-    """Fail before any work when the plot cannot be written."""
+    """Fail before any work when matplotlib cannot write the plot."""
     try:
         from matplotlib.backends.backend_agg import FigureCanvasAgg
     except ImportError:
@@ -677,7 +703,9 @@ class Args:
     format: Literal["markdown", "csv", "json"] = "markdown"
     """Output format."""
     plot: str | None = None
-    """Write the curves to this image (.png, ...)."""
+    """Write the curves to this image (.png, ...); an existing file needs --overwrite."""
+    overwrite: bool = False
+    """Replace the plot's file where it exists."""
     online: bool = False
     """Read ENTITY/PROJECT sources from the W&B server."""
     filter: tyro.conf.UseAppendAction[tuple[str, ...]] = ()
@@ -712,9 +740,21 @@ def _filters(items: list[str], online: bool) -> dict[str, Any]:
 
 
 def _metrics(runs: list[RunRecord], asked: list[str] | None) -> list[str]:
-    if asked:
-        return asked
+    """The metrics compared: those asked for, each logged by some run, else the defaults
+    the runs logged.
+
+    Raises:
+        UsageError: a metric asked for that no run logged, or none of the defaults logged
+            (both naming the metrics the runs logged).
+    """
     logged = {k for r in runs for k in r.summary} | {k for r in runs for h in r.history for k in h}
+    if asked:
+        if unknown := [m for m in asked if m not in logged]:
+            names = ", ".join(sorted(k for k in logged if not k.startswith("_")))
+            raise UsageError(f"--metrics {' '.join(unknown)}: no run logged "
+                             f"{'it' if len(unknown) == 1 else 'them'}; the runs logged "
+                             f"{names or 'nothing'}")  # fmt: skip
+        return asked
     metrics = [m for m in DEFAULT_METRICS if m in logged]
     if not metrics:
         names = ", ".join(sorted(k for k in logged if not k.startswith("_"))[:12])
@@ -735,11 +775,11 @@ def run(argv: list[str] | None = None) -> str:
                          "(or ENTITY/PROJECT with --online)")  # fmt: skip
     plot = None if args.plot is None else Path(args.plot)
     if plot is not None:
-        require_matplotlib(plot)
+        require_plot(plot, args.overwrite)
     filters = _filters(list(args.filter), args.online)
     try:
         runs = load(args.sources, args.online, filters)
-    except (FileNotFoundError, RunReadError) as e:
+    except (FileNotFoundError, RunReadError, FileError) as e:  # FileError: a FIFO, say
         raise UsageError(str(e)) from None
     runs, note = in_project(runs, args.project, args.job_type)
     runs, evals = select(runs, args.job_type, args.evals, args.sources)
@@ -752,8 +792,7 @@ def run(argv: list[str] | None = None) -> str:
     c = compare(runs, _metrics(runs, list(args.metrics)), group_by, evals)
     text = {"markdown": to_markdown, "csv": to_csv, "json": to_json}[args.format](c)
     if plot is not None:
-        plot.parent.mkdir(parents=True, exist_ok=True)
-        figure(c).savefig(plot, dpi=120)
+        write_plot(c, plot, args.overwrite)
         print(f"plot: {plot}", file=sys.stderr)
     if note is not None:
         print(note, file=sys.stderr)
@@ -822,9 +861,10 @@ def filtered(runs: list[RunRecord], groups: tuple[str, ...],
     return kept
 
 
+@quiet_on_closed_stdout
 def main(argv: list[str] | None = None) -> int:
     """``metalearn-compare``: print the comparison; a usage error is one line on stderr and
-    exit status 2."""
+    exit status 2; a reader that leaves ends it quietly, exit status 141."""
     try:
         text = run(argv)
     except UsageError as e:

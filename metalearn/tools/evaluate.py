@@ -44,7 +44,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
-from metalearn.runs.cli import parse_dataclass
+from metalearn.runs.cli import parse_dataclass, quiet_on_closed_stdout
 
 if TYPE_CHECKING:  # imported where used: --help loads neither torch nor wandb
     from metalearn.runs.evaluation import TaskSource
@@ -219,13 +219,17 @@ def evaluate(args: Args) -> dict[str, float]:
 
     from metalearn.deploy import learner_from, read_run_checkpoint
     from metalearn.runs.evaluation import TEST_SEED, evaluate_tasks
+    from metalearn.runs.tracking import check_mode
 
     args = dataclasses.replace(args, seed=TEST_SEED if args.seed is None else args.seed)
     seed = args.seed
     if args.threads > 0:
         torch.set_num_threads(args.threads)
+    if args.track:
+        check_mode(args.wandb_mode)  # online needs a key: refused before anything loads
     path, origin, artifact = model_source(args)
     saved = read_run_checkpoint(path)
+    require_finite(saved, args.which, path)
     which = "best" if args.which == "ensemble" else args.which
     learner, recipe = learner_from(saved, which, args.device, source=str(path))
     ensemble = kept_ensemble(saved, path) if args.which == "ensemble" else None
@@ -253,6 +257,33 @@ def evaluate(args: Args) -> dict[str, float]:
             wandb_run.finish()
     print(f"test/acc: {acc:.4f} ± {half:.4f}")
     return results
+
+
+def require_finite(saved: Mapping[str, Any], which: str, path: Path) -> None:
+    """Refuse weights that hold NaN or infinity (a run that diverged after it kept them):
+    every task would score NaN, or stop on a non-finite loss.
+
+    Raises:
+        ValueError: a floating tensor of the chosen weights is not finite (named).
+    """
+    import torch
+
+    if which == "ensemble":
+        states = [entry.get("learner") for entry in saved.get("top") or []]
+    else:
+        states = [saved.get("best_learner" if which == "best" else "learner")]
+    for state in states:
+        bad = [
+            name
+            for name, v in (state or {}).items()
+            if torch.is_tensor(v) and v.is_floating_point() and not v.isfinite().all()
+        ]
+        if bad:
+            more = f" and {len(bad) - 1} more" if len(bad) > 1 else ""
+            other = "--which last" if which != "last" else "another checkpoint"
+            raise ValueError(f"{path}: the {which} weights hold NaN or infinite values ({bad[0]}"
+                             f"{more}): the run diverged; evaluate {other}, or train again with "
+                             "a lower --inner-lr or --outer-lr")  # fmt: skip
 
 
 def kept_ensemble(saved: Mapping[str, Any], path: Path) -> list[Any]:
@@ -309,13 +340,16 @@ def runs_folder(checkpoint: Path, run_name: str, out_dir: str) -> Path:
     return checkpoint.parent.parent if checkpoint.parent.name == run_name else Path(out_dir)
 
 
+@quiet_on_closed_stdout
 def main(argv: Sequence[str] | None = None) -> int:
     """``metalearn-evaluate``: parse, evaluate, and turn a user error into one line on stderr
-    and exit status 2."""
+    and exit status 2 (a reader that leaves: quietly, exit status 141)."""
+    from metalearn.runs.lifecycle import UserError
+
     args = parse_dataclass(Args, argv, description=__doc__.split("\n\n")[0])
     try:
         evaluate(args)
-    except (FileNotFoundError, ValueError, ImportError) as err:  # ImportError: h5py absent
+    except (FileNotFoundError, ValueError, ImportError, UserError) as err:  # h5py absent
         print(f"{PROG}: error: {err}", file=sys.stderr)
         return 2
     return 0

@@ -53,7 +53,7 @@ from typing import TYPE_CHECKING
 
 import tyro
 
-from metalearn.runs.cli import flag, flat_fields, parse_dataclass
+from metalearn.runs.cli import flag, flat_fields, parse_dataclass, quiet_on_closed_stdout
 from metalearn.runs.lifecycle import UserError
 from metalearn.tools import experiments
 
@@ -371,6 +371,13 @@ def plan(argv: list[str]) -> tuple[Args, list[Cell]]:
     args = parse_dataclass(Args, own, description=__doc__.split("\n\n")[0])
     if args.jobs < 1:
         raise GridError(f"--jobs {args.jobs}: must be at least 1")
+    if not args.seeds:
+        raise GridError("--seeds names no seed: give at least one (--seeds 0 1 2), or drop "
+                        "--seeds for seed 0")  # fmt: skip
+    if len(set(args.seeds)) < len(args.seeds):
+        twice = ", ".join(map(str, sorted({s for s in args.seeds if args.seeds.count(s) > 1})))
+        raise GridError(f"--seeds {' '.join(map(str, args.seeds))}: seed {twice} is given "
+                        "twice (one run each); give each seed once")  # fmt: skip
     exp = experiment_module(experiment_file(args.experiment))
     for item in extra:
         name = item.split("=", 1)[0].removeprefix("--").replace("-", "_")
@@ -381,6 +388,7 @@ def plan(argv: list[str]) -> tuple[Args, list[Cell]]:
     return args, make_cells(settings, args.seeds, args, extra)
 
 
+@quiet_on_closed_stdout
 def main(argv: list[str] | None = None) -> int:
     """``metalearn-grid``: plan, run and summarise the grid; a mistake in its command line is
     one line on stderr and exit status 2, Ctrl-C lists the cells a rerun resumes (status

@@ -123,3 +123,29 @@ def test_the_operating_system_refusing_the_write_is_one_line(tmp_path: Path) -> 
                          preexec_fn=limit, timeout=60, check=True)  # fmt: skip
     assert out.stdout.startswith(f"could not write file {target}: File too large; free space")
     assert target.read_bytes() == b"old" and sorted(os.listdir(tmp_path)) == ["big.bin"]
+
+
+def test_torch_save_on_a_full_disk_is_the_disks_one_line(tmp_path: Path) -> None:
+    """torch.save reports a refused write as its own RuntimeError ("unexpected pos ..."); the
+    refusal behind it is what `write_atomically` raises. A real small disk, in a child."""
+    from tests.helpers.small_disk import SmallDisk
+
+    with SmallDisk(tmp_path / "disk") as disk:
+        target = disk.folder / "checkpoint.pt"
+        target.write_bytes(b"old")
+        disk.leave(16 << 10)
+        script = textwrap.dedent(f"""
+            import torch
+            from metalearn.files import FileError, disk_full, write_atomically
+            try:
+                write_atomically({str(target)!r}, lambda f: torch.save(torch.zeros(100_000), f),
+                                 what="checkpoint")
+            except FileError as err:
+                print(disk_full(err), err)
+        """)
+        out = disk.run([sys.executable, "-c", script], timeout=120)
+        assert out.returncode == 0 and out.stderr == "", out.stderr
+        assert out.stdout.startswith(f"True could not write checkpoint {target}: ")
+        assert out.stdout.count("\n") == 1 and "(nothing was replaced)" in out.stdout
+        assert target.read_bytes() == b"old" and sorted(os.listdir(disk.folder)) == [
+            "checkpoint.pt"]  # fmt: skip

@@ -148,6 +148,42 @@ def test_unreadable_cache_is_rebuilt_with_a_warning(tiny, tmp_path):
     assert torch.equal(again.images, first.images)
 
 
+@pytest.mark.parametrize(
+    ("edit", "problem"),
+    [(lambda c: c.update(images=c["images"][:-1]),
+      "its images are uint8 [6, 4, 28, 28], where the files decode to uint8 [7, 4, 28, 28]"),
+     (lambda c: c.update(images=c["images"].float()),
+      "its images are float32 [7, 4, 28, 28], where the files decode to uint8 [7, 4, 28, 28]"),
+     (lambda c: c.pop("images"),
+      "its images are missing, where the files decode to uint8 [7, 4, 28, 28]"),
+     (lambda c: c.update(characters=c["characters"][::-1]),
+      "its characters or alphabets are not the folder's"),
+     (lambda c: c.update(background=c["background"][:3]),
+      "its background flags are bool [3], not the folder's bool [7]")],
+)  # fmt: skip
+def test_a_cache_whose_fingerprint_matches_but_whose_arrays_do_not_is_rebuilt(
+    tiny, tmp_path, edit, problem
+):
+    """The fingerprint is of the files' names, sizes and times, not of the cache's contents:
+    a cache file edited or written by other code is refused in one line and rebuilt, never
+    read as the data (a class short, or the wrong alphabets)."""
+    cache = tmp_path / "cache"
+    first = _load(tiny, cache)
+    (path,) = cache.glob("*.pt")
+    contents = torch.load(path, weights_only=True)
+    edit(contents)
+    torch.save(contents, path)  # the same fingerprint inside
+    with pytest.warns(UserWarning) as caught:
+        again = _load(tiny, cache)
+    (warning,) = [str(w.message) for w in caught if "Omniglot cache" in str(w.message)]
+    assert warning == (f"ignoring the Omniglot cache {path}: its fingerprint matches the files "
+                       f"but {problem}; rebuilding it")  # fmt: skip
+    assert torch.equal(again.images, first.images) and again.characters == first.characters
+    assert torch.equal(again.background, first.background)
+    rebuilt = torch.load(path, weights_only=True)  # the rebuilt cache replaced the edited one
+    assert torch.equal(rebuilt["images"], first.images) and not list(cache.glob(".*"))
+
+
 def test_cache_dir_and_data_root_from_environment(tiny, tmp_path, monkeypatch):
     monkeypatch.setenv("METALEARN_DATA", str(tiny.parent))  # a folder holding omniglot/
     monkeypatch.setenv("METALEARN_CACHE", str(tmp_path / "env-cache"))
@@ -177,8 +213,8 @@ def test_a_full_disk_runs_uncached_with_a_warning(tiny, tmp_path):
     # holds 7 x 4 x 64 x 64 bytes = 115 KB.
     resource.setrlimit(resource.RLIMIT_FSIZE, (16 * 1024, hard))
     try:
-        full = r"could not write the Omniglot cache .*File too large.*running uncached"
-        with pytest.warns(UserWarning, match=full):
+        with pytest.warns(UserWarning, match=r"could not write the Omniglot cache .*: File too "
+                          r"large; .*running uncached"):  # fmt: skip
             data = _load(tiny, tmp_path / "full", image_size=64)
     finally:
         resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))

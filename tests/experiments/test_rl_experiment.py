@@ -146,6 +146,19 @@ def test_a_stopped_run_resumes_to_the_uninterrupted_parameters(tmp_path):
         (["--max-kl", "nan"], "--max-kl nan"),
         (["--env", "pong"], "pong"),
         (["--resume"], "--run-name"),
+        (["--cg-damping", "-1"], "error: --cg-damping -1.0: must be >= 0 and finite"),
+        (["--cg-damping", "nan"], "error: --cg-damping nan: must be >= 0 and finite"),
+        (["--hidden", "0"], "error: --hidden 0: every hidden layer needs at least 1 unit"),
+        (["--hidden", "32", "0"], "error: --hidden 32 0: every hidden layer needs at least 1"),
+        (
+            ["--ppo-clip", "0.3"],
+            "error: --ppo-clip 0.3 is a setting of --outer ppo; drop it for --outer trpo",
+        ),
+        (["--outer", "trpo", "--ppo-epochs", "5"], "--ppo-epochs 5 is a setting of --outer ppo"),
+        (
+            ["--outer", "ppo", "--cg-iters", "5"],
+            "error: --cg-iters 5 is a setting of --outer trpo; drop it for --outer ppo",
+        ),
     ],
 )
 def test_bad_input_is_one_line_and_exit_2(tmp_path, capsys, argv, needle):
@@ -209,3 +222,37 @@ def test_mujoco_missing_names_the_extra(tmp_path):
     ]
     assert time.perf_counter() - start < 60
     assert not any(tmp_path.iterdir())
+
+
+def test_resuming_a_supervised_run_names_the_experiment_that_owns_it(tmp_path, capsys):
+    from tests.helpers.image_set_fixtures import write_folder
+    from tests.helpers.run_helpers import checkpoint_of, fs, make
+
+    folder = write_folder(tmp_path / "folder")
+    args = make(fs, dataset="folder", data_root=str(folder), out_dir=str(tmp_path), track=False,
+                device="cpu", hidden=4, image_size=16)  # fmt: skip
+    path = checkpoint_of(tmp_path, fs, args)  # <tmp>/run/checkpoint.pt, the experiment's format
+    before = path.read_bytes()
+    code, err = cli(["--resume", "--run-name", "run", "--out-dir", str(tmp_path)], capsys)
+    assert code == 2
+    assert err.strip().splitlines() == [
+        f"error: {path} is a run of experiments/fewshot_maml.py, not of experiments/rl_maml.py; "
+        "resume it with that script"
+    ]
+    assert path.read_bytes() == before
+
+
+def test_a_run_recorded_with_both_outer_steps_settings_resumes(tmp_path):
+    """Runs recorded the clipped step's settings beside TRPO's (at their defaults) before each
+    outer step refused the other's: such a run resumes as it ran."""
+    rl_maml.main(tiny(tmp_path, run_name="old", iterations=1))
+    path = tmp_path / "old" / "checkpoint.pt"
+    saved = load_checkpoint(path)
+    saved["args"].update(ppo_clip=0.2, ppo_epochs=5, ppo_lr=1e-3)  # what those runs recorded
+    torch.save(saved, path)
+    args = rl_maml.parse_args(["--resume", "--run-name", "old", "--out-dir", str(tmp_path),
+                               "--iterations", "2"])  # fmt: skip
+    rl_maml.main(args)
+    resumed = load_checkpoint(path)
+    assert resumed["iteration"] == 2 and resumed["args"]["outer"] == "trpo"
+    assert resumed["args"]["max_kl"] == 0.01 and resumed["results"] is not None

@@ -99,6 +99,24 @@ def test_another_experiments_checkpoint_is_refused_in_one_line(tmp_path):
     assert "\n" not in str(err.value)
 
 
+@pytest.mark.parametrize(
+    ("name", "value", "problem"),
+    [("image_size", "abc", "'abc' is not a whole number"),
+     ("image_size", 100_000, "100000 is not in [1, 1024]"),
+     ("hidden", 2.5, "2.5 is not a whole number"), ("augment", "yes", "'yes' is not true or false"),
+     ("lr_milestones", [10, "x"], "[10, 'x'] is not a list of whole numbers")],
+)  # fmt: skip
+def test_an_old_records_argument_of_the_wrong_type_is_named(name, value, problem):
+    """A record without a recipe is read from its flat arguments: each is checked as the
+    recipe's field it becomes, named as the checkpoint's argument."""
+    record = saved("folder-maml")
+    record["args"][name] = value
+    with pytest.raises(ValueError) as err:
+        read_recipe(record)
+    assert str(err.value) == (f"the checkpoint's argument {name}: {problem}; the checkpoint was "
+                              "edited or damaged: use the one its run wrote")  # fmt: skip
+
+
 @needs_omniglot
 def test_a_flag_the_old_record_predates_is_refused_on_resume_not_dropped(tmp_path):
     (tmp_path / "omniglot-maml").mkdir()

@@ -180,3 +180,20 @@ def test_each_run_folder_is_read_by_one_wandb_process(tmp_path, monkeypatch):
         assert (r.project, r.tags, r.state, r.config) == ("p", ["x"], "finished", {"lr": 0.1})
         assert r.summary["test/acc"] == 0.9 and r.summary["val/acc"] == 0.6
         assert [h["val/acc"] for h in r.history] == [0.5, 0.6]
+
+
+def test_records_that_are_not_json_name_their_file(tmp_path):
+    """What ``wandb leet inspect --json`` printed is read line by line as JSON objects; a line
+    that is none (another wandb's output) is one line naming the run's file, not a
+    JSONDecodeError."""
+    from metalearn.runs.records import RunReadError, _records
+
+    file = tmp_path / "run-x.wandb"
+    good = '{"type": "run", "run": {"run_id": "x"}}'
+    assert _records(f"{good}\n", file) == [{"type": "run", "run": {"run_id": "x"}}]
+    for bad in ("Reading run-x.wandb...", "[1, 2]"):
+        with pytest.raises(RunReadError) as err:
+            _records(f"{good}\n{bad}\n", file)
+        assert str(err.value) == (f"wandb leet inspect printed line 2 of {file}'s records as "
+                                  f"{bad!r}, not a JSON object; reading offline runs needs "
+                                  "wandb >= 0.31 (pip install -U wandb)")  # fmt: skip

@@ -17,8 +17,9 @@ import torch
 
 from metalearn.deploy import export_program
 from metalearn.runs import lock
+from metalearn.runs.cli import unflatten
 from metalearn.tools import grid
-from tests.conftest import OMNIGLOT, ROOT, needs_omniglot
+from tests.conftest import OMNIGLOT, ROOT, experiment, needs_omniglot
 from tests.helpers.run_helpers import checkpoint_of, fs, make
 
 DATA = OMNIGLOT
@@ -26,6 +27,8 @@ TINY = ["--iterations", "2", "--meta-batch", "2", "--query", "1", "--eval-query"
         "--hidden", "8", "--val-every", "1", "--val-tasks", "2", "--test-tasks", "2",
         "--eval-inner-steps", "1", "--data-root", str(DATA), "--no-track",
         "--threads", "1"]  # fmt: skip
+RL_TINY = dict(iterations=1, meta_batch=2, fast_batch=2, horizon=5, hidden=(8,), eval_tasks=2,
+               eval_inner_steps=1, track=False, device="cpu")  # fmt: skip
 
 
 def _run(tmp_path: Path, *flags: str, script: str = "omniglot_maml") -> str:
@@ -84,7 +87,11 @@ def test_an_unknown_cg_negative_curvature_is_one_line_exit_2(tmp_path):
      (["--inner-optimizer", "momentum", "--inner-momentum", "1.5"],
       "--inner-momentum 1.5 is out of range: it must be in [0, 1)"),
      (["--inner-optimizer", "rmsprop", "--inner-alpha", "1.0"],
-      "--inner-alpha 1.0 is out of range: it must be in [0, 1)")],
+      "--inner-alpha 1.0 is out of range: it must be in [0, 1)"),
+     (["--inner-eps", "0"], "--inner-eps 0: Adam and RMSprop divide by sqrt(v) + eps, 0 / 0 "
+                            "where a gradient entry is 0 (a dead ReLU's); pass a positive "
+                            "--inner-eps, e.g. 1e-8"),
+     (["--inner-optimizer", "rmsprop", "--inner-eps", "0.0"], "--inner-eps 0: Adam and RMSprop")],
 )  # fmt: skip
 def test_inner_optimizer_settings_the_learner_refuses(tmp_path, flags, message):
     """The learner's own refusal (`InnerOptimizerLearner`), met while the arguments are
@@ -93,7 +100,7 @@ def test_inner_optimizer_settings_the_learner_refuses(tmp_path, flags, message):
     empty.mkdir()
     adam = [] if flags[0] == "--inner-optimizer" else ["--inner-optimizer", "adam"]
     line = _run(tmp_path, "--algorithm", "maml", *adam, *flags, "--data-root", str(empty))
-    assert line == f"error: {message}"
+    assert line.startswith(f"error: {message}"), line
     assert not (tmp_path / "runs").exists()
 
 
@@ -120,6 +127,48 @@ def test_shapes_the_data_cannot_give_are_refused_before_it_loads(tmp_path, scrip
     line = _run(tmp_path, *flags, "--data-root", str(empty), script=script)
     assert line.startswith(f"error: {message}"), line
     assert not (tmp_path / "runs").exists()
+
+
+def test_an_image_side_no_data_set_has_is_refused_before_the_data_loads(tmp_path):
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    line = _run(tmp_path, "--dataset", "folder", "--data-root", str(empty), "--image-size",
+                "100000", script="fewshot_maml")  # fmt: skip
+    assert line == "error: image_size 100000: must be from 1 to 1024 pixels, or unset"
+    assert not (tmp_path / "runs").exists()
+
+
+def test_online_tracking_without_an_api_key_is_refused_before_the_data_loads(tmp_path):
+    """No key in the environment or a netrc file: wandb's init would fail (or ask for a key)
+    after the data was read; the data root given is empty, so a refusal there would name it."""
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    env = {k: v for k, v in os.environ.items() if k not in ("WANDB_API_KEY", "WANDB_MODE")}
+    env.update(HOME=str(tmp_path / "home"), NETRC=str(tmp_path / "no-netrc"))
+    runs = {"omniglot_maml": [*TINY, "--data-root", str(empty)], "rl_maml": ["--iterations", "1"],
+            "sine_maml": ["--iterations", "1"]}  # fmt: skip
+    for script, flags in runs.items():
+        cmd = [sys.executable, str(ROOT / "experiments" / f"{script}.py"), *flags, "--track",
+               "--wandb-mode", "online", "--out-dir", str(tmp_path / "runs")]  # fmt: skip
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
+        assert done.returncode == 2, done.stderr[-2000:]
+        assert done.stderr.strip().splitlines() == [
+            "error: --wandb-mode online needs a W&B API key and none is set: run `wandb login` "
+            "(or set WANDB_API_KEY), or pass --wandb-mode offline (`wandb sync` later)"
+        ], script
+        assert not (tmp_path / "runs").exists()
+
+
+def test_a_reader_that_leaves_ends_the_run_quietly_and_leaves_no_lock(tmp_path):
+    """``omniglot_maml.py | head -1`` once the line is read: its first print (the checkpoint's
+    path) fails; the run ends with status 141 before it trains, its lock and folder removed."""
+    from tests.tools.test_tools import closed_stdout
+
+    cmd = [sys.executable, str(ROOT / "experiments" / "omniglot_maml.py"), *TINY, "--out-dir",
+           str(tmp_path / "runs"), "--run-name", "r"]  # fmt: skip
+    done = closed_stdout(cmd)
+    assert done.returncode == 141 and "Traceback" not in done.stderr, done.stderr[-2000:]
+    assert not (tmp_path / "runs" / "r").exists()
 
 
 @needs_omniglot
@@ -153,12 +202,17 @@ def test_an_overflowing_meta_gradient_is_not_taken_even_when_skipping(tmp_path):
 
 
 @needs_omniglot
-@pytest.mark.parametrize("kind", ["truncated", "empty", "foreign", "fewshot"])
+@pytest.mark.parametrize("kind", ["truncated", "empty", "foreign", "fewshot", "rl"])
 def test_resuming_what_is_not_this_experiments_checkpoint(tmp_path, kind):
     folder = tmp_path / "runs" / "r"
     folder.mkdir(parents=True)
     path = folder / "checkpoint.pt"
-    if kind == "fewshot":
+    if kind == "rl":  # a meta-RL run's checkpoint, written by experiments/rl_maml.py
+        rl_maml = experiment("rl_maml")
+        rl_maml.main(unflatten(rl_maml.Args, {**RL_TINY, "out_dir": str(tmp_path / "rl"),
+                                              "run_name": "q"}))  # fmt: skip
+        os.replace(tmp_path / "rl" / "q" / "checkpoint.pt", path)
+    elif kind == "fewshot":
         args = make(fs, dataset="folder", data_root=str(tmp_path), out_dir=str(tmp_path),
                     track=False, device="cpu", hidden=4, image_size=16)  # fmt: skip
         os.replace(checkpoint_of(tmp_path, fs, args), path)
@@ -173,9 +227,16 @@ def test_resuming_what_is_not_this_experiments_checkpoint(tmp_path, kind):
     line = _run(tmp_path, "--resume", "--run-name", "r")
     expected = {"truncated": "cannot be read as a checkpoint", "empty": "cannot be read",
                 "foreign": "is not a metalearn run's checkpoint",
-                "fewshot": "is a run of experiments/fewshot_maml.py"}[kind]  # fmt: skip
+                "fewshot": "is a run of experiments/fewshot_maml.py",
+                "rl": "is a run of experiments/rl_maml.py, not of experiments/omniglot_maml.py; "
+                      "resume it with that script"}[kind]  # fmt: skip
     assert str(path) in line and expected in line
     assert path.read_bytes() == before
+    if kind == "rl":  # the few-shot experiment names the owner too
+        line = _run(tmp_path, "--resume", "--run-name", "r", script="fewshot_maml")
+        assert line == (f"error: {path} is a run of experiments/rl_maml.py, not of "
+                        "experiments/fewshot_maml.py; resume it with that script")  # fmt: skip
+        assert path.read_bytes() == before
 
 
 def test_a_program_to_a_full_disk_is_one_line_and_keeps_the_old_file(tmp_path, monkeypatch):

@@ -388,3 +388,54 @@ def test_one_project_by_default_and_the_group_and_tag_filters(tmp_path, capsys):
     assert "no run in group g2 with tags maml (groups: g1, g2; tags: maml)" in usage_error(
         capsys, str(tmp_path), "--group", "g2", "--tag", "maml"
     )
+
+
+def test_a_plot_over_an_existing_file_needs_overwrite_and_is_written_whole(tmp_path, capsys):
+    offline_run(tmp_path, {0: {"val/acc": 0.5}, 1: {"val/acc": 0.7}}, config={"seed": 0})
+    png = tmp_path / "cmp.png"
+    png.write_bytes(b"an earlier plot")
+    err = usage_error(capsys, str(tmp_path), "--plot", str(png))
+    assert err.strip() == (f"metalearn-compare: error: --plot {png} exists; pass --overwrite "
+                           "to replace it, or another name")  # fmt: skip
+    assert png.read_bytes() == b"an earlier plot"
+    assert compare.main([str(tmp_path), "--plot", str(png), "--overwrite"]) == 0
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert list(tmp_path.glob(".*")) == []  # no temporary file left beside it
+    capsys.readouterr()
+    (tmp_path / "folder.png").mkdir()
+    err = usage_error(capsys, str(tmp_path), "--plot", str(tmp_path / "folder.png"), "--overwrite")
+    assert f"--plot {tmp_path / 'folder.png'} is a folder; give a file name" in err
+
+
+def test_a_metric_no_run_logged_is_refused_naming_those_logged(tmp_path, capsys):
+    offline_run(tmp_path, {0: {"val/acc": 0.5, "train/loss": 1.0}}, config={"seed": 0},
+                summary={"test/acc": 0.6})  # fmt: skip
+    err = usage_error(capsys, str(tmp_path), "--metrics", "val/acc", "val/accuracy")
+    assert err.strip() == ("metalearn-compare: error: --metrics val/accuracy: no run logged it; "
+                           "the runs logged test/acc, train/loss, val/acc")  # fmt: skip
+    assert "no run logged them" in usage_error(capsys, str(tmp_path), "--metrics", "a", "b")
+
+
+def test_a_fifo_named_as_a_runs_file_is_refused_not_waited_on(tmp_path, capsys):
+    """wandb's reader (a wandb-core child) would wait for a writer for ever: the command runs
+    in a child with a timeout, so a hang fails the test instead of stalling it."""
+    run_dir = tmp_path / "wandb" / "offline-run-20260101_000000-abcd1234"
+    run_dir.mkdir(parents=True)
+    fifo = run_dir / "run-abcd1234.wandb"
+    os.mkfifo(fifo)
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    for source in (tmp_path, fifo):
+        done = subprocess.run([sys.executable, "-m", "metalearn.tools.compare", str(source)],
+                              capture_output=True, text=True, env=env, timeout=120)  # fmt: skip
+        assert done.returncode == 2 and done.stdout == ""
+        assert done.stderr.strip() == (f"metalearn-compare: error: W&B run file {fifo} is a FIFO "
+                                       "(named pipe); give a regular file")  # fmt: skip
+
+
+def test_a_reader_that_leaves_ends_the_comparison_quietly(tmp_path):
+    """``metalearn-compare ... | head -1``: status 141, nothing on stderr."""
+    from tests.tools.test_tools import closed_stdout
+
+    offline_run(tmp_path, {0: {"val/acc": 0.5}, 1: {"val/acc": 0.7}}, config={"seed": 0})
+    done = closed_stdout([sys.executable, "-m", "metalearn.tools.compare", str(tmp_path)])
+    assert (done.returncode, done.stderr) == (141, "")

@@ -193,7 +193,13 @@ def test_a_logged_model_moved_elsewhere_is_evaluated_from_its_artifact(logged_mo
 def test_an_online_artifact_without_a_login_is_one_line(tmp_path, capsys, monkeypatch):
     monkeypatch.delenv("WANDB_API_KEY", raising=False)
     monkeypatch.setenv("NETRC", str(tmp_path / "no-netrc"))
-    _refused(capsys, ["--artifact", "r-model", "--wandb-mode", "online"],
+    _refused(
+        capsys,
+        ["--artifact", "r-model", "--wandb-mode", "online"],
+        "--wandb-mode online needs a W&B API key and none is set: run `wandb login`",
+    )
+    # Not tracked, the artifact is still fetched online: wandb's own refusal, in one line.
+    _refused(capsys, ["--artifact", "r-model", "--wandb-mode", "online", "--no-track"],
              "artifact metalearn-omniglot/r-model:best: No API key configured")  # fmt: skip
 
 
@@ -250,6 +256,59 @@ def test_user_errors_are_one_line(checkpoint, tmp_path, capsys) -> None:
         "--shots 19 with --query 2 needs 21 examples per class; Omniglot has 20",
     )
     _refused(capsys, [*run, "--steps", "-1"], "--steps >= 0")
+
+
+def test_weights_that_are_not_finite_are_refused_before_the_data_loads(checkpoint, tmp_path,
+                                                                       capsys) -> None:  # fmt: skip
+    """A run that diverged after its best validation can keep NaN weights: every test task
+    would stop on a non-finite loss. The data root given is empty: nothing was loaded."""
+    saved = torch.load(checkpoint, weights_only=True)
+    best = {k: v.clone() for k, v in saved["best_learner"].items()}
+    floats = [k for k, v in best.items() if v.is_floating_point()]
+    best[floats[1]].view(-1)[0] = float("nan")
+    best[floats[2]].view(-1)[0] = float("inf")
+    path = save_checkpoint(tmp_path / "nan" / "checkpoint.pt", {**saved, "best_learner": best})
+    before = path.read_bytes()
+    (tmp_path / "empty").mkdir()
+    _refused(capsys, ["--checkpoint", str(path), "--no-track", "--data-root",
+                      str(tmp_path / "empty")],
+             f"{path}: the best weights hold NaN or infinite values ({floats[1]} and 1 more): "
+             "the run diverged; evaluate --which last, or train again with a lower --inner-lr "
+             "or --outer-lr")  # fmt: skip
+    assert path.read_bytes() == before and sorted(os.listdir(path.parent)) == ["checkpoint.pt"]
+    # its latest weights are finite: --which last tests them
+    assert script.main(["--checkpoint", str(path), "--no-track", "--tasks", "2",
+                        "--which", "last"]) == 0  # fmt: skip
+    assert RESULT.fullmatch(capsys.readouterr().out.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize(
+    ("part", "field", "value", "message"),
+    [(("data", "image"), "size", "abc",
+      "the recipe's data.image.size: 'abc' is not a whole number of pixels from 1 to 1024"),
+     (("data", "image"), "size", 100_000,
+      "the recipe's data.image.size: 100000 is not a whole number of pixels from 1 to 1024"),
+     (("model",), "image_size", "abc",
+      "the recipe's model.image_size: 'abc' is not a whole number"),
+     (("model",), "ways", 1, "the recipe's model.ways: 1 is not at least 2"),
+     (("data",), "shots", "5", "the recipe's data.shots: '5' is not a whole number"),
+     (("training",), "eval_inner_steps", -1, "the recipe's training.eval_inner_steps: -1 is not "
+                                             "at least 0")],
+)  # fmt: skip
+def test_a_recipe_field_of_the_wrong_type_or_out_of_bounds_is_named(
+    checkpoint, tmp_path, capsys, part, field, value, message
+):
+    """Each refusal names the recipe's field, not the data set or the model it would reach
+    (an image side of 100000 crashed the decoding pool; a string reached int())."""
+    saved = torch.load(checkpoint, weights_only=True)
+    record = saved["recipe"]
+    for key in part:
+        record = record[key]
+    record[field] = value
+    path = save_checkpoint(tmp_path / "edited" / "checkpoint.pt", saved)
+    _refused(capsys, ["--checkpoint", str(path), "--no-track"],
+             f"{path}: {message}; the checkpoint was edited or damaged: use the one its run "
+             "wrote")  # fmt: skip
 
 
 def test_the_command_exits_2(tmp_path) -> None:

@@ -91,6 +91,10 @@ def test_set_names_and_cell_values_are_checked_before_anything_runs(tmp_path, ca
     err = refused(capsys, ["--set", "inner_lr=0.1,-1", "--out-dir", str(out)])
     assert "cell inner_lr=-1, seed 0: --inner-lr -1.0: must be a positive" in err
     assert "--jobs 0: must be at least 1" in refused(capsys, ["--jobs", "0"])
+    assert refused(capsys, ["--seeds", "--out-dir", str(out)]) == (
+        "metalearn-grid: error: --seeds names no seed: give at least one (--seeds 0 1 2), or "
+        "drop --seeds for seed 0\n")  # fmt: skip
+    assert "seed 1 is given twice (one run each)" in refused(capsys, ["--seeds", "1", "0", "1"])
     with pytest.raises(SystemExit) as stop:  # the experiment's own parser: its one line
         grid.main(["--out-dir", str(out), "--", "--hiden=3"])
     assert stop.value.code == 2 and "did you mean --hidden" in capsys.readouterr().err

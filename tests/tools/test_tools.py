@@ -37,3 +37,24 @@ def test_help_imports_neither_torch_nor_wandb(tool):
                           timeout=120)  # fmt: skip
     assert done.returncode == 0, done.stderr
     assert "--help" in done.stdout and done.stdout.strip().splitlines()[-1] == "[]"
+
+
+def closed_stdout(cmd: list[str], **kwargs) -> subprocess.CompletedProcess:
+    """``cmd`` run with stdout a pipe whose reader has already left (as ``| head -1`` does
+    after its line): the first write fails with EPIPE, deterministically."""
+    read, write = os.pipe()
+    os.close(read)
+    try:
+        env = {**os.environ, "PYTHONPATH": str(ROOT)}
+        return subprocess.run(cmd, stdout=write, stderr=subprocess.PIPE, text=True, env=env,
+                              timeout=300, **kwargs)  # fmt: skip
+    finally:
+        os.close(write)
+
+
+@pytest.mark.parametrize("tool", ["evaluate", "grid", "compare"])
+def test_a_reader_that_leaves_ends_the_tool_quietly_with_status_141(tool):
+    """141 (128 + SIGPIPE), what a shell reports for a program SIGPIPE ended; no traceback,
+    no "Exception ignored" at exit (`metalearn.runs.cli.quiet_on_closed_stdout`)."""
+    done = closed_stdout([sys.executable, "-m", f"metalearn.tools.{tool}", "--help"])
+    assert (done.returncode, done.stderr) == (141, "")
