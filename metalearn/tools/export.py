@@ -40,7 +40,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal
 
-from metalearn.runs.cli import parse_dataclass
+from metalearn.runs.cli import parse_dataclass, quiet_on_closed_stdout
 
 if TYPE_CHECKING:  # imported where used: --help loads no torch
     from metalearn.deploy import ExportReport
@@ -126,6 +126,7 @@ def export(args: Args) -> ExportReport:
     return report
 
 
+@quiet_on_closed_stdout
 def main(argv: Sequence[str] | None = None) -> int:
     """``metalearn-export``: parse, export, and turn a user error into one line on stderr and
     exit status 2."""

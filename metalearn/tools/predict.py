@@ -38,7 +38,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-from metalearn.runs.cli import parse_dataclass
+from metalearn.runs.cli import parse_dataclass, quiet_on_closed_stdout
 
 PROG = "metalearn-predict"
 
@@ -234,6 +234,7 @@ def write(text: str, out: str | None, overwrite: bool) -> None:
     write_atomically(out, text, overwrite=overwrite, what="--out")
 
 
+@quiet_on_closed_stdout
 def main(argv: Sequence[str] | None = None) -> int:
     """``metalearn-predict``: parse, classify, write; a user error is one line on stderr
     and exit status 2."""

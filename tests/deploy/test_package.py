@@ -9,6 +9,7 @@ import hashlib
 import inspect
 import json
 import os
+import sys
 from pathlib import Path
 
 import pytest
@@ -209,3 +210,18 @@ def test_predict_reads_a_package_and_refuses_a_bad_one_in_one_line(tmp_path, cap
     err = capsys.readouterr().err.splitlines()
     assert err == [f"metalearn-predict: error: {path}/package.json.image.size: 'abc' is not an "
                    "integer"]  # fmt: skip
+
+
+def test_predict_into_a_reader_that_left_ends_quietly_with_status_141(tmp_path) -> None:
+    """``metalearn-predict ... | head``: the JSON's first write fails; no traceback."""
+    from PIL import Image
+
+    from tests.tools.test_tools import closed_stdout
+
+    path, _ = genuine(tmp_path / "p")
+    images = tmp_path / "images"
+    images.mkdir()
+    Image.new("L", (SIDE, SIDE), 9).save(images / "a.png")
+    done = closed_stdout([sys.executable, "-m", "metalearn.tools.predict", "--model", str(path),
+                          "--images", str(images)])  # fmt: skip
+    assert (done.returncode, done.stderr) == (141, "")

@@ -52,7 +52,7 @@ def closed_stdout(cmd: list[str], **kwargs) -> subprocess.CompletedProcess:
         os.close(write)
 
 
-@pytest.mark.parametrize("tool", ["evaluate", "grid", "compare"])
+@pytest.mark.parametrize("tool", ["evaluate", "grid", "compare", "export", "predict"])
 def test_a_reader_that_leaves_ends_the_tool_quietly_with_status_141(tool):
     """141 (128 + SIGPIPE), what a shell reports for a program SIGPIPE ended; no traceback,
     no "Exception ignored" at exit (`metalearn.runs.cli.quiet_on_closed_stdout`)."""
