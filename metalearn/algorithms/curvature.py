@@ -128,7 +128,7 @@ def meta_curvature(
 
     Each Hessian-vector product differentiates F twice, through the inner loop's
     ``torch.func`` gradient: double backward (the default) works on autograd's graph of
-    that gradient, and tests/algorithms/test_meta_curvature.py checks it, in loop and vmap mode,
+    that gradient, and tests/algorithms/test_curvature.py checks it, in loop and vmap mode,
     against the dense Hessian of a hand-written one-step MAML meta-loss. An HVP costs about
     two meta-gradients of the probe batch: ``iterations + samples`` of them in all.
 
