@@ -68,6 +68,8 @@ from metalearn.runs.metrics import (
     PERF_VECTORIZED_TASKS,
     TEST_ACC,
     TEST_ACC_CI95,
+    TEST_ACC_ONE_TO_ONE,
+    TEST_ACC_ONE_TO_ONE_CI95,
     TEST_BEST_ITERATION,
     TRAIN_ACC,
     TRAIN_LOSS,
@@ -385,14 +387,22 @@ def validate(recipe: Recipe, learner: MetaLearner, sampler: Any, run: Run) -> di
 
 def test(recipe: Recipe, learner: MetaLearner, sampler: Any, run: Run) -> dict[str, float]:
     """Accuracy of the best-validation weights (with --ensemble-top-k K: the ensemble of the K
-    best, `metalearn.runs.evaluation`) on the test tasks, with its 95% interval."""
+    best, `metalearn.runs.evaluation`) on the test tasks, with its 95% interval; on the
+    within-alphabet test, also the same tasks' queries assigned one-to-one (transductive)."""
     run.load_best(learner)
     run.phase("test")
     t = recipe.training
     gen = torch.Generator().manual_seed(TEST_SEED)
     acc, half = evaluate_tasks(learner, sampler, t.test_tasks, t.eval_inner_steps, gen,
                                progress=run.bar.update, ensemble=run.ensemble())  # fmt: skip
-    return {TEST_ACC: acc, TEST_ACC_CI95: half, TEST_BEST_ITERATION: run.state.best_iteration}
+    results = {TEST_ACC: acc, TEST_ACC_CI95: half, TEST_BEST_ITERATION: run.state.best_iteration}
+    if recipe.data.eval_protocol == "within-alphabet":  # Lake et al.'s runs, read jointly
+        gen = torch.Generator().manual_seed(TEST_SEED)  # the same tasks
+        one, one_half = evaluate_tasks(learner, sampler, t.test_tasks, t.eval_inner_steps, gen,
+                                       progress=False, ensemble=run.ensemble(),
+                                       one_to_one=sampler.queries)  # fmt: skip
+        results.update({TEST_ACC_ONE_TO_ONE: one, TEST_ACC_ONE_TO_ONE_CI95: one_half})
+    return results
 
 
 # --------------------------------------------------------------------------- main

@@ -141,9 +141,10 @@ class MetaLearner(nn.Module, abc.ABC):
             (`metalearn.algorithms.compiled.compile_blocker` refuses it, naming this); None
             when it can.
         scores_adapted_weights: the query predictions `evaluate` scores are the network's
-            output at `adapt`'s weights, so `query_logits` gives them (an ensemble of
+            output at `adapt`'s weights in the query's own batch (an ensemble of
             checkpoints averages them, `metalearn.runs.evaluation`); False for the solved
-            heads and Reptile, which score queries otherwise.
+            heads and Reptile, which score queries otherwise (their `query_logits` give
+            their own predictions).
         has_inner_loop: the learner adapts by inner gradient steps (takes ``inner_lr`` and
             ``inner_steps``); False for the solved heads.
         takes_inner_optimizer: the inner loop's optimizer is chosen (``inner_optimizer`` and
@@ -363,15 +364,9 @@ class MetaLearner(nn.Module, abc.ABC):
         return detached(fast)
 
     def query_logits(self, task: Task, steps: int | None = None) -> Tensor:
-        """The network's output on ``task``'s query inputs at `adapt`'s weights, ``[Q, C]``:
-        the predictions `evaluate` scores (for a learner with ``scores_adapted_weights``).
-
-        Raises:
-            ValueError: a learner that scores queries otherwise (solved heads, Reptile).
-        """
-        if not self.scores_adapted_weights:
-            raise ValueError(f"{type(self).__name__} does not score queries with the network at "
-                             "adapted weights, so it has no query_logits")  # fmt: skip
+        """The predictions `evaluate` scores on ``task``'s query inputs, ``[Q, C]``: the
+        network's output at `adapt`'s weights, read by `query_fn` (the solved heads and
+        Reptile give theirs)."""
         fast = self.adapt(task, steps)
         call = TaskCall.of(task, self.inner_loop(), buffers=self.buffers_dict())
         with torch.no_grad():

@@ -35,6 +35,7 @@ from torch import Tensor, nn
 from torch.func import functional_call
 
 from metalearn.algorithms.base import InnerStart, MetaLossLearner
+from metalearn.algorithms.protomaml import reads_support_moments
 from metalearn.engine import (
     InnerLoop,
     NonFiniteLossError,
@@ -50,6 +51,7 @@ __all__ = [
     "LinearHead",
     "class_targets",
     "features",
+    "head_logits",
     "head_task_loss",
 ]
 
@@ -119,15 +121,43 @@ def head_task_loss(
     A `metalearn.engine.TaskFn` once ``learner`` is bound (`HeadLearner.task_fn`); the same
     function under vmap and in the loop. Its ``support_losses`` are empty (no inner step).
     """
-    embed = partial(features, model, params, head=learner.head, buffers=call.buffers,
-                    model_kwargs=call.model_kwargs)  # fmt: skip
-    (xs, ys), (xq, yq) = call.support, call.query
-    solved = learner.solve(embed(xs), ys, learner.columns(ys))
-    logits = solved.logits(embed(xq))
-    loss = call.inner.loss_fn(logits, yq)
+    logits = head_logits(model, params, call, learner=learner)
+    loss = call.inner.loss_fn(logits, call.query[1])
     if call.check_finite and not torch.isfinite(loss):
         raise NonFiniteLossError("query", call.task_index, None, float(loss))
-    return TaskResult(loss, accuracy(logits, yq), loss.new_zeros(0))
+    return TaskResult(loss, accuracy(logits, call.query[1]), loss.new_zeros(0))
+
+
+def head_logits(
+    model: nn.Module,
+    params: Mapping[str, Tensor],
+    call: TaskCall,
+    *,
+    learner: HeadLearner,
+    columns: int | None = None,
+) -> Tensor:
+    """The query logits ``[Q, C]`` of the head solved on the task's support features.
+
+    ``C`` is ``columns``, by default `HeadLearner.columns` (the support size: a number vmap
+    knows; the classes with no support example are -inf).
+
+    ``learner.transductive`` (or a network without norm layers): the support and the query
+    sets are embedded each in its own batch (the query's batch norm reads the query set's
+    statistics). Otherwise the two go
+    through one forward whose batch norms take their statistics from the support rows alone
+    (``norm_rows``, as `metalearn.algorithms.protomaml.support_normed_query`): the support
+    features are the same, and each query's are those of that query on its own beside the
+    support set, so a query is classified independently of the others (inductive).
+    """
+    (xs, ys), (xq, _) = call.support, call.query
+    embed = partial(features, model, params, head=learner.head, buffers=call.buffers)
+    if not learner.support_moments:
+        support, query = (embed(x, model_kwargs=call.model_kwargs) for x in (xs, xq))
+    else:
+        kwargs = {**(call.model_kwargs or {}), "norm_rows": xs.shape[0]}
+        both = embed(torch.cat([xs, xq]), model_kwargs=kwargs)
+        support, query = both[: xs.shape[0]], both[xs.shape[0] :]
+    return learner.solve(support, ys, columns or learner.columns(ys)).logits(query)
 
 
 class HeadLearner(MetaLossLearner):
@@ -140,11 +170,18 @@ class HeadLearner(MetaLossLearner):
     Args:
         model: the network, with a linear classifier named ``head`` that has a bias.
         head: the classifier's name.
+        transductive: embed the query set in its own batch (its batch norms read the query
+            set's statistics; the default, as these learners have trained here); False:
+            each query beside the support set, its batch norms at the support set's
+            statistics (`head_logits`), so every query is classified on its own, in
+            training and evaluation alike.
         **kwargs: as for `metalearn.algorithms.base.MetaLearner` (``loss_fn``,
             ``vectorize``, ``on_nonfinite``, ``chunk_size``).
 
     Raises:
-        ValueError: the model has no 2-d ``{head}.weight`` and ``{head}.bias``.
+        ValueError: the model has no 2-d ``{head}.weight`` and ``{head}.bias``; not
+            ``transductive`` with a network that cannot read the support set's statistics
+            (`metalearn.algorithms.protomaml.reads_support_moments`).
     """
 
     fixed_arguments = (
@@ -159,7 +196,9 @@ class HeadLearner(MetaLossLearner):
     measures_curvature = False  # no inner loop: no support Hessian where it starts
     scores_adapted_weights = False  # the query is scored by the solved head
 
-    def __init__(self, model: nn.Module, head: str = "head", **kwargs: Any) -> None:
+    def __init__(
+        self, model: nn.Module, head: str = "head", *, transductive: bool = True, **kwargs: Any
+    ) -> None:
         params = dict(model.named_parameters())
         weight, bias = params.get(f"{head}.weight"), params.get(f"{head}.bias")
         if weight is None or weight.dim() != 2 or bias is None:
@@ -175,6 +214,23 @@ class HeadLearner(MetaLossLearner):
         # first_order=True tells the planner so (the fused-norm vmap blocker is about those).
         super().__init__(model, inner_lr=0.0, inner_steps=0, first_order=True, **kwargs)
         self.head = head
+        self.transductive = transductive
+        self.support_moments = reads_support_moments(model, transductive, type(self).__name__)
+
+    @property
+    def evaluation_norm(self) -> str:
+        """``"transductive"`` (the query set in its own batch) or ``"support"`` (each query
+        at the support set's batch-norm statistics)."""
+        return "support" if self.support_moments else "transductive"
+
+    def query_logits(self, task: Task, steps: int | None = None) -> Tensor:
+        """The solved head's logits on ``task``'s query inputs, ``[Q, C]`` with ``C`` the
+        task's classes (`head_logits`): the predictions `evaluate` scores. ``steps`` is
+        ignored (no inner loop)."""
+        call = TaskCall.of(task, self.inner_loop(), buffers=self.buffers_dict())
+        classes = int(task.support[1].max()) + 1
+        with torch.no_grad():
+            return head_logits(self.model, self.theta(), call, learner=self, columns=classes)
 
     @abc.abstractmethod
     def solve(self, support: Tensor, labels: Tensor, columns: int) -> LinearHead:

@@ -48,7 +48,7 @@ from metalearn.algorithms.base import MetaLossLearner, adapted_keys
 from metalearn.engine import QueryFn, TaskCall, query_outputs
 from metalearn.models.norm import NORM_TYPES, MetaBatchNorm
 
-__all__ = ["ProtoMAML", "prototype_head", "support_normed_query"]
+__all__ = ["ProtoMAML", "prototype_head", "reads_support_moments", "support_normed_query"]
 
 
 def prototype_head(
@@ -105,10 +105,10 @@ def support_normed_query(model: nn.Module, params: Mapping[str, Tensor], call: T
     return out[xs.shape[0] :]
 
 
-def _reads_support_moments(model: nn.Module, transductive: bool) -> bool:
-    """Whether the query is normalised with the support set's statistics: not
-    ``transductive`` and the model has normalisation layers (without, both readings are
-    the same forward).
+def reads_support_moments(model: nn.Module, transductive: bool, learner: str) -> bool:
+    """Whether ``learner`` (its name, for the message) normalises the query with the support
+    set's statistics: not ``transductive`` and the model has normalisation layers (without,
+    both readings are the same forward).
 
     Raises:
         ValueError: the non-transductive reading on a model whose forward takes no
@@ -120,7 +120,7 @@ def _reads_support_moments(model: nn.Module, transductive: bool) -> bool:
     takes = "norm_rows" in inspect.signature(model.forward).parameters
     if not takes or any(not isinstance(m, MetaBatchNorm) for m in norms):
         raise ValueError(
-            "Proto-MAML normalises the query with the support set's batch-norm statistics, "
+            f"{learner} normalises the query with the support set's batch-norm statistics, "
             "which needs a network whose forward takes norm_rows and whose norm layers are "
             "MetaBatchNorm (Conv4, ResNet12, R2D2Net); pass transductive=True to normalise "
             "the query in its own batch"
@@ -149,7 +149,7 @@ class ProtoMAML(MetaLossLearner):
 
     Raises:
         ValueError: the model has no ``{head}.weight`` of shape ``[N, D]``, or reads the
-            support set's moments with a network that cannot (`_reads_support_moments`).
+            support set's moments with a network that cannot (`reads_support_moments`).
     """
 
     # records written before: MAML's 0.4 and 1 step, second order, norm layers adapted, the
@@ -183,7 +183,7 @@ class ProtoMAML(MetaLossLearner):
         self.head = head
         self.adapt_norm = adapt_norm
         self.transductive = transductive
-        self._support_moments = _reads_support_moments(model, transductive)
+        self._support_moments = reads_support_moments(model, transductive, "Proto-MAML")
 
     @property
     def evaluation_norm(self) -> str:

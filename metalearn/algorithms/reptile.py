@@ -355,6 +355,13 @@ class Reptile(MetaLearner):
             accs.append(acc)
         return torch.stack(losses), torch.stack(accs)
 
+    def query_logits(self, task: Task, steps: int | None = None) -> Tensor:
+        """The query outputs ``[Q, C]`` that `evaluate` scores: at `adapt`'s weights, each
+        query beside the support set, or the query batch (``transductive``)."""
+        fast = self._evaluation_fast(detached(self.theta()), task, steps, None)
+        with torch.no_grad():
+            return self._logits(fast, task)
+
     def _evaluation_fast(
         self, theta: Mapping[str, Tensor], task: Task, steps: int | None, index: int | None
     ) -> dict[str, Tensor]:

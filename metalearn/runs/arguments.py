@@ -146,9 +146,10 @@ class LearnerArgs:
     """reptile only: its inner Adam's state carried on across tasks (the reference's
     TensorFlow slots) or reset per task; none: the learner's (carried)."""
     transductive: bool | None = None
-    """reptile, protomaml: score a task's query set as one batch (shared batch-norm
-    statistics); none: the learner's (False, as the references: reptile scores each query
-    beside the support set, protomaml normalises the query with the support set's moments)."""
+    """reptile, protomaml and the solved heads (protonet, r2d2, metaoptnet, metaoptnet-lr):
+    score a task's query set as one batch (shared batch-norm statistics); False: each query
+    on its own, beside the support set or at its batch-norm moments; none: the learner's
+    (reptile and protomaml False, as their references; the heads True)."""
     train_on_query: bool | None = None
     """reptile only: the inner loop trains on support + query (the reference's --train-shots
     examples per class: --query = train-shots - shots); none: the learner's (support only)."""

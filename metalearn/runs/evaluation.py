@@ -8,6 +8,10 @@ processes: under ``torchrun`` every rank draws the same indices, adapts its shar
 each chunk, and the accuracies are gathered in task order, so every rank returns the
 same numbers.
 
+With ``one_to_one=k`` the queries of each task are classified jointly instead: assigned to
+the classes one-to-one, ``k`` to a class, on the same logits (`metalearn.assignment`): a
+transductive reading, reported beside the inductive accuracy, never in its place.
+
 The interval is the normal approximation over tasks, ``1.96 * std / sqrt(T)`` (the
 experiment's reporting, as in Finn et al., 2017, Sec. 5.2).
 
@@ -33,11 +37,12 @@ from tqdm import tqdm
 
 from metalearn import distributed
 from metalearn.algorithms import MetaLearner
+from metalearn.assignment import assign_queries
 from metalearn.engine import Task
 from metalearn.models import evaluation_mode
 
 __all__ = ["TEST_SEED", "VAL_SEED", "TaskSource", "accuracy_interval", "ensemble_accuracies",
-           "evaluate_tasks"]  # fmt: skip
+           "evaluate_tasks", "logit_accuracies"]  # fmt: skip
 
 VAL_SEED = 1
 """Seed of the validation tasks: every validation of a run sees the same tasks."""
@@ -68,6 +73,7 @@ def evaluate_tasks(
     progress: bool | Callable[[int], object] = True,
     desc: str = "evaluate",
     ensemble: Sequence[Mapping[str, Tensor]] | None = None,
+    one_to_one: int | None = None,
 ) -> tuple[float, float]:
     """Mean query accuracy of ``learner`` over ``tasks`` tasks, and its 95% half-width.
 
@@ -86,6 +92,9 @@ def evaluate_tasks(
         ensemble: state dicts of ``learner`` whose averaged query logits score each task
             (`ensemble_accuracies`; the learner is left holding the first); None: the
             learner as it is.
+        one_to_one: ``k``, the queries each class of a task holds: the queries are
+            assigned to the classes one-to-one (`logit_accuracies`); None: each query's
+            argmax, as `MetaLearner.evaluate` scores it.
 
     Returns:
         ``(mean, ci95)``: the mean of the ``[T]`` per-task accuracies and
@@ -115,10 +124,10 @@ def evaluate_tasks(
             local = torch.empty(0)
             if part.stop > part.start:
                 batch = source.tasks_from_indices(classes[mine], examples[mine])
-                if ensemble is None:
+                if ensemble is None and one_to_one is None:
                     local = learner.evaluate(batch, steps=steps)[1].detach().cpu()
                 else:
-                    local = ensemble_accuracies(learner, ensemble, batch, steps)
+                    local = logit_accuracies(learner, ensemble, batch, steps, one_to_one)
             accs.append(distributed.gather_tensor(local.float()))
             progress((stop - start) * models)
     acc = torch.cat(accs).double()
@@ -143,18 +152,40 @@ def ensemble_accuracies(
     NaN. ``learner`` is left holding ``states[0]``.
 
     Raises:
-        ValueError: no states, or a learner without ``query_logits``.
+        ValueError: no states.
     """
     if not states:
         raise ValueError("an ensemble needs at least one set of weights")
+    return logit_accuracies(learner, states, tasks, steps)
+
+
+def logit_accuracies(
+    learner: MetaLearner,
+    states: Sequence[Mapping[str, Tensor]] | None,
+    tasks: Sequence[Task],
+    steps: int,
+    one_to_one: int | None = None,
+) -> Tensor:
+    """Query accuracy of each task from its query logits, ``[T]`` (float64).
+
+    The logits (`MetaLearner.query_logits`, ``[Q, C]``) are the learner's as it is
+    (``states`` None) or their mean in float64 over the ``states`` loaded in turn (the
+    learner is left holding ``states[0]``). Each query's class is their argmax (the first of
+    equal maxima), or, with ``one_to_one=k``, the class `metalearn.assignment.assign_queries`
+    gives it, ``k`` queries to a class. A task whose logits are not finite scores NaN.
+    """
     total: list[Tensor] = []
-    for state in reversed(states):  # ends on states[0]
-        learner.load_state_dict(state)
+    for state in reversed(states or [None]):  # ends on states[0]
+        if state is not None:
+            learner.load_state_dict(state)
         logits = [learner.query_logits(task, steps).detach().double().cpu() for task in tasks]
         total = logits if not total else [a + b for a, b in zip(total, logits, strict=True)]
     accs = []
     for summed, task in zip(total, tasks, strict=True):
-        mean = summed / len(states)
-        right = (mean.argmax(dim=-1) == task.query[1].cpu()).double().mean()
-        accs.append(right if mean.isfinite().all() else torch.tensor(float("nan")))
+        mean = summed / len(states or [None])
+        if not mean.isfinite().all():
+            accs.append(torch.tensor(float("nan"), dtype=torch.float64))
+            continue
+        chosen = mean.argmax(dim=-1) if one_to_one is None else assign_queries(mean, one_to_one)
+        accs.append((chosen == task.query[1].cpu()).double().mean())
     return torch.stack(accs) if accs else torch.empty(0, dtype=torch.float64)

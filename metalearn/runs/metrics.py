@@ -38,6 +38,8 @@ __all__ = [
     "PERF_VECTORIZED_TASKS",
     "TEST_ACC",
     "TEST_ACC_CI95",
+    "TEST_ACC_ONE_TO_ONE",
+    "TEST_ACC_ONE_TO_ONE_CI95",
     "TEST_BEST_ITERATION",
     "TRAIN_ACC",
     "TRAIN_CG_CONVERGED",
@@ -66,6 +68,10 @@ VAL_BEST_ACC = "val/best_acc"
 """The running best validation accuracy (its last value is the best: what sweeps optimise)."""
 TEST_ACC = "test/acc"
 TEST_ACC_CI95 = "test/acc_ci95"
+TEST_ACC_ONE_TO_ONE = "test/acc_one_to_one"
+"""The within-alphabet test's queries assigned to the classes one-to-one (transductive:
+`metalearn.assignment`), on the same tasks and logits as ``test/acc``, beside it."""
+TEST_ACC_ONE_TO_ONE_CI95 = "test/acc_one_to_one_ci95"
 TEST_BEST_ITERATION = "test/best_iteration"
 PERF_STEP_S = "perf/step_s"
 PERF_TASKS_PER_S = "perf/tasks_per_s"

@@ -150,13 +150,23 @@ LEARNERS = {
     "anil": {"inner_lr": 0.3, "inner_steps": 2},
     "imaml": {"inner_lr": 0.1, "inner_steps": 3},
 }
+# The learners that score queries otherwise than the network at adapted weights in the
+# query's own batch: their query_logits are their own predictions (the solved head, with
+# the query set's or the support set's batch-norm statistics; Reptile's query beside the
+# support set).
+OWN_LOGITS = {
+    "protonet": {}, "protonet-support": {"transductive": False}, "r2d2": {},
+    "metaoptnet": {}, "reptile": {"inner_steps": 2}, "reptile-transductive": {"inner_steps": 2,
+    "transductive": True},
+}  # fmt: skip
 
 
-@pytest.mark.parametrize("algorithm", list(LEARNERS))
-def test_query_logits_are_what_evaluate_scores(algorithm):
+@pytest.mark.parametrize("case", list(LEARNERS) + list(OWN_LOGITS))
+def test_query_logits_are_what_evaluate_scores(case):
     torch.manual_seed(0)
+    algorithm, arguments = case.split("-")[0], {**LEARNERS, **OWN_LOGITS}[case]
     model = Conv4(in_channels=1, ways=WAYS, hidden=4).double()
-    learner = make_learner(algorithm, model, {**LEARNERS[algorithm], "vectorize": "loop"})
+    learner = make_learner(algorithm, model, {**arguments, "vectorize": "loop"})
     learner = learner.double()
     tasks = image_tasks()
     losses, accs = learner.evaluate(tasks, steps=3)
@@ -169,10 +179,3 @@ def test_query_logits_are_what_evaluate_scores(algorithm):
     # one model's ensemble is that model's accuracy
     one = ensemble_accuracies(learner, [learner.state_dict()], tasks, 3)
     torch.testing.assert_close(one, accs.to(F64), rtol=0, atol=1e-7)  # evaluate's: float32
-
-
-@pytest.mark.parametrize("algorithm", ["protonet", "reptile"])
-def test_learners_scoring_queries_otherwise_have_no_query_logits(algorithm):
-    learner = make_learner(algorithm, Conv4(in_channels=1, ways=WAYS, hidden=4), {})
-    with pytest.raises(ValueError, match="no query_logits"):
-        learner.query_logits(image_tasks(1)[0])

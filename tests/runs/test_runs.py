@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from metalearn.algorithms import FOMAML, IMAML, LEARNERS, MAML, MetaLearner, Reptile
+from metalearn.algorithms.heads import HeadLearner
 from metalearn.algorithms.inner_optimizer import InnerOptimizerLearner
 from metalearn.algorithms.registry import complete_arguments, make_learner
 from metalearn.checkpoint import HOST, load_checkpoint, save_checkpoint
@@ -111,6 +112,9 @@ def test_the_record_names_every_argument_the_learner_takes():
             names |= {n for n in base if n not in ("self", "model")}
             if issubclass(cls, InnerOptimizerLearner):  # FOMAML, ANIL pass the optimizer's on
                 middle = inspect.signature(InnerOptimizerLearner.__init__).parameters
+                names |= {n for n, p in middle.items() if p.kind is p.KEYWORD_ONLY}
+            if issubclass(cls, HeadLearner):  # the solved heads pass theirs on (transductive)
+                middle = inspect.signature(HeadLearner.__init__).parameters
                 names |= {n for n, p in middle.items() if p.kind is p.KEYWORD_ONLY}
             if issubclass(cls, MAML):  # FOMAML passes MAML's on (adapt_norm)
                 middle = inspect.signature(MAML.__init__).parameters
