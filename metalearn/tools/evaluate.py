@@ -25,6 +25,8 @@ Command (NAME: a run's folder name, as the run printed it):
     metalearn-evaluate --checkpoint runs/NAME/checkpoint.pt --which ensemble  # --ensemble-top-k
     metalearn-evaluate --checkpoint runs/NAME/checkpoint.pt \\
         --protocol within-alphabet --tasks 1000   # Lake et al.'s 20-way protocol
+    metalearn-evaluate --checkpoint runs/NAME/checkpoint.pt \\
+        --transductive False --one-to-one   # each query alone; then the run assigned jointly
     metalearn-evaluate --data-root /data/cifar --checkpoint runs/NAME/checkpoint.pt
 
 Ways: the network's head has one output per class it was trained on, so an N-way model is
@@ -92,6 +94,13 @@ class Args:
     data_root: str | None = None
     """The run's data set's folder (default: the run's; Omniglot: else $METALEARN_DATA, else
     the cache dir)."""
+    transductive: bool | None = None
+    """How the query's batch norm is read, for learners that take --transductive (reptile,
+    protomaml, the solved heads): True: the query set in one batch (transductive); False:
+    each query on its own (inductive); default: the run's."""
+    one_to_one: bool = False
+    """Also score each task's queries assigned to the classes one-to-one (transductive: the
+    Hungarian method on the same logits), printed as test/acc_one_to_one beside test/acc."""
     seed: int | None = None
     """Seeds the task sampling (default: the experiments' test seed, which draws the run's
     own test tasks)."""
@@ -230,6 +239,8 @@ def evaluate(args: Args) -> dict[str, float]:
     path, origin, artifact = model_source(args)
     saved = read_run_checkpoint(path)
     require_finite(saved, args.which, path)
+    if args.transductive is not None:
+        saved = with_transductive(saved, args.transductive, path)
     which = "best" if args.which == "ensemble" else args.which
     learner, recipe = learner_from(saved, which, args.device, source=str(path))
     ensemble = kept_ensemble(saved, path) if args.which == "ensemble" else None
@@ -250,13 +261,36 @@ def evaluate(args: Args) -> dict[str, float]:
         acc, half = evaluate_tasks(learner, source, args.tasks, steps, generator, desc="test",
                                    ensemble=ensemble)  # fmt: skip
         results = {"test/acc": acc, "test/acc_ci95": half}
+        if args.one_to_one:  # the same tasks, read jointly
+            generator = torch.Generator().manual_seed(seed)
+            one, one_half = evaluate_tasks(learner, source, args.tasks, steps, generator,
+                                           desc="one-to-one", ensemble=ensemble,
+                                           one_to_one=data.eval_query)  # fmt: skip
+            results.update({"test/acc_one_to_one": one, "test/acc_one_to_one_ci95": one_half})
         if wandb_run is not None:
             wandb_run.summary.update(results)
     finally:
         if wandb_run is not None:
             wandb_run.finish()
+    if args.one_to_one:
+        print(f"test/acc_one_to_one (transductive): {one:.4f} ± {one_half:.4f}")
     print(f"test/acc: {acc:.4f} ± {half:.4f}")
     return results
+
+
+def with_transductive(saved: Mapping[str, Any], transductive: bool, path: Path) -> dict:
+    """``saved`` whose recipe builds its learner with ``transductive`` (--transductive).
+
+    Raises:
+        ValueError: the run's learner takes no ``transductive``.
+    """
+    learner = saved.get("recipe", {}).get("learner", {})
+    arguments = learner.get("arguments", {})
+    if "transductive" not in arguments:
+        raise ValueError(f"--transductive: {path}'s learner ({learner.get('algorithm')}) reads "
+                         "its queries one way only; drop --transductive")  # fmt: skip
+    changed = {**learner, "arguments": {**arguments, "transductive": transductive}}
+    return {**saved, "recipe": {**saved["recipe"], "learner": changed}}
 
 
 def require_finite(saved: Mapping[str, Any], which: str, path: Path) -> None:
