@@ -540,9 +540,9 @@ def reference_gradient(algorithm: str, learner, tasks, arguments: dict, draws=No
             keys = [k for k in theta if "lora_" in k or k.startswith("head.")]
         update = inner_update(learner, arguments)
         if algorithm == "metacurvature":  # Park & Oliva (2019) Eq. 5: the factors, learned
-            factors = {k: [v for n, v in named.items()
-                           if n.startswith(f"curvature.{k.replace('.', '__')}/")] for k in keys}
-            lrs, update = {k: (alpha, factors[k]) for k in keys}, curvature_step  # fmt: skip
+            prefix = {k: f"curvature.{k.replace('.', '__')}/" for k in keys}
+            factors = {k: [v for n, v in named.items() if n.startswith(prefix[k])] for k in keys}
+            lrs, update = {k: (alpha, factors[k]) for k in keys}, curvature_step
         phi = inner_descent(start, keys, lrs, support, model, steps, second, update)
         if learner.evaluation_norm == "support":  # Proto-MAML: the support set's moments
             logits = conv4(phi, query[0], model, support_x=support[0])
