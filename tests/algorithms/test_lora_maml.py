@@ -268,7 +268,6 @@ def test_the_record_rebuilds_the_learner(tmp_path) -> None:
         assert all(torch.equal(learner.state_dict()[k], weights[k]) for k in weights)
 
 
-
 @pytest.mark.parametrize(
     ("overrides", "message"),
     [({"algorithm": "lora", "lora_rank": 0}, "--lora-rank 0: must be at least 1"),
