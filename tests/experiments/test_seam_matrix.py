@@ -9,7 +9,8 @@ For each cell:
 (b) the meta-gradient of step 1, filled by the experiment's own `meta_step`
     on the loop's own task draw, equals a float64 reference written out here from the
     paper's update (a Conv4 forward written with ``F.conv2d``, unrolled autograd, the
-    inner optimizers' updates, the closed-form heads, iMAML's implicit gradient by a dense
+    inner optimizers' updates, Meta-Curvature's transformed gradient as its authors'
+    TensorFlow code computes it, the closed-form heads, iMAML's implicit gradient by a dense
     Hessian and a dense solve, MetaOptNet's SVM dual on its optimal face by a dense KKT
     solve certified by the QP's KKT conditions and differentiated by autograd, MetaOptNet-LR's
     head by Newton's method and its implicit gradient by a dense solve), not from the
