@@ -291,12 +291,13 @@ def check_version(record: Any) -> None:
     if found == RECIPE_VERSION and not isinstance(found, bool):
         return
     by = record.get("metalearn_version")
-    writer = (f"metalearn {by}" if isinstance(by, str)
-              else "a metalearn that did not record its version")  # fmt: skip
-    how = f"pip install metalearn=={by}" if isinstance(by, str) else "the metalearn that wrote it"
-    raise ValueError(f"this record is of format {found!r}, written by {writer}; metalearn "
-                     f"{metalearn.__version__} reads format {RECIPE_VERSION} alone: read it with "
-                     f"{how}, or train the run again")  # fmt: skip
+    known = isinstance(by, str)
+    writer = f"metalearn {by}" if known else "a metalearn that did not record its version"
+    how = f"pip install metalearn=={by} to read it" if known else "read it with that metalearn"
+    # short enough that the tools' one-line errors (160 characters) keep the remedy
+    raise ValueError(f"recipe format {found!r}, written by {writer}; metalearn "
+                     f"{metalearn.__version__} reads format {RECIPE_VERSION} only: {how} or "
+                     "train the run again")  # fmt: skip
 
 
 def _check_complete(kind: type, record: Mapping[str, Any], where: str) -> None:
@@ -559,9 +560,9 @@ def read_recipe(saved: Mapping[str, Any]) -> Recipe:
             record of another format (`check_version`), or a malformed or unknown recipe.
     """
     if "recipe" not in saved:
-        raise ValueError("the checkpoint holds no recipe: a metalearn before records had one "
-                         f"wrote it; metalearn {metalearn.__version__} reads format "
-                         f"{RECIPE_VERSION} alone: train the run again")  # fmt: skip
+        raise ValueError("the checkpoint holds no recipe (a metalearn before records had one "
+                         f"wrote it); metalearn {metalearn.__version__} reads format "
+                         f"{RECIPE_VERSION} only: train the run again")  # fmt: skip
     return Recipe.from_dict(saved["recipe"])
 
 
