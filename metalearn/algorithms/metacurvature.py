@@ -88,7 +88,12 @@ def transform_gradient(g: Tensor, factors: list[Tensor]) -> Tensor:
         return m_out.T @ g @ m_in.T  # the authors' M_in G M_out in TensorFlow's [in, out]
     m_out, m_in, m_f = factors
     flat = g.reshape(g.shape[0], g.shape[1], -1)  # [C_out, C_in, d]
-    out = torch.einsum("ao,ib,fc,abc->oif", m_out, m_in, m_f, flat)
+    # One mode product at a time (Eq. 8), as the authors' three matmuls: a single einsum of
+    # the four operands may contract the factors first, a C_out^2 C_in^2 d^2 tensor
+    # (measured: 40x MAML's meta-step at 32 channels, out of memory at 64).
+    out = torch.einsum("ao,abc->obc", m_out, flat)
+    out = torch.einsum("ib,obc->oic", m_in, out)
+    out = torch.einsum("fc,oic->oif", m_f, out)
     return out.reshape(g.shape)
 
 
