@@ -11,18 +11,20 @@ tensor-matrix products (a mode product per axis, Eq. 8)::
 
 with ``M_o: C_out x C_out``, ``M_i: C_in x C_in``, ``M_f: d x d``; a fully connected weight
 ``[C_out, C_in]`` takes ``M_o`` and ``M_i`` alone, a bias an elementwise vector. Every factor
-starts at the identity (ones for a bias), so the first meta-step is MAML's. This is the
+starts at the identity (ones for a bias), so the first meta-step's inner loop is MAML's. This is the
 authors' code, ``silverbottlep/maml`` at ``e9ce654``, ``maml.py`` lines 70-91 (the factors,
 ``tf.diag([1.0] * n)``) and 100-118 (``transform_gradients``: ``M_out`` multiplies the
 gradient from the right, ``M_f`` and ``M_in`` from the left, in TensorFlow's kernel layout
 ``[k_h, k_w, C_in, C_out]``); in torch's ``[C_out, C_in, k_h, k_w]`` the same sums read as
-the formula above (for a linear weight, ``M_in G M_out`` there is ``M_out^T G M_in^T`` here).
+the formula above (for a linear weight, ``M_in G M_out`` there is ``M_out^T G M_in^T`` here):
+on ``G`` flattened row-major, ``vec(M g) = (M_o^T (x) M_i (x) M_f) vec(G)``, ``M_o`` transposed
+because it multiplies from the right.
 The transform applies to every adapted parameter (the authors': every entry of MAML's
 ``weights`` dict, whose batch norm is not among them; here `MAML`'s ``adapt_norm`` decides).
 
 The learner, `MetaCurvatureMAML` (``--algorithm metacurvature``), is `MAML` with this
 inner update: its factors are ``learner.curvature`` (an ``nn.ParameterDict``), so
-``learner.parameters()`` meta-learns them with theta (Eq. 6's joint update); the inner loop
+``learner.parameters()`` meta-learns them with theta (the paper's outer update); the inner loop
 runs them through `MetaCurvatureSGD`, a `metalearn.optim.InnerOptimizer`, so the same code
 runs under vmap and in the loop, second order through the factors and the gradient alike.
 Its defaults are the authors' Omniglot 5-way commands (``README.md``: ``--update_lr=0.4
