@@ -127,9 +127,6 @@ class MetaLearner(nn.Module, abc.ABC):
         fixed_arguments: `MetaLearner` arguments the subclass decides itself (FOMAML's
             ``first_order``, ANIL's ``adapt_keys``), so a record of its arguments leaves them
             out (`metalearn.algorithms.registry`).
-        arguments_before: the values arguments added or changed since records were written
-            had then: a recorded learner lacking one of them reads it from here, so an old
-            record rebuilds what it ran (`metalearn.runs.recipe`).
         default_outer_lr: the outer step size `outer_optimizer` takes when given none.
         default_outer_optimizer: the name of `outer_optimizer`'s kind (``"adam"``,
             ``"sgd"``), what an experiment's ``--outer-optimizer`` records when left open.
@@ -161,7 +158,6 @@ class MetaLearner(nn.Module, abc.ABC):
     """
 
     fixed_arguments: ClassVar[tuple[str, ...]] = ()
-    arguments_before: ClassVar[Mapping[str, Any]] = {}
     default_outer_lr: ClassVar[float] = 1e-3
     default_outer_optimizer: ClassVar[str] = "adam"
     head_sized_per_task: ClassVar[bool] = False

@@ -52,7 +52,6 @@ class BOIL(InnerOptimizerLearner):
     """
 
     fixed_arguments = ("adapt_keys",)
-    arguments_before = {"inner_lr": 0.4}  # MAML's Omniglot rate, before the reference's
     omniglot_inner_defaults = False  # the reference's CIFAR-FS values, kept on other data
 
     def __init__(

@@ -295,11 +295,6 @@ class IMAML(MetaLearner):
     """
 
     fixed_arguments = ("adapt_keys",)
-    # before the reference's command was the default: 5 steps, damping 10
-    # and before the policy was an argument, CG raised at non-positive curvature
-    # and before eval_lam, evaluation solved the training problem (None: lam)
-    arguments_before = {"inner_steps": 5, "cg_damping": 10.0, "cg_negative_curvature": "raise",
-                        "eval_lam": None}  # fmt: skip
 
     def __init__(
         self,

@@ -37,9 +37,6 @@ class MAML(InnerOptimizerLearner):
             (``adapt_keys`` may not name a normalisation parameter unless ``adapt_norm``).
     """
 
-    # records written before: norms adapted, the inner step 0.4 on the mean loss
-    arguments_before = {"adapt_norm": True, "inner_lr": 0.4}
-
     def __init__(
         self, model: nn.Module, *, inner_lr: float = 2.0, adapt_norm: bool = False, **kwargs: Any
     ) -> None:

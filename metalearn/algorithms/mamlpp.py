@@ -239,10 +239,6 @@ class MAMLpp(MetaLossLearner):
             ``first_order`` is not accepted: DA decides it from the meta-step.
     """
 
-    # records written before: norms adapted, MSL's weights moving every step, first order
-    # for 25,000 steps (the default then)
-    arguments_before = {"adapt_norm": True, "msl_epoch_length": 1, "first_order_steps": 25000}
-
     fixed_arguments = ("first_order",)
 
     def __init__(

@@ -11,32 +11,42 @@ tensor-matrix products (a mode product per axis, Eq. 8)::
 
 with ``M_o: C_out x C_out``, ``M_i: C_in x C_in``, ``M_f: d x d``; a fully connected weight
 ``[C_out, C_in]`` takes ``M_o`` and ``M_i`` alone, a bias an elementwise vector. Every factor
-starts at the identity (ones for a bias), so the first meta-step is MAML's. This is the
+starts at the identity (ones for a bias), so the first meta-step's inner loop is MAML's. This is the
 authors' code, ``silverbottlep/maml`` at ``e9ce654``, ``maml.py`` lines 70-91 (the factors,
 ``tf.diag([1.0] * n)``) and 100-118 (``transform_gradients``: ``M_out`` multiplies the
 gradient from the right, ``M_f`` and ``M_in`` from the left, in TensorFlow's kernel layout
 ``[k_h, k_w, C_in, C_out]``); in torch's ``[C_out, C_in, k_h, k_w]`` the same sums read as
-the formula above (for a linear weight, ``M_in G M_out`` there is ``M_out^T G M_in^T`` here).
+the formula above (for a linear weight, ``M_in G M_out`` there is ``M_out^T G M_in^T`` here):
+on ``G`` flattened row-major, ``vec(M g) = (M_o^T (x) M_i (x) M_f) vec(G)``, ``M_o`` transposed
+because it multiplies from the right.
 The transform applies to every adapted parameter (the authors': every entry of MAML's
 ``weights`` dict, whose batch norm is not among them; here `MAML`'s ``adapt_norm`` decides).
 
-The factors are ``learner.curvature`` (an ``nn.ParameterDict``), so ``learner.parameters()``
-meta-learns them with theta; the inner loop runs them through `MetaCurvatureSGD`, a
-`metalearn.optim.InnerOptimizer`, so the same code runs under vmap and in the loop, second
-order through the factors and the gradient alike.
+The learner, `MetaCurvatureMAML` (``--algorithm metacurvature``), is `MAML` with this
+inner update: its factors are ``learner.curvature`` (an ``nn.ParameterDict``), so
+``learner.parameters()`` meta-learns them with theta (the paper's outer update); the inner loop
+runs them through `MetaCurvatureSGD`, a `metalearn.optim.InnerOptimizer`, so the same code
+runs under vmap and in the loop, second order through the factors and the gradient alike.
+Its defaults are the authors' Omniglot 5-way commands (``README.md``: ``--update_lr=0.4
+--num_updates=1 --meta_batch_size=32 --mc=True``, Adam 1e-3 from ``main.py``'s ``meta_lr``):
+0.4 on a loss that ``utils.py``'s ``xent`` divides by K and ``tf.gradients`` sums over the
+N K support examples, N = 5 times the mean, so 2.0 on the mean loss (as `MAML`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import Tensor, nn
 
+from metalearn.algorithms.maml import MAML
+from metalearn.algorithms.metasgd import adapted_names, keyed_names
 from metalearn.optim.base import InnerOptimizer
 
-__all__ = ["MetaCurvatureSGD", "curvature_factors", "transform_gradient"]
+__all__ = ["MetaCurvatureMAML", "MetaCurvatureSGD", "curvature_factors", "transform_gradient"]
 
 
 def curvature_factors(p: Tensor) -> list[Tensor]:
@@ -80,7 +90,12 @@ def transform_gradient(g: Tensor, factors: list[Tensor]) -> Tensor:
         return m_out.T @ g @ m_in.T  # the authors' M_in G M_out in TensorFlow's [in, out]
     m_out, m_in, m_f = factors
     flat = g.reshape(g.shape[0], g.shape[1], -1)  # [C_out, C_in, d]
-    out = torch.einsum("ao,ib,fc,abc->oif", m_out, m_in, m_f, flat)
+    # One mode product at a time (Eq. 8), as the authors' three matmuls: a single einsum of
+    # the four operands may contract the factors first, a C_out^2 C_in^2 d^2 tensor
+    # (measured: 40x MAML's meta-step at 32 channels, out of memory at 64).
+    out = torch.einsum("ao,abc->obc", m_out, flat)
+    out = torch.einsum("ib,obc->oic", m_in, out)
+    out = torch.einsum("fc,oic->oif", m_f, out)
     return out.reshape(g.shape)
 
 
@@ -115,11 +130,58 @@ class MetaCurvatureSGD(InnerOptimizer):
         return MetaCurvatureSGD({k: [m.detach() for m in v] for k, v in self.factors.items()})
 
 
-def factor_module(params: Mapping[str, Tensor], names: list[str]) -> nn.ParameterDict:
-    """The learnable factors of the named parameters, keyed ``"<name>/<axis>"`` with ``'.'``
-    as ``'__'`` (``nn.ParameterDict`` keys hold no dots)."""
+def factor_module(params: Mapping[str, Tensor], keys: Mapping[str, str]) -> nn.ParameterDict:
+    """The learnable factors of the parameters ``keys`` names (name -> its ``nn.ParameterDict``
+    key, `metalearn.algorithms.metasgd.keyed_names`), each at its start
+    (`curvature_factors`), keyed ``"<key>/<axis>"``."""
     out = nn.ParameterDict()
-    for name in names:
+    for name, key in keys.items():
         for axis, m in enumerate(curvature_factors(params[name].detach())):
-            out[f"{name.replace('.', '__')}/{axis}"] = nn.Parameter(m)
+            out[f"{key}/{axis}"] = nn.Parameter(m)
     return out
+
+
+class MetaCurvatureMAML(MAML):
+    """Meta-Curvature (Park & Oliva, 2019): `MAML` whose inner step is ``theta - alpha M g``
+    (Eq. 5), ``M`` a Kronecker-factored matrix per adapted parameter (Eq. 7, `MetaCurvatureSGD`)
+    meta-learned with theta, every factor starting at the identity (the authors' code).
+
+    Its inner optimizer is that update, so the `InnerOptimizerLearner` choices are fixed
+    (`fixed_arguments`); the rest are `MAML`'s, at the authors' values (the module docstring).
+    The factors are meta-parameters, not the network's: `network_parameters` leaves them out,
+    and a deployed network (`metalearn.deploy`) is the adapted model alone.
+
+    Args:
+        model: the network; its parameters are theta.
+        inner_lr: alpha on the mean support loss (2.0: the authors' 0.4 on N = 5 times it).
+        adapt_norm: adapt (and transform) the normalisation layers' weights too; False (the
+            authors'): they are meta-learned only.
+        **kwargs: as for `MAML`, less the inner optimizer's arguments.
+    """
+
+    fixed_arguments = ("inner_optimizer", "inner_momentum", "inner_beta1", "inner_beta2",
+                       "inner_eps", "inner_alpha", "learn_inner_hyperparameters")  # fmt: skip
+    takes_inner_optimizer = False
+
+    def __init__(
+        self, model: nn.Module, *, inner_lr: float = 2.0, adapt_norm: bool = False, **kwargs: Any
+    ) -> None:
+        if given := [k for k in self.fixed_arguments if k in kwargs]:
+            raise ValueError(f"Meta-Curvature's inner update is its own; drop {', '.join(given)}")
+        super().__init__(model, inner_lr=inner_lr, adapt_norm=adapt_norm, **kwargs)
+        keys = keyed_names(adapted_names(model, self.adapt_keys))
+        params = dict(model.named_parameters())
+        self.curvature = factor_module(params, keys)
+        self._factor_keys = {
+            name: [k for k in self.curvature if k.rsplit("/", 1)[0] == key]
+            for name, key in keys.items()
+        }
+
+    def factors(self) -> dict[str, list[Tensor]]:
+        """Parameter name -> its factors (the ParameterDict's own tensors: gradients reach
+        them)."""
+        return {n: [self.curvature[k] for k in keys] for n, keys in self._factor_keys.items()}
+
+    def inner_update(self) -> MetaCurvatureSGD:
+        """``p - lr * M g`` with the current factors (Park & Oliva, 2019, Eq. 5)."""
+        return MetaCurvatureSGD(self.factors())

@@ -69,8 +69,6 @@ class MetaSGD(MetaLossLearner):
             limits which parameters get a rate (and so are adapted).
     """
 
-    arguments_before = {"adapt_norm": True}  # records written before: norms adapted
-
     def __init__(self, model: nn.Module, *, adapt_norm: bool = False, **kwargs: Any) -> None:
         kwargs["adapt_keys"] = adapted_keys(model, kwargs.get("adapt_keys"), adapt_norm)
         super().__init__(model, **kwargs)

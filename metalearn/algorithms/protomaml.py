@@ -152,10 +152,6 @@ class ProtoMAML(MetaLossLearner):
             support set's moments with a network that cannot (`reads_support_moments`).
     """
 
-    # records written before: MAML's 0.4 and 1 step, second order, norm layers adapted, the
-    # query normalised in its own batch
-    arguments_before = {"inner_lr": 0.4, "inner_steps": 1, "first_order": False,
-                        "adapt_norm": True, "transductive": True}  # fmt: skip
     omniglot_inner_defaults = False  # meta-dataset's values, set for ImageNet-like data
 
     def __init__(

@@ -124,9 +124,6 @@ class R2D2(HeadLearner):
         **kwargs: as for `metalearn.algorithms.heads.HeadLearner`.
     """
 
-    # before the reference's head: the plain one, lambda learned from 1
-    arguments_before = {"ridge_form": "plain", "learn_lambda": True, "lam": 1.0}
-
     def __init__(
         self,
         model: nn.Module,
@@ -149,7 +146,7 @@ class R2D2(HeadLearner):
         self.learn_lambda = learn_lambda
         weight = self.model.get_parameter(f"{head}.weight")
         like = dict(dtype=weight.dtype, device=weight.device)
-        # "plain" keeps the log parameters of the records written before "rrnet" existed.
+        # "plain" keeps its lambda and scale in log space (MetaOptNet's R2D2Head form).
         lam_name, scale_name = (
             ("lam", "scale") if ridge_form == "rrnet" else ("log_lam", "log_scale")
         )

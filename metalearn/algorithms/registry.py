@@ -28,6 +28,7 @@ from metalearn.algorithms.imaml import IMAML
 from metalearn.algorithms.lora_maml import LoRAMAML
 from metalearn.algorithms.maml import ANIL, FOMAML, MAML
 from metalearn.algorithms.mamlpp import MAMLpp
+from metalearn.algorithms.metacurvature import MetaCurvatureMAML
 from metalearn.algorithms.metaoptnet import MetaOptNet
 from metalearn.algorithms.metaoptnet_lr import MetaOptNetLR
 from metalearn.algorithms.metasgd import MetaSGD
@@ -57,6 +58,7 @@ LEARNERS: Mapping[str, type[MetaLearner]] = {
     "metaoptnet": MetaOptNet,
     "metaoptnet-lr": MetaOptNetLR,
     "boil": BOIL,
+    "metacurvature": MetaCurvatureMAML,
 }  # fmt: skip
 ALGORITHMS: tuple[str, ...] = tuple(LEARNERS)
 Algorithm = Literal[ALGORITHMS]  # type: ignore[valid-type]

@@ -245,11 +245,6 @@ class Reptile(MetaLearner):
         self.anneal = anneal
 
     fixed_arguments = ("first_order",)
-    # before the reference's inner loop: full-batch gradient descent on the mean loss, one
-    # query batch (a record without inner_loss ran the mean: it was the only loss then)
-    arguments_before = {"inner_optimizer": "sgd", "inner_state": "task", "inner_batch": None,
-                        "eval_inner_batch": None, "transductive": True,
-                        "inner_loss": "mean"}  # fmt: skip
     default_outer_lr = 1.0  # the reference's --meta-step 1 (every README command)
     default_outer_optimizer = "sgd"  # plain SGD: exactly Alg. 2's update
     scores_adapted_weights = False  # each query is scored beside the support set

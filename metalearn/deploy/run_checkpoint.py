@@ -4,8 +4,8 @@ The experiments write ``runs/<run_name>/checkpoint.pt`` (`metalearn.checkpoint`)
 holding the run's ``args`` and ``recipe`` (`metalearn.runs.recipe`), the latest weights
 ``learner`` and the best-validation weights ``best_learner`` (None until the first
 validation). Evaluating and deploying start here, rebuilding the learner from the recipe
-(`metalearn.runs.recipe.read_recipe` also reads checkpoints written before recipes);
-export refuses to write over such a file.
+(`metalearn.runs.recipe.read_recipe`, which refuses a record of another format, naming the
+metalearn version that wrote it); export refuses to write over such a file.
 """
 
 from __future__ import annotations

@@ -46,7 +46,6 @@ from metalearn.runs.recipe import (
     read_recipe,
     recipe_from_args,
     resolve_learner_args,
-    upgrade_args,
     with_resumed,
 )
 from metalearn.runs.tracking import check_mode
@@ -375,17 +374,14 @@ def _read(path: Path) -> dict:
 
 
 def checkpoint_owner(saved: Mapping[str, Any]) -> str | None:
-    """The experiment that wrote a run's checkpoint: its recipe's, a meta-RL run's own entry
-    (`metalearn.runs.policy_run`), or, for records written before recipes, the one their
-    arguments name (`metalearn.runs.recipe.read_recipe`'s rule); None when it names none."""
+    """The experiment that wrote a run's checkpoint: its recipe's, or a meta-RL run's own
+    entry (`metalearn.runs.policy_run`); None when it names none (then
+    `metalearn.runs.recipe.read_recipe` refuses it: no recipe)."""
     recipe = saved.get("recipe")
     if isinstance(recipe, Mapping) and isinstance(recipe.get("experiment"), str):
         return recipe["experiment"]
     if isinstance(saved.get("experiment"), str):
         return saved["experiment"]
-    args = saved.get("args")
-    if isinstance(args, Mapping) and "algorithm" in args:
-        return "fewshot_maml" if "dataset" in args else "omniglot_maml"
     return None
 
 
@@ -429,9 +425,9 @@ def start_from(exp: Experiment, args: Any) -> tuple[Any, Recipe, dict | None]:
         return args, make_recipe(exp, args), None
     saved = _read(path)
     recipe = _saved_recipe(exp, path, saved)
-    # A flag the record predates ran at its default: a resume that sets it otherwise is
-    # refused like any other change, not dropped.
-    recorded = {**flatten(exp.args_type()), **upgrade_args(saved["args"])}
+    # The saved arguments over the experiment's defaults: a resume that sets a fixed one
+    # otherwise is refused, not dropped (the recipe's format was checked above).
+    recorded = {**flatten(exp.args_type()), **saved["args"]}
     merged = merge_resumed_args(recorded, flatten(args), RESUMABLE)
     require(merged["iterations"] >= saved["iteration"],
             f"--iterations {merged['iterations']} is below the {saved['iteration']} steps "
@@ -478,11 +474,11 @@ def presets_for(exp: Experiment, argv: Sequence[str]) -> Mapping[str, Mapping[st
 
 
 def saved_run_args(exp: Experiment, path: Path) -> dict[str, Any]:
-    """A supervised run's saved flat arguments under today's flag names (`upgrade_args`),
-    refused unless its checkpoint holds a recipe ``exp`` wrote."""
+    """A supervised run's saved flat arguments, refused unless its checkpoint holds a recipe
+    of this format (`metalearn.runs.recipe.check_version`) that ``exp`` wrote."""
     saved = _read(path)
     _saved_recipe(exp, path, saved)
-    return upgrade_args(saved["args"])
+    return dict(saved["args"])
 
 
 def parse_args(

@@ -96,7 +96,7 @@ def scheduled_lr(training: Any, step: int) -> float:
 def build_outer_optimizer(learner: MetaLearner, training: Any) -> torch.optim.Optimizer:
     """The optimizer of the learner's parameters the recipe names.
 
-    ``outer_optimizer`` None (a record written before it existed) is the learner's own
+    ``outer_optimizer`` None is the learner's own
     (`MetaLearner.default_outer_optimizer`: Adam; Reptile: plain SGD). Adam and plain SGD at
     weight decay 0 are exactly `MetaLearner.outer_optimizer`'s. ``weight_decay`` ``d`` adds
     ``d theta`` to the gradient (torch's coupled L2, the gradient of ``d/2 ||theta||^2``) of

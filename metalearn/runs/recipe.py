@@ -15,8 +15,10 @@ checkpoint and their W&B config; whoever uses a run afterwards rebuilds from it 
 
 The experiments (`metalearn.runs.run`), ``--resume``, ``scripts/evaluate.py``,
 ``scripts/transfer_check.py``, ``scripts/grid.py`` and `metalearn.deploy` all go through
-`read_recipe`, which also reads checkpoints written before recipes existed (their flat
-``args``: `recipe_from_args`).
+`read_recipe`. A record states its format (`RECIPE_VERSION`) and the metalearn version that
+wrote it (``metalearn_version``); one of another format, or a checkpoint with no recipe, is
+refused in one line naming the version that wrote it (`check_version`), never upgraded: it
+is read by that metalearn, or its run trained again.
 
 `recipe_from_args` is the one mapping from an experiment's flat arguments (the names of
 its flags) to a recipe, and `resolve_learner_args` fills the learner values a run left open
@@ -36,6 +38,7 @@ from typing import Any
 import torch
 from torch import nn
 
+import metalearn
 from metalearn.algorithms import MetaLearner
 from metalearn.algorithms.inner_optimizer import optimizer_hyperparameters
 from metalearn.algorithms.registry import (
@@ -72,15 +75,17 @@ __all__ = [
     "build_learner",
     "build_model",
     "build_samplers",
+    "check_version",
     "flag_arguments",
     "read_recipe",
     "recipe_from_args",
     "resolve_learner_args",
-    "upgrade_args",
     "with_resumed",
 ]
 
-RECIPE_VERSION = 1
+RECIPE_VERSION = 2
+"""The format of the records this metalearn writes and reads (1: before records named the
+metalearn version that wrote them; its readers upgraded older records, which went with it)."""
 EXPERIMENTS = ("omniglot_maml", "fewshot_maml")
 """The experiments that write recipes (``experiments/<name>.py``)."""
 
@@ -121,17 +126,14 @@ class DataRecipe:
         ways, shots, query, eval_query: N, K, training and evaluation queries per class.
         augment: training images are augmented (the set's standard augmentation).
         image: how an image file becomes an input.
-        train_ways: classes per training task (``ways`` unless the run trains wider; None
-            only in records written before it existed, read as ``ways``).
+        train_ways: classes per training task (``ways`` unless the run trains wider).
         train_shots: support examples per class of a training task (``shots`` unless the
-            run trains with others; None only in records written before it, read as
-            ``shots``).
+            run trains with others).
         train_min_shots: set: each training task's support examples a class are drawn
             uniformly from ``[train_min_shots, train_shots]``, the rest of its
             ``train_shots + query`` examples a class its queries (None: ``train_shots``).
         trainval: Omniglot only: the training tasks draw from the training and validation
-            classes together and there is no validation (`metalearn.data.omniglot_splits`;
-            False in records written before it).
+            classes together and there is no validation (`metalearn.data.omniglot_splits`).
     """
 
     dataset: str
@@ -162,8 +164,8 @@ class ModelRecipe:
     pool: str = "stride"
     head: str = "mean"
     image_size: int | None = None
-    activation: str = "relu"  # a record without it ran MAML's ReLU
-    dropout: float = 0.0  # a record without it ran no dropout
+    activation: str = "relu"
+    dropout: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -189,12 +191,12 @@ class TrainingRecipe:
     checkpoint_every: int
     curvature_every: int = 0
     curvature_tasks: int = 4
-    # The outer loop (`metalearn.runs.outer_loop`); a record without them ran at these.
-    outer_optimizer: str | None = None  # None: the learner's own (records before it existed)
+    # The outer loop (`metalearn.runs.outer_loop`).
+    outer_optimizer: str | None = None  # None: the learner's own
     outer_momentum: float = 0.0
     nesterov: bool = False
     weight_decay: float = 0.0
-    weight_decay_on: str = "all"  # a record without it decayed every meta-parameter
+    weight_decay_on: str = "all"
     lr_schedule: str = "constant"
     eta_min: float = 0.0
     step_size: int | None = None
@@ -223,9 +225,11 @@ class Recipe:
     version: int = RECIPE_VERSION
 
     def to_dict(self) -> dict[str, Any]:
-        """Plain containers (for a checkpoint and the W&B config)."""
+        """Plain containers (for a checkpoint and the W&B config), with the metalearn
+        version writing them (``metalearn_version``)."""
         out = dataclasses.asdict(self)
         out["learner"]["arguments"] = dict(self.learner.arguments)
+        out["metalearn_version"] = metalearn.__version__
         return out
 
     @classmethod
@@ -233,26 +237,22 @@ class Recipe:
         """The recipe a `to_dict` record holds.
 
         Raises:
-            ValueError: not a recipe of this version, an unknown experiment, data set or
-                algorithm, or a part missing or malformed (one line naming it).
+            ValueError: a record of another format (`check_version`), an unknown experiment,
+                data set or algorithm, or a part missing or malformed (one line naming it).
         """
-        if not isinstance(record, Mapping) or record.get("version") != RECIPE_VERSION:
-            found = record.get("version") if isinstance(record, Mapping) else type(record)
-            raise ValueError(f"recipe version {found!r}; this metalearn reads version "
-                             f"{RECIPE_VERSION}")  # fmt: skip
+        check_version(record)
         try:
             data = dict(record["data"])
-            data.setdefault("train_ways", data.get("ways"))  # recipes written before it
-            data.setdefault("train_shots", data.get("shots"))
             parts = {"data": data, "model": record["model"], "training": record["training"]}
             for (part, fields), kind in zip(parts.items(), (DataRecipe, ModelRecipe,
                                                             TrainingRecipe)):  # fmt: skip
                 check_fields(kind, fields, f"the recipe's {part}.")
+                _check_complete(kind, fields, f"the recipe's {part}.")
             recipe = cls(
                 experiment=record["experiment"],
                 data=DataRecipe(**{**data, "image": _image_format(data["image"])}),
                 model=ModelRecipe(**record["model"]),
-                learner=_upgrade_learner(LearnerRecipe(**record["learner"])),
+                learner=LearnerRecipe(**record["learner"]),
                 training=TrainingRecipe(**record["training"]),
             )
         except (KeyError, TypeError) as err:
@@ -275,6 +275,35 @@ class Recipe:
         if self.learner.algorithm not in LEARNERS:
             raise ValueError(f"algorithm {self.learner.algorithm!r} is unknown; known: "
                              f"{', '.join(LEARNERS)}")  # fmt: skip
+
+
+def check_version(record: Any) -> None:
+    """Refuse a record of another format than `RECIPE_VERSION`, in one line naming the
+    metalearn version that wrote it and what to do: read it with that version, or train the
+    run again. Nothing is upgraded.
+
+    Raises:
+        ValueError: ``record`` is not a mapping, or states another format (or none).
+    """
+    if not isinstance(record, Mapping):
+        raise ValueError(f"the recipe is {type(record).__name__}, not a record; {_DAMAGED}")
+    found = record.get("version")
+    if found == RECIPE_VERSION and not isinstance(found, bool):
+        return
+    by = record.get("metalearn_version")
+    known = isinstance(by, str)
+    writer = f"metalearn {by}" if known else "a metalearn that did not record its version"
+    how = f"pip install metalearn=={by} to read it" if known else "read it with that metalearn"
+    # short enough that the tools' one-line errors (160 characters) keep the remedy
+    raise ValueError(f"recipe format {found!r}, written by {writer}; metalearn "
+                     f"{metalearn.__version__} reads format {RECIPE_VERSION} only: {how} or "
+                     "train the run again")  # fmt: skip
+
+
+def _check_complete(kind: type, record: Mapping[str, Any], where: str) -> None:
+    """Refuse a record of ``kind`` that lacks a field: a record of this format has them all."""
+    if missing := [f.name for f in dataclasses.fields(kind) if f.name not in record]:
+        raise ValueError(f"{where}{missing[0]} is missing; {_DAMAGED}")
 
 
 # --------------------------------------------------------------------------- field checks
@@ -478,9 +507,9 @@ def learner_recipe(args: Mapping[str, Any]) -> LearnerRecipe:
 def recipe_from_args(experiment: str, args: Mapping[str, Any]) -> Recipe:
     """The recipe of a run from its resolved flat arguments (the names of its flags).
 
-    Also reads the flat ``args`` of checkpoints written before recipes existed: a key a
-    record lacks takes the value those runs had (``dataset`` Omniglot, MAML's split, the
-    episodic protocols, Omniglot's Conv4 with stride-2 blocks and a mean head).
+    A key an experiment has no flag for takes the value it always runs at (the Omniglot
+    experiment's ``dataset`` Omniglot, its episodic protocols, Conv4 with stride-2 blocks
+    and a mean head).
 
     Raises:
         ValueError: an unknown data set or algorithm, or a shape the data set cannot give.
@@ -524,93 +553,17 @@ def recipe_from_args(experiment: str, args: Mapping[str, Any]) -> Recipe:
 
 
 def read_recipe(saved: Mapping[str, Any]) -> Recipe:
-    """The recipe of a checkpoint: its ``recipe``, or one made from the flat ``args`` of a
-    checkpoint written before recipes existed.
-
-    Old records differ from new ones in learner settings, which the recipe then records:
-    Reptile's outer step was constant (``anneal=False``) and its inner loop full-batch
-    gradient descent, R2D2's head the plain one with lambda learned from 1, and MAML++'s
-    schedule (its loss weights and derivative order) was not driven by the training loop.
+    """The recipe of a checkpoint (`Recipe.from_dict` of its ``recipe``).
 
     Raises:
-        ValueError: a malformed or unknown recipe, or old arguments without the keys every
-            run wrote (named).
+        ValueError: a checkpoint without a recipe (written before records had one), a
+            record of another format (`check_version`), or a malformed or unknown recipe.
     """
-    if "recipe" in saved:
-        return Recipe.from_dict(saved["recipe"])
-    args = saved.get("args")
-    args = upgrade_args(args) if isinstance(args, Mapping) else args
-    if not isinstance(args, Mapping):
-        raise ValueError("the checkpoint holds neither a recipe nor a run's arguments")
-    experiment = "fewshot_maml" if "dataset" in args else "omniglot_maml"
-    for kind in (DataRecipe, ModelRecipe, TrainingRecipe):  # the fields the flags set
-        check_fields(kind, args, "the checkpoint's argument ")
-    try:
-        recipe = recipe_from_args(experiment, resolve_learner_args(args))
-    except KeyError as err:
-        raise ValueError(f"the checkpoint's arguments lack {err}; it was not written by "
-                         "metalearn's experiments") from None  # fmt: skip
-    algorithm = recipe.learner.algorithm
-    # arguments no flag sets (R2-D2's learn_lambda) had the values of that time too
-    before = LEARNERS[algorithm].arguments_before
-    arguments = {**recipe.learner.arguments,
-                 **{k: v for k, v in before.items() if args.get(k) is None}}  # fmt: skip
-    if algorithm == "reptile":
-        arguments["anneal"] = False
-    return dataclasses.replace(recipe, learner=LearnerRecipe(algorithm, arguments))
-
-
-_RENAMED = {"checkpoint": "gradient_checkpointing"}
-"""Flags renamed since a record was written: old name -> new name."""
-
-_RENAMED_ARGUMENTS = {"checkpoint": "gradient_checkpointing", "rank": "lora_rank"}
-"""Learner arguments renamed since a recipe was written (to the flags' names): old -> new."""
-
-
-def upgrade_args(args: Mapping[str, Any]) -> dict[str, Any]:
-    """A checkpoint's flat arguments under today's flag names (`_RENAMED`), with the
-    ``train_ways``, ``train_shots`` and ``outer_optimizer`` a record written before them
-    trained with (``ways``, ``shots``, the learner's own optimizer), and the learner
-    arguments added since at the values those runs had (the learner's
-    `MetaLearner.arguments_before`)."""
-    upgraded = {_RENAMED.get(k, k): v for k, v in args.items()}
-    if upgraded.get("algorithm") in LEARNERS:
-        # arguments added or changed since: the values the run had (`arguments_before`)
-        before = LEARNERS[upgraded["algorithm"]].arguments_before
-        upgraded.update({k: v for k, v in before.items() if upgraded.get(k) is None})
-        # --first-order was a switch, off (False) or absent: the learner's own order, which
-        # is today's unless `arguments_before` says otherwise; a learner that sets its own
-        # takes no first_order
-        takes = "first_order" in complete_arguments(upgraded["algorithm"], {})
-        if not takes:
-            upgraded["first_order"] = None
-        elif upgraded.get("first_order") is None:
-            upgraded["first_order"] = complete_arguments(upgraded["algorithm"], {})["first_order"]
-    if "label_smoothing" not in upgraded and upgraded.get("algorithm") == "metaoptnet":
-        # written before the flag existed: the learner's own (no flag could set it)
-        upgraded["label_smoothing"] = complete_arguments("metaoptnet", {})["label_smoothing"]
-    if "outer_optimizer" not in upgraded and upgraded.get("algorithm") in LEARNERS:
-        # written before the flag existed: the learner's own optimizer, as resolved today
-        upgraded["outer_optimizer"] = LEARNERS[upgraded["algorithm"]].default_outer_optimizer
-    if upgraded.get("train_ways") is None and "ways" in upgraded:
-        upgraded["train_ways"] = upgraded["ways"]
-    if upgraded.get("train_shots") is None and "shots" in upgraded:
-        upgraded["train_shots"] = upgraded["shots"]
-    return upgraded
-
-
-def _upgrade_learner(learner: LearnerRecipe) -> LearnerRecipe:
-    """A recorded learner under today's names: its arguments renamed (`_RENAMED_ARGUMENTS`),
-    ``metaoptnet`` with the logistic head's arguments (``newton_steps``) read as
-    ``metaoptnet-lr`` (it was the logistic-regression head before it became the SVM), and
-    the arguments added since at the values the run had (the learner's
-    `MetaLearner.arguments_before`, for the ones the record lacks)."""
-    arguments = {_RENAMED_ARGUMENTS.get(k, k): v for k, v in learner.arguments.items()}
-    if learner.algorithm == "metaoptnet" and "newton_steps" in arguments:
-        return LearnerRecipe("metaoptnet-lr", arguments)
-    if learner.algorithm in LEARNERS:
-        arguments = {**LEARNERS[learner.algorithm].arguments_before, **arguments}
-    return LearnerRecipe(learner.algorithm, arguments)
+    if "recipe" not in saved:
+        raise ValueError("the checkpoint holds no recipe (a metalearn before records had one "
+                         f"wrote it); metalearn {metalearn.__version__} reads format "
+                         f"{RECIPE_VERSION} only: train the run again")  # fmt: skip
+    return Recipe.from_dict(saved["recipe"])
 
 
 def with_resumed(recipe: Recipe, args: Mapping[str, Any]) -> Recipe:

@@ -256,9 +256,23 @@ def skip_note(cell: Cell, state: str, out_dir: Path) -> str | None:
         by = describe(holder) if holder else "a process that has just ended"
         return f"SKIPPED {cell.name}: running now, by {by}; run the grid again when it ends"
     if state == "damaged":
-        return (f"SKIPPED {cell.name}: {folder / 'checkpoint.pt'} cannot be read (truncated, "
-                "empty or not a run's); move it away and run the grid again")  # fmt: skip
+        return (f"SKIPPED {cell.name}: {folder / 'checkpoint.pt'} cannot be read "
+                f"({_why_unreadable(folder / 'checkpoint.pt')}); move it away and run the grid "
+                "again")  # fmt: skip
     return None
+
+
+def _why_unreadable(path: Path) -> str:
+    """Why `status` found ``path`` damaged: the reader's one line (a record of another format
+    names the metalearn version that wrote it, `metalearn.runs.recipe.check_version`)."""
+    from metalearn.deploy import read_run_checkpoint
+    from metalearn.runs.recipe import read_recipe
+
+    try:
+        read_recipe(read_run_checkpoint(path))
+    except ValueError as err:
+        return str(err)
+    return "it was replaced while the grid read it"
 
 
 def run_all(cells: list[Cell], args: Args) -> dict[str, int]:

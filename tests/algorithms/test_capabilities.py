@@ -32,9 +32,11 @@ def test_each_capability_agrees_with_what_the_learner_takes_and_is(name):
     cls = LEARNERS[name]
     assert can(name, "inner_loop") == ("inner_lr" in takes and "inner_steps" in takes)
     assert can(name, "inner_optimizer") == ("inner_optimizer" in takes)
-    # Reptile chooses its own (Adam or SGD, the reference's two), outside MAML's family
-    assert can(name, "inner_optimizer") == (issubclass(cls, InnerOptimizerLearner) or
-                                            cls is Reptile)  # fmt: skip
+    # Reptile chooses its own (Adam or SGD, the reference's two), outside MAML's family;
+    # Meta-Curvature fixes its own (its transformed gradient step) inside it
+    chooses = "inner_optimizer" not in cls.fixed_arguments
+    assert can(name, "inner_optimizer") == (issubclass(cls, InnerOptimizerLearner) and chooses
+                                            or cls is Reptile)  # fmt: skip
     # Curvature needs a meta-loss to differentiate and a support loss where an inner loop
     # starts (metalearn.algorithms.curvature).
     assert can(name, "curvature") == (issubclass(cls, MetaLossLearner) and can(name, "inner_loop"))

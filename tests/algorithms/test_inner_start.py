@@ -24,7 +24,7 @@ from metalearn.models.norm import normalise
 F64 = torch.float64
 EPS = 1e-5
 INNER = ("maml", "fomaml", "anil", "metasgd", "mamlpp", "imaml", "reptile", "protomaml", "lora",
-         "boil")  # fmt: skip
+         "boil", "metacurvature")  # fmt: skip
 HEADS = ("protonet", "r2d2", "metaoptnet", "metaoptnet-lr")
 
 
@@ -115,7 +115,7 @@ def reference(name: str, learner, t: Task) -> tuple:
     everything = list(theta)
     if name in ("imaml", "reptile"):
         return (lambda p: support_loss(p, t)), theta, everything
-    if name in ("maml", "fomaml", "metasgd"):  # the norm layer stays out (adapt_norm=False)
+    if name in ("maml", "fomaml", "metasgd", "metacurvature"):  # the norm layer stays out
         keys = [k for k in theta if not k.startswith("norm.")]
         return (lambda p: support_loss(p, t)), theta, keys
     if name == "anil":

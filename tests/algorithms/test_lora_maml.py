@@ -20,9 +20,8 @@ from metalearn.models import Conv4
 from metalearn.models.lora import LoRAConv2d, LoRALinear, add_lora, lora_keys
 from metalearn.runs.cli import flatten
 from metalearn.runs.lifecycle import UserError
-from metalearn.runs.recipe import build_learner, read_recipe
 from tests.conftest import OMNIGLOT, needs_omniglot
-from tests.helpers.run_helpers import checkpoint_of, learner_of, make, om, recipe_of
+from tests.helpers.run_helpers import checkpoint_of, make, om, recipe_of
 
 F64 = torch.float64
 DATA = OMNIGLOT
@@ -249,7 +248,7 @@ def _args(**overrides) -> om.Args:
     return om.resolve_args(make(om, hidden=8, device="cpu", **overrides))
 
 
-def test_the_record_rebuilds_the_learner_and_old_records_still_load(tmp_path) -> None:
+def test_the_record_rebuilds_the_learner(tmp_path) -> None:
     args = _args(algorithm="lora", lora_rank=2)
     flat = flatten(args)
     assert flat["lora_rank"] == 2 and (flat["inner_lr"], flat["inner_steps"]) == (0.4, 1)
@@ -267,24 +266,6 @@ def test_the_record_rebuilds_the_learner_and_old_records_still_load(tmp_path) ->
         assert recipe.learner.arguments["lora_rank"] == 2
         assert learner.state_dict().keys() == weights.keys()
         assert all(torch.equal(learner.state_dict()[k], weights[k]) for k in weights)
-
-    # A record written before lora_rank existed (flat args, no such key, no recipe) builds.
-    old = {k: v for k, v in flatten(_args(algorithm="anil")).items() if k != "lora_rank"}
-    recipe = read_recipe({"args": old})
-    assert recipe.learner.algorithm == "anil" and "lora_rank" not in recipe.learner.arguments
-    build_learner(recipe).load_state_dict(learner_of(om, _args(algorithm="anil")).state_dict())
-    lora_without_rank = {k: v for k, v in flat.items() if k != "lora_rank"}
-    assert read_recipe({"args": lora_without_rank}).learner.arguments["lora_rank"] == 4
-
-    # A recipe written when the arguments were LoRAMAML's ``rank`` and the learners'
-    # ``checkpoint`` reads under today's names (the flags' names) and builds.
-    record = recipe_of(om, args).to_dict()
-    arguments = record["learner"]["arguments"]
-    arguments["rank"] = arguments.pop("lora_rank")
-    arguments["checkpoint"] = arguments.pop("gradient_checkpointing")
-    upgraded = read_recipe({"recipe": record})
-    assert upgraded == recipe_of(om, args)
-    assert build_learner(upgraded).rank == 2
 
 
 @pytest.mark.parametrize(

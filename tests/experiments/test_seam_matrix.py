@@ -9,7 +9,8 @@ For each cell:
 (b) the meta-gradient of step 1, filled by the experiment's own `meta_step`
     on the loop's own task draw, equals a float64 reference written out here from the
     paper's update (a Conv4 forward written with ``F.conv2d``, unrolled autograd, the
-    inner optimizers' updates, the closed-form heads, iMAML's implicit gradient by a dense
+    inner optimizers' updates, Meta-Curvature's transformed gradient as its authors'
+    TensorFlow code computes it, the closed-form heads, iMAML's implicit gradient by a dense
     Hessian and a dense solve, MetaOptNet's SVM dual on its optimal face by a dense KKT
     solve certified by the QP's KKT conditions and differentiated by autograd, MetaOptNet-LR's
     head by Newton's method and its implicit gradient by a dense solve), not from the
@@ -83,6 +84,9 @@ ROWS: dict[str, dict] = {
     # Proto-MAML at its defaults (meta-dataset's): 5 first-order steps at 0.01, norms held.
     "reptile": {}, "protomaml": {}, "lora": {"inner_steps": 1},
     "protonet": {}, "r2d2": {}, "metaoptnet": {}, "metaoptnet-lr": {}, "boil": {"inner_steps": 2},
+    # Meta-Curvature at two steps (its default is one), 2 channels so a conv kernel's M_o is a
+    # matrix (at hidden=1 it is 1x1: a transposed M_o passed, measured).
+    "metacurvature": {"inner_steps": 2, "hidden": 2},
 }  # fmt: skip
 # Cells beyond one per algorithm: name -> (algorithm, what its tiny run sets beyond TINY).
 # Adam's second-order step is ill-conditioned where an inner gradient entry is small: its
@@ -274,6 +278,28 @@ def reptile_task(theta: dict, support, model, learner, gen, slots):
         rate = lr * math.sqrt(1 - b2**t) / (1 - b1**t)
         p = {k: p[k] - rate * m[k] / (v[k].sqrt() + eps) for k in p}
     return p, (t, m, v)
+
+
+def curvature_step(p, g, state, lr, t):
+    """Park & Oliva (2019) Eq. 5, ``p - alpha M g``, with ``lr`` = ``(alpha, factors)`` and
+    ``M g`` as the authors' ``transform_gradients`` (``silverbottlep/maml``, ``maml.py``)
+    computes it in TensorFlow's layout (``[k_h, k_w, C_in, C_out]``, a linear weight
+    ``[C_in, C_out]``): ``M_out`` from the right, ``M_f`` and ``M_in`` from the left."""
+    alpha, factors = lr
+    if g.dim() == 1:
+        return p - alpha * factors[0] * g, state
+    if g.dim() == 2:
+        m_out, m_in = factors
+        return p - alpha * (m_in @ g.T @ m_out).T, state
+    m_out, m_in, m_f = factors
+    c_out, c_in = g.shape[:2]
+    tf = g.permute(2, 3, 1, 0)
+    n_f = tf.shape[0] * tf.shape[1]
+    temp = tf.reshape(-1, c_out) @ m_out
+    temp = (m_f @ temp.reshape(n_f, -1)).reshape(n_f, c_in, c_out)
+    temp = m_in @ temp.permute(1, 0, 2).reshape(c_in, -1)
+    mg = temp.reshape(c_in, n_f, c_out).permute(1, 0, 2).reshape(tf.shape).permute(3, 2, 0, 1)
+    return p - alpha * mg, state
 
 
 def inner_descent(p, keys, lrs, support, model, steps: int, second_order: bool,
@@ -501,7 +527,7 @@ def reference_gradient(algorithm: str, learner, tasks, arguments: dict, draws=No
             keys = list(heads)
         if algorithm == "boil":  # Oh et al. (2021): the body adapts, the head stays theta's
             keys = [k for k in theta if k not in heads]
-        if algorithm in ("maml", "fomaml", "metasgd", "protomaml", "boil"):
+        if algorithm in ("maml", "fomaml", "metasgd", "protomaml", "boil", "metacurvature"):
             keys = norm_free(keys, learner)  # batch norm held at theta's unless adapt_norm
         if algorithm == "protomaml":  # Triantafillou et al. (2020) Sec. 4
             start.update(prototypes(theta, support, model, learner.model.head.out_features))
@@ -514,6 +540,10 @@ def reference_gradient(algorithm: str, learner, tasks, arguments: dict, draws=No
         if algorithm == "lora":  # Hu et al. (2021) Eq. 3 adapters and the full head adapt
             keys = [k for k in theta if "lora_" in k or k.startswith("head.")]
         update = inner_update(learner, arguments)
+        if algorithm == "metacurvature":  # Park & Oliva (2019) Eq. 5: the factors, learned
+            prefix = {k: f"curvature.{k.replace('.', '__')}/" for k in keys}
+            factors = {k: [v for n, v in named.items() if n.startswith(prefix[k])] for k in keys}
+            lrs, update = {k: (alpha, factors[k]) for k in keys}, curvature_step
         phi = inner_descent(start, keys, lrs, support, model, steps, second, update)
         if learner.evaluation_norm == "support":  # Proto-MAML: the support set's moments
             logits = conv4(phi, query[0], model, support_x=support[0])
@@ -535,7 +565,7 @@ def dense_support_top(algorithm: str, learner, task) -> float:
         keys = ["head.weight", "head.bias"]
     if algorithm == "boil":
         keys = [k for k in theta if not k.startswith("head.")]
-    if algorithm in ("maml", "fomaml", "metasgd", "protomaml", "boil"):
+    if algorithm in ("maml", "fomaml", "metasgd", "protomaml", "boil", "metacurvature"):
         keys = norm_free(keys, learner)
     if algorithm == "protomaml":
         start.update(prototypes(theta, support, model, model.head.out_features))

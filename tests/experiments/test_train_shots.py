@@ -1,7 +1,6 @@
 """--train-shots: training tasks with other shots than the validation and test tasks
-(MetaOptNet trains 15-shot for its 5-shot test), recorded, resolved from --shots once, read
-as --shots from records written before it, and refused in one line when the data set cannot
-give it."""
+(MetaOptNet trains 15-shot for its 5-shot test), recorded, resolved from --shots once, and
+refused in one line when the data set cannot give it."""
 
 from __future__ import annotations
 
@@ -14,7 +13,7 @@ import torch
 from metalearn.checkpoint import load_checkpoint
 from metalearn.runs.lifecycle import UserError
 from metalearn.runs.recipe import read_recipe
-from tests.conftest import OMNIGLOT, ROOT, needs_omniglot
+from tests.conftest import OMNIGLOT, needs_omniglot
 from tests.helpers.image_set_fixtures import write_folder
 from tests.helpers.run_helpers import fs, make, om, recipe_of, samplers_of
 
@@ -44,15 +43,10 @@ def test_training_tasks_draw_train_shots_and_evaluation_tasks_shots(tmp_path):
     assert saved["recipe"]["data"]["train_shots"] == 3 and 0 <= results["test/acc"] <= 1
 
 
-def test_train_shots_default_to_shots_once_and_old_records_read_as_shots(tmp_path):
+def test_train_shots_default_to_shots_once(tmp_path):
     recipe = recipe_of(om, tiny(tmp_path, shots=2))
     assert (recipe.data.shots, recipe.data.train_shots) == (2, 2)
-    record = recipe.to_dict()
-    del record["data"]["train_shots"]  # a recipe written before --train-shots existed
-    assert read_recipe({"recipe": record}).data.train_shots == 2
-    flat = load_checkpoint(ROOT / "tests" / "fixtures" / "records" / "omniglot-maml.ckpt")
-    assert "train_shots" not in flat["args"]
-    assert read_recipe(flat).data.train_shots == flat["args"]["shots"]
+    assert read_recipe({"recipe": recipe.to_dict()}).data.train_shots == 2
 
 
 @pytest.mark.filterwarnings("ignore:.*published:UserWarning")
@@ -129,6 +123,4 @@ def test_random_training_shots_are_recorded_drawn_and_trained(tmp_path):
     results = om.main(args)
     saved = load_checkpoint(tmp_path / "random" / "checkpoint.pt")
     assert saved["recipe"]["data"]["train_min_shots"] == 2 and 0 <= results["test/acc"] <= 1
-    record = dict(saved["recipe"])
-    record["data"] = {k: v for k, v in record["data"].items() if k != "train_min_shots"}
-    assert read_recipe({"recipe": record}).data.train_min_shots is None  # older records
+    assert read_recipe(saved).data.train_min_shots == 2
