@@ -12,9 +12,12 @@ autograd differentiates to any order. One rule, in one place (`attention_kernel`
 
 * **twice differentiated** (the inner loop's support forward when ``first_order=False``, the
   HVP tools' ``f``): the math kernel (``sdpa_kernel(SDPBackend.MATH)``);
-* **once** (first order, the query forward, plain training): torch's default choice, the
-  fast fused kernel. Nested inside a twice-differentiated block (a Hessian of the meta-loss),
-  a block differentiated once keeps the math kernel: ``False`` never undoes an outer ``True``.
+* **under vmap** (a vmapped meta-batch, whatever the order): the math kernel too, the fused
+  one having no batching rule (torch falls back to a slow loop over the batch, and warns);
+* **once, unbatched** (first order, the query forward, plain training): torch's default
+  choice, the fast fused kernel. Nested inside a twice-differentiated block (a Hessian of the
+  meta-loss), a block differentiated once keeps the math kernel: ``False`` never undoes an
+  outer ``True``.
 
 Either way `nn.MultiheadAttention`'s fast path (``torch._native_multi_head_attention``, taken
 in eval mode when nothing requires grad, e.g. an evaluation's query forward under
@@ -31,31 +34,44 @@ from collections.abc import Iterator
 from contextlib import contextmanager, nullcontext
 
 import torch
+from torch import Tensor
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 __all__ = ["attention_kernel"]
 
 
 @contextmanager
-def attention_kernel(twice_differentiated: bool) -> Iterator[None]:
+def attention_kernel(twice_differentiated: bool, inputs: Tensor | None = None) -> Iterator[None]:
     """Run the attention of the code inside with the kernel its derivatives need.
 
     Example::
 
-        with attention_kernel(twice_differentiated=not first_order):
+        with attention_kernel(twice_differentiated=not first_order, inputs=x):
             loss = loss_fn(functional_call(model, params, (x,)), y)
 
     Args:
         twice_differentiated: whether the forward's backward is itself differentiated
-            (second-order meta-gradients, Hessian-vector products): then the math kernel runs;
-            otherwise torch's default (fused) kernel.
+            (second-order meta-gradients, Hessian-vector products).
+        inputs: the forward's input batch, read only to see whether it runs under
+            ``torch.func.vmap``.
 
     Yields:
-        Nothing; attention inside runs as the rule says, and the settings are restored after.
+        Nothing; attention inside runs the math kernel when ``twice_differentiated`` or
+        ``inputs`` is batched by vmap, otherwise torch's default (fused) kernel; the
+        settings are restored after.
     """
-    kernel = sdpa_kernel(SDPBackend.MATH) if twice_differentiated else nullcontext()
+    math = twice_differentiated or (inputs is not None and _under_vmap(inputs))
+    kernel = sdpa_kernel(SDPBackend.MATH) if math else nullcontext()
     with kernel, _without_mha_fast_path():
         yield
+
+
+def _under_vmap(x: Tensor) -> bool:
+    """Whether ``x`` is a tensor batched by ``torch.func.vmap`` (a data batch is batched at
+    its outermost level: the grad transforms wrap parameters, not the data)."""
+    if torch.compiler.is_compiling():  # a compiled graph decomposes attention itself
+        return False
+    return torch._C._functorch.is_batchedtensor(x)
 
 
 @contextmanager

@@ -16,8 +16,9 @@ loop over tasks and under ``torch.func.vmap`` over a batch of tasks. ``checkpoin
 takes the one other step, `_checkpointed_step`, because torch.func.grad refuses
 checkpointing's saved-tensor hooks. The support forward's attention runs the kernel
 `metalearn.attention.attention_kernel` names: the math kernel when second order, whose
-inner gradient is differentiated again, the fused one for first order. Arguments that need
-Python-level control flow on data (``stop``, ``check_finite``) are for the loop path only.
+inner gradient is differentiated again, or under vmap; the fused one for first order.
+Arguments that need Python-level control flow on data (``stop``, ``check_finite``) are for
+the loop path only.
 """
 
 from __future__ import annotations
@@ -157,7 +158,7 @@ def run_inner_loop(
     def support_loss(adapted: dict[str, Tensor], rest: dict[str, Tensor]) -> Tensor:
         # The inner gradient is differentiated again unless first order (Eq. 1 inside Eq. 2):
         # then attention runs the math kernel, the fused one having no double backward.
-        with attention_kernel(twice_differentiated=not inner.first_order):
+        with attention_kernel(twice_differentiated=not inner.first_order, inputs=x):
             out = functional_call(model, {**fixed, **rest, **adapted}, (x,), kwargs)
         loss = inner.loss_fn(out, y)
         if regularizer is not None:

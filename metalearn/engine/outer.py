@@ -149,8 +149,8 @@ def query_outputs(model: nn.Module, params: Mapping[str, Tensor], call: TaskCall
     query batch's own statistics): the `QueryFn` of `task_loss` unless another is given.
 
     Differentiated once (the meta-gradient's first backward), so attention keeps its fused
-    kernel (`metalearn.attention.attention_kernel`)."""
-    with attention_kernel(twice_differentiated=False):
+    kernel, except under vmap (`metalearn.attention.attention_kernel`)."""
+    with attention_kernel(twice_differentiated=False, inputs=call.query[0]):
         return functional_call(
             model, {**(call.buffers or {}), **params}, (call.query[0],),
             dict(call.model_kwargs or {}),
