@@ -95,6 +95,17 @@ def test_float32_meta_gradient_equals_the_float64_reference(name):
     assert _max_error(got, want) < 1e-5 * scale
 
 
+def test_checkpointed_inner_steps_equal_the_reference():
+    """gradient_checkpointing=True recomputes the support forward: the math kernel again."""
+    learner, tasks = _learner("maml", torch.float64, gradient_checkpointing=True), _tasks()
+    learner.backward(tasks)
+    got = {n: p.grad for n, p in learner.model.named_parameters()}
+    params = {n: p.detach() for n, p in learner.model.named_parameters()}
+    want = reference_meta_gradient(params, tasks, _adapted("maml", params), lr=LR, steps=STEPS,
+                                   heads=HEADS, layers=LAYERS)  # fmt: skip
+    assert _max_error(got, want) < 1e-10
+
+
 def test_second_order_is_not_first_order():
     """The second-order terms are there: MAML's meta-gradient is not FOMAML's."""
     maml, _ = _learner_and_reference("maml", torch.float64)
