@@ -12,7 +12,7 @@ sequence_maml = experiment("sequence_maml")
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("algorithm", ["maml", "lora-maml"])
+@pytest.mark.parametrize("algorithm", ["maml", "lora"])
 def test_a_tiny_run_trains_and_tests(tmp_path, algorithm):
     threads = torch.get_num_threads()
     args = sequence_maml.Args(algorithm=algorithm, iterations=3, meta_batch=2, eval_tasks=4,
