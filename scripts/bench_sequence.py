@@ -65,11 +65,17 @@ def _run_args(a: Args, algorithm: str):
                                track=False)  # fmt: skip
 
 
-def main(argv: Sequence[str] | None = None) -> None:
+def parse_args(argv: Sequence[str] | None = None) -> Args:
+    """The flags, each count checked (one line, exit status 2)."""
     a = parse_args_as(Args, argv, __doc__)
     for name in ("iterations", "eval_tasks", "repeats", "threads"):
         if getattr(a, name) < 1:
             usage_error(f"--{name.replace('_', '-')} {getattr(a, name)}: must be at least 1")
+    return a
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    a = parse_args(argv)
     torch.set_num_threads(a.threads)
     runs = {name: _run_args(a, name) for name in LEARNERS}
     base = runs["maml"]
