@@ -36,6 +36,7 @@ from metalearn.algorithms.base import (
     accumulate_grad,
     check_loop_only,
 )
+from metalearn.attention import attention_kernel
 from metalearn.engine import (
     AllTasksSkippedError,
     LossFn,
@@ -212,7 +213,8 @@ def implicit_meta_gradient(
         # and dF/dtheta = -I, so the IFT's -(dF/dtheta)^T (dF/dphi)^{-1} g is Eq. 7's
         # (I + H/lam)^{-1} g, and CG runs on Eq. 7's own system: its curvatures p'Ap, and
         # truncated CG's first-iteration answer g, are on the paper's scale.
-        out = functional_call(model, {**buffers, **p}, (support[0],), kwargs)
+        with attention_kernel(twice_differentiated=True):  # CG's HVPs differentiate its gradient
+            out = functional_call(model, {**buffers, **p}, (support[0],), kwargs)
         proximal = 0.5 * sum(((p[k] - th[k]) ** 2).sum() for k in th)
         return loss_fn(out, support[1]) / lam + proximal
 

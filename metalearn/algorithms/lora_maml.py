@@ -1,8 +1,9 @@
 """LoRA-MAML: MAML whose inner loop adapts low-rank adapters and the head, not the weights.
 
-Every convolution and linear layer outside the head gets a LoRA adapter (`metalearn.models.lora`:
-``W + (alpha / r) B A``, Hu et al., 2021, Eq. 3). The inner loop (Finn et al., 2017, Eq. 1)
-runs over the adapted set only::
+Every convolution, linear and attention layer outside the head gets a LoRA adapter
+(`metalearn.models.lora`: ``W + (alpha / r) B A``, Hu et al., 2021, Eq. 3; an
+`nn.MultiheadAttention` one on its input and one on its output projection). The inner loop
+(Finn et al., 2017, Eq. 1) runs over the adapted set only::
 
     phi = {A_l, B_l for every adapted layer l} + {head weight, head bias}
     phi' = phi - alpha_inner * grad_phi L_support(theta_rest, phi)
@@ -30,8 +31,8 @@ class LoRAMAML(MetaLossLearner):
     """MAML with low-rank adapters (rank ``lora_rank``) as the fast weights, plus the head.
 
     The learner holds a LoRA copy of ``model`` (`metalearn.models.lora.add_lora` on every
-    ``nn.Conv2d`` and ``nn.Linear`` outside ``head``); ``model`` itself is not changed. At
-    initialisation (``B = 0``) the copy computes what ``model`` does.
+    ``nn.Conv2d``, ``nn.Linear`` and ``nn.MultiheadAttention`` outside ``head``); ``model``
+    itself is not changed. At initialisation (``B = 0``) the copy computes what ``model`` does.
 
     The scale ``alpha`` defaults to ``lora_rank`` (a scaling ``alpha / rank`` of 1) because the
     inner loop takes plain gradient steps: from ``B = 0`` one step of rate ``lr`` on ``B``
@@ -86,7 +87,7 @@ class LoRAMAML(MetaLossLearner):
         scale = float(rank) if alpha is None else float(alpha)
         lora_model = add_lora(
             model, rank, scale, target=lambda name, _: not in_head(name),
-            layers=(nn.Linear, nn.Conv2d),
+            layers=(nn.Linear, nn.Conv2d, nn.MultiheadAttention),
         )  # fmt: skip
         super().__init__(lora_model, adapt_keys=[*lora_keys(lora_model), *head_keys], **kwargs)
         self.rank, self.alpha, self.head = rank, scale, head

@@ -1,4 +1,5 @@
-"""Data: Omniglot (load, cache, split), episodic N-way K-shot sampling, image folders, sine.
+"""Data: Omniglot (load, cache, split), episodic N-way K-shot sampling, image folders, sine,
+Markov-chain sequences.
 
 Typical use::
 
@@ -56,6 +57,7 @@ from metalearn.data.omniglot import (
     resolve_data_root,
 )
 from metalearn.data.sampler import Augmentation, EpisodicSampler, check_generator
+from metalearn.data.sequences import MarkovSequenceTasks
 from metalearn.data.sine import SineTasks, sine
 from metalearn.data.sizes import PublishedSizes, check_task_sizes, published_sizes
 from metalearn.data.tiered_imagenet import load_tiered_imagenet
@@ -95,6 +97,7 @@ __all__ = [
     "SPLIT_ROTATIONS",
     "SUBSETS",
     "EpisodicSampler",
+    "MarkovSequenceTasks",
     "OmniglotImages",
     "SineTasks",
     "SupportSet",

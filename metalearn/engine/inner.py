@@ -14,8 +14,11 @@ dict, so ``theta`` is untouched and the graph from ``theta`` to ``phi`` is expli
 Each step is ``torch.func.grad_and_value`` of the support loss, the same function in a Python
 loop over tasks and under ``torch.func.vmap`` over a batch of tasks. ``checkpoint=True``
 takes the one other step, `_checkpointed_step`, because torch.func.grad refuses
-checkpointing's saved-tensor hooks. Arguments that need Python-level control flow on data
-(``stop``, ``check_finite``) are for the loop path only.
+checkpointing's saved-tensor hooks. The support forward's attention runs the kernel
+`metalearn.attention.attention_kernel` names: the math kernel when second order, whose
+inner gradient is differentiated again, or under vmap; the fused one for first order.
+Arguments that need Python-level control flow on data (``stop``, ``check_finite``) are for
+the loop path only.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ from torch import Tensor, nn
 from torch.func import functional_call, grad_and_value
 from torch.utils.checkpoint import checkpoint as torch_checkpoint
 
+from metalearn.attention import attention_kernel
 from metalearn.optim import SGD, Hyperparameter, InnerOptimizer, State, hyper_at
 from metalearn.task import NonFiniteLossError, StopRule
 
@@ -152,7 +156,10 @@ def run_inner_loop(
     kwargs = dict(model_kwargs or {})
 
     def support_loss(adapted: dict[str, Tensor], rest: dict[str, Tensor]) -> Tensor:
-        out = functional_call(model, {**fixed, **rest, **adapted}, (x,), kwargs)
+        # The inner gradient is differentiated again unless first order (Eq. 1 inside Eq. 2):
+        # then attention runs the math kernel, the fused one having no double backward.
+        with attention_kernel(twice_differentiated=not inner.first_order, inputs=x):
+            out = functional_call(model, {**fixed, **rest, **adapted}, (x,), kwargs)
         loss = inner.loss_fn(out, y)
         if regularizer is not None:
             loss = loss + regularizer({**rest, **adapted})

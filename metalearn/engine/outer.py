@@ -28,6 +28,7 @@ import torch
 from torch import Tensor, nn
 from torch.func import functional_call, vmap
 
+from metalearn.attention import attention_kernel
 from metalearn.engine.inner import InnerLoop, Regularizer, run_inner_loop
 from metalearn.engine.plan import Mode, Vectorize, plan
 from metalearn.task import (
@@ -145,10 +146,15 @@ class QueryFn(Protocol):
 
 def query_outputs(model: nn.Module, params: Mapping[str, Tensor], call: TaskCall) -> Tensor:
     """One forward of the query batch at ``params``, ``[Q, ...]`` (its batch norm reads the
-    query batch's own statistics): the `QueryFn` of `task_loss` unless another is given."""
-    return functional_call(
-        model, {**(call.buffers or {}), **params}, (call.query[0],), dict(call.model_kwargs or {})
-    )
+    query batch's own statistics): the `QueryFn` of `task_loss` unless another is given.
+
+    Differentiated once (the meta-gradient's first backward), so attention keeps its fused
+    kernel, except under vmap (`metalearn.attention.attention_kernel`)."""
+    with attention_kernel(twice_differentiated=False, inputs=call.query[0]):
+        return functional_call(
+            model, {**(call.buffers or {}), **params}, (call.query[0],),
+            dict(call.model_kwargs or {}),
+        )  # fmt: skip
 
 
 def task_loss(

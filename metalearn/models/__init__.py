@@ -1,6 +1,7 @@
 """Backbones for few-shot learning, written for the functional core (one module each):
-`Conv4` (MAML's, Omniglot and mini-ImageNet), `ResNet12`, `R2D2Net` (R2-D2's encoder)
-and `MLP`.
+`Conv4` (MAML's, Omniglot and mini-ImageNet), `ResNet12`, `R2D2Net` (R2-D2's encoder),
+`MLP`, and `SequenceTransformer` (a stock `nn.TransformerEncoder` classifier of token
+sequences).
 
 Every model here is meant to be run through `torch.func.functional_call` with a parameter
 dict, batched over tasks with `torch.func.vmap` and differentiated to second order. So:
@@ -28,6 +29,7 @@ from metalearn.models.norm import (
 )
 from metalearn.models.r2d2net import R2D2Net
 from metalearn.models.resnet12 import ResidualBlock, ResNet12
+from metalearn.models.sequence import SequenceTransformer
 
 __all__ = [
     "BACKBONES",
@@ -39,6 +41,7 @@ __all__ = [
     "R2D2Net",
     "ResNet12",
     "ResidualBlock",
+    "SequenceTransformer",
     "batch_norm",
     "build_backbone",
     "evaluation_mode",

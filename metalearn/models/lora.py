@@ -10,11 +10,16 @@ matrix it multiplies each (unfolded) input patch by::
 
     K' = K + (alpha / r) * reshape(B A, K.shape),    A: [r, in * kh * kw], B: [out, r]
 
-so the update has rank at most ``r`` as that matrix, whatever the kernel size. For
+so the update has rank at most ``r`` as that matrix, whatever the kernel size. A
+`LoRAMultiheadAttention` gives `nn.MultiheadAttention`'s packed input projection
+(``in_proj_weight``, ``[3 E, E]``: queries, keys and values) and its output projection
+(``out_proj.weight``, ``[E, E]``) one rank-``r`` update each, merged into the weights the
+attention reads. For
 meta-learning, adapt only the adapters in the inner loop (the base weights are frozen by
 convention, not by ``requires_grad``)::
 
     model = add_lora(Conv4(), rank=4, alpha=4.0, layers=(nn.Linear, nn.Conv2d))
+    model = add_lora(encoder, rank=4, layers=(nn.Linear, nn.MultiheadAttention))
     learner = MAML(model, adapt_keys=lora_keys(model))
 
 The outer loop then meta-learns everything it is given: pass the optimiser only
@@ -22,7 +27,9 @@ The outer loop then meta-learns everything it is given: pass the optimiser only
 `metalearn.algorithms.LoRAMAML` is this recipe as an algorithm.
 
 Everything runs through ``functional_call``: the adapters are ordinary parameters named
-``<layer>.lora_A`` and ``<layer>.lora_B`` beside the layer's own ``weight`` and ``bias``.
+``<layer>.lora_A`` and ``<layer>.lora_B`` beside the layer's own ``weight`` and ``bias``
+(an attention layer's: ``<layer>.in_proj_lora_A``, ``in_proj_lora_B``, ``out_proj_lora_A``,
+``out_proj_lora_B``).
 """
 
 from __future__ import annotations
@@ -35,7 +42,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-__all__ = ["LoRAConv2d", "LoRALinear", "add_lora", "lora_keys"]
+__all__ = ["LoRAConv2d", "LoRALinear", "LoRAMultiheadAttention", "add_lora", "lora_keys"]
 
 Target = Callable[[str, nn.Module], bool] | Collection[str] | None
 """Which layers get adapters: None (all of the chosen kinds), their names, or
@@ -141,11 +148,103 @@ class LoRAConv2d(nn.Module):
         )
 
 
+class LoRAMultiheadAttention(nn.Module):
+    """`nn.MultiheadAttention` whose two projections carry trainable low-rank updates.
+
+    ``F.multi_head_attention_forward`` runs with the merged weights::
+
+        W_in'  = W_in  + (alpha / r) B_in A_in,    A_in:  [r, E], B_in:  [3 E, r]
+        W_out' = W_out + (alpha / r) B_out A_out,  A_out: [r, E], B_out: [E, r]
+
+    (Hu et al., 2021, Sec. 4.2 adapt the attention's projection matrices; the packed ``W_in``
+    holds the query, key and value projections, so one update of rank ``r`` spans all three.)
+    The base layer's ``in_proj_weight``, ``in_proj_bias`` and ``out_proj`` (its ``weight``
+    and ``bias``) are kept under their names, shared, not copied; initialisation as
+    `LoRALinear`: ``B = 0``, so the copy computes what the base layer does.
+
+    `nn.TransformerEncoderLayer`'s fused inference path (``torch._transformer_encoder_layer_fwd``)
+    reads ``self_attn.in_proj_weight`` itself and would skip the update: the wrapper reports
+    ``_qkv_same_embed_dim = False``, one of the conditions that path checks, so the layer always
+    calls this module's forward.
+
+    Args:
+        base: the attention layer (one packed input projection: ``kdim = vdim = embed_dim``).
+        rank: ``r``, the rank of each update (>= 1).
+        alpha: the scale numerator; each update is multiplied by ``alpha / rank``.
+
+    Shape:
+        as ``base``: ``query [N, L, E]`` (``[L, N, E]`` unless ``batch_first``) to
+        ``(output [N, L, E], weights [N, L, S] or None)``.
+    """
+
+    ADAPTERS = ("in_proj_lora_A", "in_proj_lora_B", "out_proj_lora_A", "out_proj_lora_B")
+
+    def __init__(self, base: nn.MultiheadAttention, rank: int, alpha: float = 1.0) -> None:
+        super().__init__()
+        if not isinstance(base, nn.MultiheadAttention):
+            raise ValueError(
+                f"LoRAMultiheadAttention wraps an nn.MultiheadAttention, got {type(base).__name__}"
+            )
+        if base.in_proj_weight is None:
+            raise ValueError(
+                "LoRAMultiheadAttention needs one packed input projection (kdim = vdim = "
+                "embed_dim); leave this layer out of add_lora's target"
+            )
+        _check_rank(rank)
+        self.embed_dim, self.num_heads = base.embed_dim, base.num_heads
+        self.dropout, self.batch_first = base.dropout, base.batch_first
+        self.add_zero_attn, self.rank, self.alpha = base.add_zero_attn, rank, alpha
+        self.scaling = alpha / rank
+        self._qkv_same_embed_dim = False  # keeps the encoder layer's fused path off (above)
+        self.in_proj_weight, self.in_proj_bias = base.in_proj_weight, base.in_proj_bias
+        self.bias_k, self.bias_v, self.out_proj = base.bias_k, base.bias_v, base.out_proj
+        self.in_proj_lora_A, self.in_proj_lora_B = _adapters(
+            base.in_proj_weight, rank, self.embed_dim
+        )
+        self.out_proj_lora_A, self.out_proj_lora_B = _adapters(
+            base.out_proj.weight, rank, self.embed_dim
+        )
+
+    def merged_weights(self) -> tuple[Tensor, Tensor]:
+        """``(W_in' [3 E, E], W_out' [E, E])``, the projections the attention applies."""
+        w_in = self.in_proj_weight + self.scaling * (self.in_proj_lora_B @ self.in_proj_lora_A)
+        update = self.out_proj_lora_B @ self.out_proj_lora_A
+        return w_in, self.out_proj.weight + self.scaling * update
+
+    def forward(
+        self,
+        query: Tensor,
+        key: Tensor,
+        value: Tensor,
+        key_padding_mask: Tensor | None = None,
+        need_weights: bool = True,
+        attn_mask: Tensor | None = None,
+        average_attn_weights: bool = True,
+        is_causal: bool = False,
+    ) -> tuple[Tensor, Tensor | None]:
+        """`nn.MultiheadAttention.forward` at the merged weights (same arguments)."""
+        if self.batch_first:  # F.multi_head_attention_forward takes [L, N, E]
+            query, key, value = (t.transpose(0, 1) for t in (query, key, value))
+        w_in, w_out = self.merged_weights()
+        out, weights = F.multi_head_attention_forward(
+            query, key, value, self.embed_dim, self.num_heads, w_in, self.in_proj_bias,
+            self.bias_k, self.bias_v, self.add_zero_attn, self.dropout, w_out,
+            self.out_proj.bias, training=self.training, key_padding_mask=key_padding_mask,
+            need_weights=need_weights, attn_mask=attn_mask,
+            average_attn_weights=average_attn_weights, is_causal=is_causal,
+        )  # fmt: skip
+        return (out.transpose(0, 1) if self.batch_first else out), weights
+
+    def extra_repr(self) -> str:
+        return f"{self.embed_dim}, num_heads={self.num_heads}, rank={self.rank}, alpha={self.alpha}"
+
+
 _WRAPPERS: dict[type[nn.Module], type[nn.Module]] = {
     nn.Linear: LoRALinear,
     nn.Conv2d: LoRAConv2d,
+    nn.MultiheadAttention: LoRAMultiheadAttention,
 }
-_ADAPTED = (LoRALinear, LoRAConv2d)
+_ADAPTED = (LoRALinear, LoRAConv2d, LoRAMultiheadAttention)
 
 
 def add_lora(
@@ -168,7 +267,10 @@ def add_lora(
             collection of module names (``"head"``, ``"features.0.conv"``), or
             ``f(name, layer) -> bool``.
         layers: the kinds of layer that may be adapted, among ``nn.Linear`` (as
-            `LoRALinear`) and ``nn.Conv2d`` (as `LoRAConv2d`). Linear only by default.
+            `LoRALinear`), ``nn.Conv2d`` (as `LoRAConv2d`) and ``nn.MultiheadAttention`` (as
+            `LoRAMultiheadAttention`). Linear only by default. An attention layer's
+            ``out_proj`` is never adapted as a linear layer: the attention reads its weight
+            without calling it, so an adapter there would change nothing.
 
     Returns:
         The adapted copy; its parameter names are the original ones plus ``<layer>.lora_A``
@@ -178,7 +280,7 @@ def add_lora(
     if not kinds or any(k not in _WRAPPERS for k in kinds):
         raise ValueError(
             f"layers={[getattr(k, '__name__', k) for k in kinds]} cannot be adapted; pass a "
-            "non-empty subset of (nn.Linear, nn.Conv2d)"
+            "non-empty subset of (nn.Linear, nn.Conv2d, nn.MultiheadAttention)"
         )
     _check_rank(rank)
     new = copy.deepcopy(model)
@@ -197,7 +299,7 @@ def lora_keys(model: nn.Module) -> list[str]:
         f"{name}.{p}" if name else p
         for name, module in model.named_modules()
         if isinstance(module, _ADAPTED)
-        for p in ("lora_A", "lora_B")
+        for p in getattr(module, "ADAPTERS", ("lora_A", "lora_B"))
     ]
     if not keys:
         raise ValueError("the model has no LoRA layers; build it with add_lora(model, rank)")
@@ -224,7 +326,16 @@ def _adapters(weight: Tensor, rank: int, fan_in: int) -> tuple[nn.Parameter, nn.
 
 
 def _targets(model: nn.Module, target: Target, kinds: tuple[type[nn.Module], ...]) -> list[str]:
-    candidates = {n: m for n, m in model.named_modules() if isinstance(m, kinds)}
+    # An attention layer's out_proj is an nn.Linear its forward never calls (it reads the
+    # weight): not a candidate, the attention layer itself is.
+    unused = {
+        f"{n}.out_proj" if n else "out_proj"
+        for n, m in model.named_modules()
+        if isinstance(m, nn.MultiheadAttention)
+    }
+    candidates = {
+        n: m for n, m in model.named_modules() if isinstance(m, kinds) and n not in unused
+    }
     what = " or ".join(f"nn.{k.__name__}" for k in kinds)
     if target is None:
         names = list(candidates)

@@ -8,6 +8,7 @@ from typing import Literal
 import torch
 from torch import Tensor
 
+from metalearn.attention import attention_kernel
 from metalearn.functional import Tree, flatten_tree, unflatten_like
 from metalearn.second_order._checks import check_params, check_scalar
 from metalearn.second_order._running_stats import refuse_running_stat_updates
@@ -45,7 +46,8 @@ def hessian(
     flat = flatten_tree(params).detach()
 
     def f_flat(x: Tensor) -> Tensor:
-        with refuse_running_stat_updates("f(params)"):
+        # differentiated twice: attention runs its math kernel (metalearn.attention)
+        with refuse_running_stat_updates("f(params)"), attention_kernel(twice_differentiated=True):
             return check_scalar(f(unflatten_like(x, params)), "f(params)")
 
     if method == "vmap":

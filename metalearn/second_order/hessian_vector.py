@@ -50,6 +50,7 @@ import torch
 from torch import Tensor
 from torch.func import grad, jvp, vjp
 
+from metalearn.attention import attention_kernel
 from metalearn.functional import Tree, tree_leaves, tree_map, tree_unflatten
 from metalearn.second_order._checks import check_like, check_scalar
 from metalearn.second_order._running_stats import refuse_running_stat_updates
@@ -111,7 +112,8 @@ def hvp(
     v = tree_unflatten(params, tree_leaves(v))
 
     def scalar_f(p: Tree) -> Tensor:
-        with refuse_running_stat_updates("f(params)"):
+        # f's gradient is differentiated again: attention runs its math kernel.
+        with refuse_running_stat_updates("f(params)"), attention_kernel(twice_differentiated=True):
             return check_scalar(f(p), "f(params)")
 
     if method == "double-backward":
@@ -251,6 +253,10 @@ def hvp_double_backward(
 
     Returns:
         A tuple with one tensor per parameter, shaped like it.
+
+    Raises:
+        RuntimeError: the loss's attention ran a fused kernel (no double backward): compute
+            it under ``metalearn.attention.attention_kernel(twice_differentiated=True)``.
     """
     params = list(params)
     if not params:
@@ -269,9 +275,18 @@ def hvp_double_backward(
     v = _split_flat(v, params) if isinstance(v, Tensor) else list(v)
     check_like(params, v)
     with torch.enable_grad():
-        products = _grad_of_grad(
-            loss, params, v, create_graph, retain_graph=retain_graph or create_graph
-        )
+        try:
+            products = _grad_of_grad(
+                loss, params, v, create_graph, retain_graph=retain_graph or create_graph
+            )
+        except RuntimeError as error:
+            if "attention" not in str(error) or "not implemented" not in str(error):
+                raise
+            raise RuntimeError(
+                "hvp_double_backward: the loss's attention ran a fused kernel, which has no "
+                "double backward; compute the loss inside "
+                "metalearn.attention.attention_kernel(twice_differentiated=True)"
+            ) from None
     return tuple(products)
 
 
