@@ -153,7 +153,7 @@ def meta_curvature(
     if not probe_tasks:
         raise ValueError("probe_tasks is empty; pass at least one Task for the meta-loss")
     theta = {k: v.detach() for k, v in learner.theta().items()}
-    inner = learner.inner_loop(first_order=False)
+    inner = learner.inner_loop(first_order=False, tasks=probe_tasks)
     buffers, task_fn = learner.buffers_dict(), learner.task_fn()
 
     def loss(params: dict[str, Tensor]) -> Tensor:

@@ -148,7 +148,7 @@ def test_conjugate_gradient_refuses_an_integer_right_hand_side():
 # dense Hessian of their own loss, written out by hand.
 
 BN_REFUSAL = (
-    r"^f\(params\) runs BatchNorm2d\(3\) in training mode with running statistics, which would "
+    r"^f\(params\) calls BatchNorm2d\(3\) in training mode with running statistics, which would "
     r"update its buffers on every call .*call model\.eval\(\) .*"
     r"torch\.func\.replace_all_batch_norm_modules_\(model\)"
 )
