@@ -118,28 +118,29 @@ def _per_example(weight: Tensor | None, bias: Tensor | None = None, *, exact: bo
 # torch's normalisation functions, each read from its own signature (the torch.* forms order
 # their arguments unlike the F.* ones they sit beneath).
 _TORCH: dict[Callable[..., Any], Callable[..., _Reading]] = {
-    F.batch_norm: lambda x, rm, rv, weight=None, bias=None, training=False, *a, **k: (
-        _batch_norm(training, rm, weight, bias)
+    F.batch_norm: lambda x, rm, rv, weight=None, bias=None, training=False, *a, **k: _batch_norm(
+        training, rm, weight, bias
     ),
-    torch.batch_norm: lambda x, weight, bias, rm, rv, training, *a, **k: (
-        _batch_norm(training, rm, weight, bias)
+    torch.batch_norm: lambda x, weight, bias, rm, rv, training, *a, **k: _batch_norm(
+        training, rm, weight, bias
     ),
-    F.instance_norm: lambda x, rm=None, rv=None, weight=None, bias=None, use_input_stats=True,
-    *a, **k: _instance_norm(use_input_stats, rm, weight, bias),
-    torch.instance_norm: lambda x, weight, bias, rm, rv, use_input_stats, *a, **k: (
+    F.instance_norm: lambda x, rm=None, rv=None, weight=None, bias=None, use_input_stats=True, *a, **k: (
         _instance_norm(use_input_stats, rm, weight, bias)
     ),
-    F.layer_norm: lambda x, shape, weight=None, bias=None, *a, **k: (
-        _per_example(weight, bias, exact=False)
+    torch.instance_norm: lambda x, weight, bias, rm, rv, use_input_stats, *a, **k: _instance_norm(
+        use_input_stats, rm, weight, bias
     ),
-    torch.layer_norm: lambda x, shape, weight=None, bias=None, *a, **k: (
-        _per_example(weight, bias, exact=False)
+    F.layer_norm: lambda x, shape, weight=None, bias=None, *a, **k: _per_example(
+        weight, bias, exact=False
     ),
-    F.group_norm: lambda x, groups, weight=None, bias=None, *a, **k: (
-        _per_example(weight, bias, exact=True)
+    torch.layer_norm: lambda x, shape, weight=None, bias=None, *a, **k: _per_example(
+        weight, bias, exact=False
     ),
-    torch.group_norm: lambda x, groups, weight=None, bias=None, *a, **k: (
-        _per_example(weight, bias, exact=True)
+    F.group_norm: lambda x, groups, weight=None, bias=None, *a, **k: _per_example(
+        weight, bias, exact=True
+    ),
+    torch.group_norm: lambda x, groups, weight=None, bias=None, *a, **k: _per_example(
+        weight, bias, exact=True
     ),
     F.rms_norm: lambda x, shape, weight=None, *a, **k: _per_example(weight, exact=True),
     torch.rms_norm: lambda x, shape, weight=None, *a, **k: _per_example(weight, exact=True),
@@ -189,9 +190,7 @@ class _Watch(TorchFunctionMode):
     """Follows which parameters each tensor derives from and hands every normalisation call,
     with the parameters flowing into its weight and bias, to ``on_call``."""
 
-    def __init__(
-        self, params: Mapping[str, Tensor], on_call: Callable[[NormCall], None]
-    ) -> None:
+    def __init__(self, params: Mapping[str, Tensor], on_call: Callable[[NormCall], None]) -> None:
         super().__init__()
         self.order = {name: i for i, name in enumerate(params)}
         self.origin: WeakIdKeyDictionary = WeakIdKeyDictionary()

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
-
 from typing import Any
 
 from torch import nn
