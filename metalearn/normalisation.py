@@ -82,10 +82,6 @@ class Normalisation:
         """The calls whose vmapped second derivative is wrong (`NormCall.vmap_exact`)."""
         return [call for call in self.calls if not call.vmap_exact]
 
-    def running_stat_updates(self) -> list[NormCall]:
-        """The calls that write running statistics in place."""
-        return [call for call in self.calls if call.updates_running_stats]
-
 
 @dataclass(frozen=True)
 class _Reading:
@@ -98,10 +94,10 @@ class _Reading:
     vmap_exact: bool
 
 
-def _batch_norm(training: bool, running: Tensor | None, weight: Tensor | None, *affine: Any):
+def _batch_norm(training: bool, running: Tensor | None, weight: Tensor | None, bias: Any):
     statistics: Statistics = "batch" if training else "running"
     updates = training and running is not None
-    return _Reading((weight, *affine), statistics, updates, not (training and weight is not None))
+    return _Reading((weight, bias), statistics, updates, not (training and weight is not None))
 
 
 def _instance_norm(use_input_stats: bool, running: Tensor | None, weight: Tensor | None, bias):
@@ -111,40 +107,50 @@ def _instance_norm(use_input_stats: bool, running: Tensor | None, weight: Tensor
     return _Reading((weight, bias), statistics, updates, exact)
 
 
-def _per_example(weight: Tensor | None, bias: Tensor | None = None, *, exact: bool) -> _Reading:
-    return _Reading((weight, bias), "example", False, exact or weight is None)
+# Each of torch's normalisation functions read from its own signature, its arguments named as
+# torch names them (a call may pass any by keyword); the torch.* forms order them unlike the
+# F.* ones they sit beneath.
 
 
-# torch's normalisation functions, each read from its own signature (the torch.* forms order
-# their arguments unlike the F.* ones they sit beneath).
+def _f_batch_norm(input, running_mean, running_var, weight=None, bias=None, training=False,
+                  *args, **kwargs) -> _Reading:  # fmt: skip
+    return _batch_norm(training, running_mean, weight, bias)
+
+
+def _torch_batch_norm(input, weight, bias, running_mean, running_var, training, *args,
+                      **kwargs) -> _Reading:  # fmt: skip
+    return _batch_norm(training, running_mean, weight, bias)
+
+
+def _f_instance_norm(input, running_mean=None, running_var=None, weight=None, bias=None,
+                     use_input_stats=True, *args, **kwargs) -> _Reading:  # fmt: skip
+    return _instance_norm(use_input_stats, running_mean, weight, bias)
+
+
+def _torch_instance_norm(input, weight, bias, running_mean, running_var, use_input_stats,
+                         *args, **kwargs) -> _Reading:  # fmt: skip
+    return _instance_norm(use_input_stats, running_mean, weight, bias)
+
+
+def _layer_norm(input, normalized_shape, weight=None, bias=None, *args, **kwargs) -> _Reading:
+    return _Reading((weight, bias), "example", False, weight is None)
+
+
+def _group_norm(input, num_groups, weight=None, bias=None, *args, **kwargs) -> _Reading:
+    return _Reading((weight, bias), "example", False, True)
+
+
+def _rms_norm(input, normalized_shape, weight=None, *args, **kwargs) -> _Reading:
+    return _Reading((weight,), "example", False, True)
+
+
 _TORCH: dict[Callable[..., Any], Callable[..., _Reading]] = {
-    F.batch_norm: lambda x, rm, rv, weight=None, bias=None, training=False, *a, **k: _batch_norm(
-        training, rm, weight, bias
-    ),
-    torch.batch_norm: lambda x, weight, bias, rm, rv, training, *a, **k: _batch_norm(
-        training, rm, weight, bias
-    ),
-    F.instance_norm: lambda x, rm=None, rv=None, weight=None, bias=None, use_input_stats=True, *a, **k: (
-        _instance_norm(use_input_stats, rm, weight, bias)
-    ),
-    torch.instance_norm: lambda x, weight, bias, rm, rv, use_input_stats, *a, **k: _instance_norm(
-        use_input_stats, rm, weight, bias
-    ),
-    F.layer_norm: lambda x, shape, weight=None, bias=None, *a, **k: _per_example(
-        weight, bias, exact=False
-    ),
-    torch.layer_norm: lambda x, shape, weight=None, bias=None, *a, **k: _per_example(
-        weight, bias, exact=False
-    ),
-    F.group_norm: lambda x, groups, weight=None, bias=None, *a, **k: _per_example(
-        weight, bias, exact=True
-    ),
-    torch.group_norm: lambda x, groups, weight=None, bias=None, *a, **k: _per_example(
-        weight, bias, exact=True
-    ),
-    F.rms_norm: lambda x, shape, weight=None, *a, **k: _per_example(weight, exact=True),
-    torch.rms_norm: lambda x, shape, weight=None, *a, **k: _per_example(weight, exact=True),
-}
+    F.batch_norm: _f_batch_norm, torch.batch_norm: _torch_batch_norm,
+    F.instance_norm: _f_instance_norm, torch.instance_norm: _torch_instance_norm,
+    F.layer_norm: _layer_norm, torch.layer_norm: _layer_norm,
+    F.group_norm: _group_norm, torch.group_norm: _group_norm,
+    F.rms_norm: _rms_norm, torch.rms_norm: _rms_norm,
+}  # fmt: skip
 
 
 def normalising(*, statistics: Statistics, affine: tuple[str, ...] = ("weight", "bias")):

@@ -29,7 +29,7 @@ class _Plain(nn.Module):
         self.inorm = nn.InstanceNorm2d(4, affine=True)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = F.batch_norm(self.conv(x), None, None, self.gamma, self.beta, training=True)
+        h = F.batch_norm(self.conv(x), None, None, bias=self.beta, weight=self.gamma, training=True)
         h = torch.batch_norm(h, self.steps[1], None, None, None, True, 0.1, 1e-5, False)
         h = self.gn(self.inorm(h)).mean((2, 3))
         return self.norm(F.dropout(self.ln(h), 0.5))
