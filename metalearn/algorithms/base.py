@@ -276,12 +276,17 @@ class MetaLearner(nn.Module, abc.ABC):
         ``weights``; HowToTrainYourMAMLPytorch's ``get_inner_loop_parameter_dict`` drops
         them), so they are meta-learned only.
 
+        Without tasks there is no forward to read: the norm modules found by type are held
+        (`adapted_keys`), the guess made before any input is seen.
+
         Raises:
             ValueError: ``adapt_keys`` named a normalisation parameter while ``adapt_norm``
                 is False.
         """
-        if self.adapt_norm or not tasks:
+        if self.adapt_norm:
             return self.adapt_keys
+        if not tasks:
+            return adapted_keys(self.model, self.adapt_keys, adapt_norm=False, sized_now=True)
         norms = set().union(*(self.normalisation(t).parameter_names() for t in tasks))
         if named := [k for k in self._named_keys or () if k in norms]:
             raise ValueError(
@@ -303,7 +308,8 @@ class MetaLearner(nn.Module, abc.ABC):
         tasks: Sequence[Task] = (),
     ) -> InnerLoop:
         """The inner-loop settings for the current state (learnable rates included), adapting
-        `fast_weight_names` of ``tasks`` (no tasks: ``adapt_keys``)."""
+        `fast_weight_names` of ``tasks``, the tasks it will run (their forward decides which
+        normalisation weights are held)."""
         return InnerLoop(
             steps=self.inner_steps if steps is None else steps,
             lr=self.learning_rate(),
