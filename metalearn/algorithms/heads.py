@@ -227,7 +227,7 @@ class HeadLearner(MetaLossLearner):
         """The solved head's logits on ``task``'s query inputs, ``[Q, C]`` with ``C`` the
         task's classes (`head_logits`): the predictions `evaluate` scores. ``steps`` is
         ignored (no inner loop)."""
-        call = TaskCall.of(task, self.inner_loop(), buffers=self.buffers_dict())
+        call = TaskCall.of(task, self.inner_loop(tasks=[task]), buffers=self.buffers_dict())
         classes = int(task.support[1].max()) + 1
         with torch.no_grad():
             return head_logits(self.model, self.theta(), call, learner=self, columns=classes)
