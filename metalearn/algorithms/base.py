@@ -57,6 +57,7 @@ from metalearn.engine import (
 )
 from metalearn.functional import accumulate_grad, detached
 from metalearn.models import norm_parameter_names
+from metalearn.normalisation import Normalisation, read_normalisation
 from metalearn.optim import SGD, Hyperparameter, InnerOptimizer, check_hyperparameter, hyper_at
 
 __all__ = [
@@ -167,6 +168,12 @@ class MetaLearner(nn.Module, abc.ABC):
     measures_curvature: ClassVar[bool] = False
     scores_adapted_weights: ClassVar[bool] = True
     omniglot_inner_defaults: ClassVar[bool] = True
+    adapt_norm: bool = True
+    """Adapt the parameters that flow into normalisation weights; the MAML family's
+    constructors take it (False by default there: their references hold them)."""
+    _named_keys: list[str] | None = None
+    """The ``adapt_keys`` the caller named, refused if the forward shows a normalisation
+    weight among them while ``adapt_norm`` is False (`fast_weight_names`)."""
 
     def __init__(
         self,
@@ -205,6 +212,8 @@ class MetaLearner(nn.Module, abc.ABC):
         self.gradient_checkpointing = gradient_checkpointing
         self.on_nonfinite = on_nonfinite
         self.chunk_size = chunk_size
+        # The model's normalisation read from its forward, by input signature (`normalisation`).
+        self._normalisations: dict[tuple[Any, ...], Normalisation] = {}
 
     @property
     def evaluation_norm(self) -> str:
@@ -239,21 +248,79 @@ class MetaLearner(nn.Module, abc.ABC):
         learner takes another (`metalearn.algorithms.inner_optimizer`)."""
         return SGD()
 
-    def inner_loop(self, steps: int | None = None, first_order: bool | None = None) -> InnerLoop:
-        """The inner-loop settings for the current state (learnable rates included)."""
+    def normalisation(self, task: Task) -> Normalisation:
+        """The model's normalisation calls on inputs like ``task``'s support set
+        (`metalearn.normalisation.read_normalisation`), read once per input signature (the
+        example's shape after the batch dimension, dtype, device, the model's mode and the
+        forward's keyword arguments) and kept on the learner."""
+        x = task.support[0]
+        kwargs = tuple(sorted((k, _signature(v)) for k, v in task.model_kwargs.items()))
+        key = (tuple(x.shape[1:]), x.dtype, x.device, self.model.training, kwargs)
+        if (found := self._normalisations.get(key)) is None:
+            found = read_normalisation(
+                self.model, x, buffers=self.buffers_dict(), kwargs=task.model_kwargs
+            )
+            self._normalisations[key] = found
+        return found
+
+    def fast_weight_names(self, tasks: Sequence[Task]) -> list[str] | None:
+        """The parameters the inner loop adapts on ``tasks`` (None: every one).
+
+        ``adapt_keys``, less every parameter that the forward feeds into a normalisation
+        weight or bias (`normalisation`) unless ``adapt_norm``: MAML's references keep the
+        norm layers out of the fast weights (cbfinn/maml's batch-norm variables are not in
+        ``weights``; HowToTrainYourMAMLPytorch's ``get_inner_loop_parameter_dict`` drops
+        them), so they are meta-learned only.
+
+        Without tasks there is no forward to read: the norm modules found by type are held
+        (`adapted_keys`), the guess made before any input is seen.
+
+        Raises:
+            ValueError: ``adapt_keys`` named a normalisation parameter while ``adapt_norm``
+                is False.
+        """
+        if self.adapt_norm:
+            return self.adapt_keys
+        if not tasks:
+            return adapted_keys(self.model, self.adapt_keys, adapt_norm=False, sized_now=True)
+        norms = set().union(*(self.normalisation(t).parameter_names() for t in tasks))
+        if named := [k for k in self._named_keys or () if k in norms]:
+            raise ValueError(
+                f"adapt_keys names normalisation parameters {named[:4]} (their forward feeds "
+                "them to a norm's weight or bias), which adapt_norm=False keeps out of the "
+                "inner loop; drop them or pass adapt_norm=True"
+            )
+        if not norms:
+            return self.adapt_keys
+        names = self.adapt_keys
+        if names is None:
+            names = [n for n, _ in self.model.named_parameters()]
+        return [k for k in names if k not in norms]
+
+    def inner_loop(
+        self,
+        steps: int | None = None,
+        first_order: bool | None = None,
+        tasks: Sequence[Task] = (),
+    ) -> InnerLoop:
+        """The inner-loop settings for the current state (learnable rates included), adapting
+        `fast_weight_names` of ``tasks``, the tasks it will run (their forward decides which
+        normalisation weights are held)."""
         return InnerLoop(
             steps=self.inner_steps if steps is None else steps,
             lr=self.learning_rate(),
             first_order=self.first_order if first_order is None else first_order,
-            adapt_keys=self.adapt_keys,
+            adapt_keys=self.fast_weight_names(tasks),
             loss_fn=self.loss_fn,
             checkpoint=self.gradient_checkpointing,
             optimizer=self.inner_update(),
         )
 
     def plan(self, tasks: Sequence[Task], inner: InnerLoop) -> list[Chunk]:
-        """How `backward` and `evaluate` split ``tasks`` and run each chunk."""
-        return plan(self.model, tasks, inner, self.vectorize, self.chunk_size)
+        """How `backward` and `evaluate` split ``tasks`` and run each chunk (the vmap choice
+        read from the model's normalisation on the first task, `normalisation`)."""
+        norm = self.normalisation(tasks[0]) if tasks and self.vectorize != "loop" else None
+        return plan(self.model, tasks, inner, self.vectorize, self.chunk_size, norm)
 
     # ------------------------------------------------------------------ the outer loop
 
@@ -341,14 +408,14 @@ class MetaLearner(nn.Module, abc.ABC):
 
     def start_of(self, task: Task) -> dict[str, Tensor]:
         """`start` for ``task`` at the current theta, detached (no graph is built)."""
-        call = TaskCall.of(task, self.inner_loop(), buffers=self.buffers_dict())
+        call = TaskCall.of(task, self.inner_loop(tasks=[task]), buffers=self.buffers_dict())
         with torch.no_grad():
             return detached(dict(self.start(self.model, detached(self.theta()), call)))
 
     def adapt(self, task: Task, steps: int | None = None) -> dict[str, Tensor]:
         """Fast weights for one task, detached (for evaluation and deployment): the inner loop
         from `start`, first order (the same weights; no graph is built)."""
-        inner = _evaluation_loop(self.inner_loop(steps, first_order=True))
+        inner = _evaluation_loop(self.inner_loop(steps, first_order=True, tasks=[task]))
         buffers = self.buffers_dict()
         call = TaskCall.of(task, inner, buffers=buffers)
         with torch.no_grad():  # torch.func.grad inside still differentiates
@@ -364,7 +431,7 @@ class MetaLearner(nn.Module, abc.ABC):
         network's output at `adapt`'s weights, read by `query_fn` (the solved heads and
         Reptile give theirs)."""
         fast = self.adapt(task, steps)
-        call = TaskCall.of(task, self.inner_loop(), buffers=self.buffers_dict())
+        call = TaskCall.of(task, self.inner_loop(tasks=[task]), buffers=self.buffers_dict())
         with torch.no_grad():
             return self.query_fn()(self.model, fast, call)
 
@@ -383,7 +450,7 @@ class MetaLearner(nn.Module, abc.ABC):
         training would be. Under ``on_nonfinite="skip"`` a task whose loss is not finite
         gets NaN loss and accuracy.
         """
-        inner = _evaluation_loop(self.inner_loop(steps, first_order=True))
+        inner = _evaluation_loop(self.inner_loop(steps, first_order=True, tasks=tasks))
         return self._evaluate(tasks, inner, self.task_fn())
 
     def _evaluate(
@@ -431,8 +498,9 @@ class MetaLossLearner(MetaLearner):
     def meta_loss(self, tasks: Sequence[Task]) -> MetaBatch:
         """Mean query loss after adaptation, one graph over all of ``tasks``; differentiable
         w.r.t. ``self.parameters()``."""
-        inner = self.inner_loop()
-        (chunk,) = plan(self.model, tasks, inner, self.vectorize, chunk_size=None)
+        inner = self.inner_loop(tasks=tasks)
+        norm = self.normalisation(tasks[0]) if tasks else None
+        (chunk,) = plan(self.model, tasks, inner, self.vectorize, None, norm)
         return self._run_chunk(self.theta(), tasks, chunk, inner, self.task_fn())
 
     def backward(
@@ -450,7 +518,7 @@ class MetaLossLearner(MetaLearner):
         Returns:
             The step's `StepMetrics`.
         """
-        inner = self.inner_loop()
+        inner = self.inner_loop(tasks=tasks)
         chunks = self.plan(tasks, inner)
         theta, task_fn = self.theta(), self.task_fn()
         if len(chunks) == 1:
@@ -481,9 +549,10 @@ def support_start(
         ValueError: no parameter is adapted at the first inner step.
     """
     lr = learner.learning_rate()
+    adapted = learner.fast_weight_names([task])
     keys = [
         k for k in start
-        if (learner.adapt_keys is None or k in learner.adapt_keys)
+        if (adapted is None or k in adapted)
         and hyper_at(lr, k, 0) is not None
     ]  # fmt: skip
     if not keys:
@@ -503,36 +572,42 @@ def support_start(
 
 
 def adapted_keys(
-    model: nn.Module, adapt_keys: Collection[str] | None, adapt_norm: bool
+    model: nn.Module,
+    adapt_keys: Collection[str] | None,
+    adapt_norm: bool,
+    sized_now: bool = False,
 ) -> list[str] | None:
-    """The ``adapt_keys`` of a learner that keeps normalisation layers out of its inner loop
-    unless ``adapt_norm``, as MAML's references do (`metalearn.models.norm_parameter_names`).
+    """The ``adapt_keys`` a learner that takes ``adapt_norm`` starts from.
+
+    What its inner loop holds out is read from the forward when it first sees a task
+    (`MetaLearner.fast_weight_names`). A learner that builds per-parameter state at
+    construction (``sized_now``: Meta-SGD's and MAML++'s rates, learned inner
+    hyperparameters) sizes it before any input exists, so it leaves out the parameters of
+    the model's norm modules by type (`metalearn.models.norm_parameter_names`), as before;
+    a parameter that guess misses and the forward shows to be a normalisation weight keeps a
+    rate that goes unused.
 
     Args:
         model: the network.
         adapt_keys: the parameters the learner was asked to adapt (None: all).
-        adapt_norm: adapt the normalisation layers' weights too.
+        adapt_norm: adapt the normalisation weights too.
+        sized_now: the learner builds per-parameter state from the result at construction.
 
     Returns:
-        ``adapt_keys`` as given, except that None (all) becomes every parameter but the
-        normalisation ones (in the model's order) when ``adapt_norm`` is False and the
-        model has any.
-
-    Raises:
-        ValueError: ``adapt_keys`` names a normalisation parameter while ``adapt_norm`` is
-            False.
+        ``adapt_keys`` as given, except that for ``sized_now`` with ``adapt_norm`` False, None
+        becomes every parameter outside the norm modules (in the model's order).
     """
-    norms = set(norm_parameter_names(model))
-    if adapt_norm or not norms:
+    if adapt_norm or not sized_now or adapt_keys is not None:
         return None if adapt_keys is None else list(adapt_keys)
-    if adapt_keys is not None and (named := [k for k in adapt_keys if k in norms]):
-        raise ValueError(
-            f"adapt_keys names normalisation parameters {named[:4]}, which adapt_norm=False "
-            "keeps out of the inner loop; drop them or pass adapt_norm=True"
-        )
-    if adapt_keys is not None:
-        return list(adapt_keys)
-    return [n for n, _ in model.named_parameters() if n not in norms]
+    norms = set(norm_parameter_names(model))
+    return [n for n, _ in model.named_parameters() if n not in norms] if norms else None
+
+
+def _signature(value: object) -> object:
+    """A forward keyword argument as a cache key: itself when it is a plain value (a branch
+    index), else its type (a tensor argument does not change which calls the forward makes
+    in any network of this package)."""
+    return value if isinstance(value, (bool, int, float, str, type(None))) else type(value)
 
 
 def _metrics(result: MetaBatch) -> StepMetrics:

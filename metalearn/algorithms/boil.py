@@ -27,7 +27,6 @@ from typing import Any
 from torch import nn
 
 from metalearn.algorithms.inner_optimizer import InnerOptimizerLearner
-from metalearn.models import norm_parameter_names
 
 __all__ = ["BOIL"]
 
@@ -65,8 +64,7 @@ class BOIL(InnerOptimizerLearner):
     ) -> None:
         names = [n for n, _ in model.named_parameters()]
         heads = {n for n in names if n == head or n.startswith(head + ".")}
-        held = heads if adapt_norm else heads | set(norm_parameter_names(model))
-        body = [n for n in names if n not in held]
+        body = [n for n in names if n not in heads]  # less the norms, unless adapt_norm
         if not heads:
             raise ValueError(
                 f"no parameter of the model is named {head!r} or starts with {head + '.'!r}; "

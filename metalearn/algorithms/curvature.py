@@ -153,13 +153,14 @@ def meta_curvature(
     if not probe_tasks:
         raise ValueError("probe_tasks is empty; pass at least one Task for the meta-loss")
     theta = {k: v.detach() for k, v in learner.theta().items()}
-    inner = learner.inner_loop(first_order=False)
+    inner = learner.inner_loop(first_order=False, tasks=probe_tasks)
     buffers, task_fn = learner.buffers_dict(), learner.task_fn()
+    norm = learner.normalisation(probe_tasks[0])  # read once, not at every product
 
     def loss(params: dict[str, Tensor]) -> Tensor:
         return meta_batch(
             learner.model, params, probe_tasks, inner, buffers=buffers,
-            vectorize=learner.vectorize, task_fn=task_fn,
+            vectorize=learner.vectorize, task_fn=task_fn, normalisation=norm,
         ).loss  # fmt: skip
 
     trace = hessian_trace(loss, theta, samples, generator=generator, hvp_method=hvp_method)

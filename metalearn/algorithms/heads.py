@@ -26,7 +26,7 @@ deployed model (`metalearn.deploy`) computes what `HeadLearner.evaluate` scores.
 from __future__ import annotations
 
 import abc
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from functools import partial
 from typing import Any, NamedTuple
 
@@ -227,7 +227,7 @@ class HeadLearner(MetaLossLearner):
         """The solved head's logits on ``task``'s query inputs, ``[Q, C]`` with ``C`` the
         task's classes (`head_logits`): the predictions `evaluate` scores. ``steps`` is
         ignored (no inner loop)."""
-        call = TaskCall.of(task, self.inner_loop(), buffers=self.buffers_dict())
+        call = TaskCall.of(task, self.inner_loop(tasks=[task]), buffers=self.buffers_dict())
         classes = int(task.support[1].max()) + 1
         with torch.no_grad():
             return head_logits(self.model, self.theta(), call, learner=self, columns=classes)
@@ -266,9 +266,14 @@ class HeadLearner(MetaLossLearner):
             "there is no support loss where an inner loop starts; measure a MAML-family learner"
         )
 
-    def inner_loop(self, steps: int | None = None, first_order: bool | None = None) -> InnerLoop:
+    def inner_loop(
+        self,
+        steps: int | None = None,
+        first_order: bool | None = None,
+        tasks: Sequence[Task] = (),
+    ) -> InnerLoop:
         """No inner step, whatever ``steps`` asks (`adapt` and `evaluate` ignore it)."""
-        return super().inner_loop(0, first_order=True)
+        return super().inner_loop(0, first_order=True, tasks=tasks)
 
     def start(
         self, model: nn.Module, params: Mapping[str, Tensor], call: TaskCall

@@ -31,8 +31,10 @@ class MAML(InnerOptimizerLearner):
             sum over ``N K`` examples over ``K``, ``N`` times the mean, so ``N`` x 0.4 = 2.0
             (20 x 0.1 = 2.0 at 20-way) on the mean loss.
         adapt_norm: adapt the normalisation layers' weights in the inner loop too
-            (`metalearn.models.norm_parameter_names`); False (the references'): they are
-            meta-learned only, held at theta's values in every task's inner loop.
+            (the parameters its forward feeds to a norm call's weight or bias,
+            `metalearn.algorithms.base.MetaLearner.fast_weight_names`); False (the
+            references'): they are meta-learned only, held at theta's values in every task's
+            inner loop.
         **kwargs: as for `metalearn.algorithms.inner_optimizer.InnerOptimizerLearner`
             (``adapt_keys`` may not name a normalisation parameter unless ``adapt_norm``).
     """
@@ -40,9 +42,11 @@ class MAML(InnerOptimizerLearner):
     def __init__(
         self, model: nn.Module, *, inner_lr: float = 2.0, adapt_norm: bool = False, **kwargs: Any
     ) -> None:
-        kwargs["adapt_keys"] = adapted_keys(model, kwargs.get("adapt_keys"), adapt_norm)
+        named = kwargs.get("adapt_keys")
+        sized = kwargs.get("learn_inner_hyperparameters", "none") != "none"
+        kwargs["adapt_keys"] = adapted_keys(model, named, adapt_norm, sized)
         super().__init__(model, inner_lr=inner_lr, **kwargs)
-        self.adapt_norm = adapt_norm
+        self.adapt_norm, self._named_keys = adapt_norm, None if named is None else list(named)
 
 
 class FOMAML(MAML):

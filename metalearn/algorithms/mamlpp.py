@@ -265,7 +265,8 @@ class MAMLpp(MetaLossLearner):
                 f"msl_epoch_length={msl_epoch_length} must be >= 1 (meta-steps per epoch of "
                 "MSL; the reference's 500, or 1 to move the weights every meta-step)"
             )
-        kwargs["adapt_keys"] = adapted_keys(model, kwargs.get("adapt_keys"), adapt_norm)
+        named = kwargs.get("adapt_keys")
+        kwargs["adapt_keys"] = adapted_keys(model, named, adapt_norm, sized_now=True)
         super().__init__(model, inner_lr=inner_lr, inner_steps=inner_steps, **kwargs)
         if self.inner_steps < 1:
             raise ValueError(f"MAML++ needs inner_steps >= 1, got {self.inner_steps}")
@@ -277,6 +278,7 @@ class MAMLpp(MetaLossLearner):
         self.msl_steps, self.first_order_steps = msl_steps, first_order_steps
         self.msl_epoch_length = msl_epoch_length
         self.per_step_bn, self.adapt_norm = per_step_bn, adapt_norm
+        self._named_keys = None if named is None else list(named)
         self.step = 0
         params = dict(model.named_parameters())
         bn = batch_norm_names(model) if per_step_bn else []
@@ -338,10 +340,15 @@ class MAMLpp(MetaLossLearner):
             for s in range(self.inner_steps)
         ]
 
-    def inner_loop(self, steps: int | None = None, first_order: bool | None = None) -> InnerLoop:
+    def inner_loop(
+        self,
+        steps: int | None = None,
+        first_order: bool | None = None,
+        tasks: Sequence[Task] = (),
+    ) -> InnerLoop:
         """`MetaLearner.inner_loop` with the derivative order of the current epoch (DA)."""
         return super().inner_loop(
-            steps, not self.second_order if first_order is None else first_order
+            steps, not self.second_order if first_order is None else first_order, tasks
         )
 
     def task_fn(self) -> TaskFn:
@@ -361,7 +368,7 @@ class MAMLpp(MetaLossLearner):
     def adapt(self, task: Task, steps: int | None = None) -> dict[str, Tensor]:
         """Fast weights for one task, detached, with the final step's batch-norm copies."""
         steps = self.inner_steps if steps is None else steps
-        inner = _evaluation_loop(self.inner_loop(steps, first_order=True))
+        inner = _evaluation_loop(self.inner_loop(steps, first_order=True, tasks=[task]))
         step_params = detached(self.step_params())
         fast = detached(self.theta())
         call = TaskCall(task.support, task.query, inner, buffers=self.buffers_dict(),
@@ -382,6 +389,6 @@ class MAMLpp(MetaLossLearner):
         The final step's query loss (no MSL weights), with the learned per-step rates and
         batch-norm copies; otherwise as `MetaLearner.evaluate` (NaN for skipped tasks).
         """
-        inner = _evaluation_loop(self.inner_loop(steps, first_order=True))
+        inner = _evaluation_loop(self.inner_loop(steps, first_order=True, tasks=tasks))
         task_fn = partial(multi_step_task_loss, step_params=detached(self.step_params()))
         return self._evaluate(tasks, inner, task_fn)

@@ -70,9 +70,10 @@ class MetaSGD(MetaLossLearner):
     """
 
     def __init__(self, model: nn.Module, *, adapt_norm: bool = False, **kwargs: Any) -> None:
-        kwargs["adapt_keys"] = adapted_keys(model, kwargs.get("adapt_keys"), adapt_norm)
+        named = kwargs.get("adapt_keys")
+        kwargs["adapt_keys"] = adapted_keys(model, named, adapt_norm, sized_now=True)
         super().__init__(model, **kwargs)
-        self.adapt_norm = adapt_norm
+        self.adapt_norm, self._named_keys = adapt_norm, None if named is None else list(named)
         if not isinstance(self.inner_lr, (int, float)):
             raise ValueError(
                 f"inner_lr must be a number (the initial rate of every entry), got "

@@ -172,12 +172,13 @@ class ProtoMAML(MetaLossLearner):
                 f"Proto-MAML sets a linear head from prototypes, but the model has no 2-d "
                 f"parameter {head + '.weight'!r}; pass head= the linear classifier's name"
             )
-        kwargs["adapt_keys"] = adapted_keys(model, kwargs.get("adapt_keys"), adapt_norm)
+        named = kwargs.get("adapt_keys")
+        kwargs["adapt_keys"] = adapted_keys(model, named, adapt_norm)
         super().__init__(
             model, inner_lr=inner_lr, inner_steps=inner_steps, first_order=first_order, **kwargs
         )
         self.head = head
-        self.adapt_norm = adapt_norm
+        self.adapt_norm, self._named_keys = adapt_norm, None if named is None else list(named)
         self.transductive = transductive
         self._support_moments = reads_support_moments(model, transductive, "Proto-MAML")
 

@@ -31,6 +31,7 @@ from torch.func import functional_call, vmap
 from metalearn.attention import attention_kernel
 from metalearn.engine.inner import InnerLoop, Regularizer, run_inner_loop
 from metalearn.engine.plan import Mode, Vectorize, plan
+from metalearn.normalisation import Normalisation
 from metalearn.task import (
     AllTasksSkippedError,
     MetaBatch,
@@ -206,6 +207,7 @@ def meta_batch(
     on_nonfinite: OnNonfinite = "raise",
     regularizer: Regularizer | None = None,
     task_fn: TaskFn = task_loss,
+    normalisation: Normalisation | None = None,
 ) -> MetaBatch:
     """Mean query loss of a meta-batch of tasks, each adapted from the same ``params``.
 
@@ -224,11 +226,13 @@ def meta_batch(
         regularizer: added to every task's support loss.
         task_fn: the meta-loss of one task, called with a `TaskCall` in both modes
             (default `task_loss`; MAML++ passes its multi-step loss).
+        normalisation: the model's normalisation calls, for the planner's vmap choice (a
+            learner's cached one); None: read from the first task's forward.
 
     Returns:
         A `MetaBatch`.
     """
-    (chunk,) = plan(model, tasks, inner, vectorize, chunk_size=None)
+    (chunk,) = plan(model, tasks, inner, vectorize, None, normalisation)
     return run_meta_batch(
         model, params, ChunkCall(tasks, inner, chunk.mode, task_fn, buffers=buffers,
                                  on_nonfinite=on_nonfinite, regularizer=regularizer),

@@ -4,7 +4,8 @@
 (`VMAP_CHUNK_EXAMPLES`) and the reasons a meta-batch cannot run under vmap
 (`vmap_blockers`). `MetaLearner` plans, then hands each chunk with its mode to
 `metalearn.engine.outer.run_meta_batch`; `metalearn.engine.outer.meta_batch` plans its tasks
-as one chunk.
+as one chunk. Whether the model's normalisation lets vmap be exact is read from its forward
+(`metalearn.normalisation`), never from its modules' classes.
 
 Chunking changes nothing in the maths (the meta-gradient is a mean over tasks, see
 `metalearn.engine.accumulate`) and two things in the cost:
@@ -23,6 +24,7 @@ from typing import Literal, NamedTuple
 from torch import nn
 
 from metalearn.engine.inner import InnerLoop
+from metalearn.normalisation import Normalisation, read_normalisation
 from metalearn.task import Task
 
 __all__ = [
@@ -74,6 +76,7 @@ def plan(
     inner: InnerLoop,
     vectorize: Vectorize = "auto",
     chunk_size: ChunkSize = "auto",
+    normalisation: Normalisation | None = None,
 ) -> list[Chunk]:
     """Split a meta-batch into chunks and give each its mode.
 
@@ -95,6 +98,8 @@ def plan(
         inner: the inner-loop settings.
         vectorize: ``"vmap"``, ``"loop"`` or ``"auto"``.
         chunk_size: tasks per chunk, ``"auto"``, or None for one chunk.
+        normalisation: the model's normalisation calls on these tasks' inputs (the learner's
+            cached `metalearn.normalisation.Normalisation`); None: read from the first task.
 
     Returns:
         Chunks covering ``range(T)`` in order.
@@ -105,7 +110,7 @@ def plan(
         raise ValueError(f"chunk_size must be a positive int, 'auto' or None, got {chunk_size!r}")
     if not tasks:
         raise ValueError("the meta-batch is empty; pass at least one Task")
-    blockers = [] if vectorize == "loop" else vmap_blockers(model, tasks, inner)
+    blockers = [] if vectorize == "loop" else vmap_blockers(model, tasks, inner, normalisation)
     if vectorize == "vmap" and blockers:
         raise ValueError(f"vectorize='vmap' cannot run this meta-batch: {'; '.join(blockers)}")
     batched = vectorize == "vmap" or (vectorize == "auto" and not blockers)
@@ -143,27 +148,39 @@ def _mode(
     return "vmap" if sum(tasks[i].examples() for i in chunk) <= limit else "loop"
 
 
-def vmap_blockers(model: nn.Module, tasks: Sequence[Task], inner: InnerLoop) -> list[str]:
-    """Why a meta-batch cannot run under vmap (empty when it can), one reason per entry."""
+def vmap_blockers(
+    model: nn.Module,
+    tasks: Sequence[Task],
+    inner: InnerLoop,
+    normalisation: Normalisation | None = None,
+) -> list[str]:
+    """Why a meta-batch cannot run under vmap (empty when it can), one reason per entry.
+
+    Args:
+        model: the network.
+        tasks: the meta-batch.
+        inner: the inner-loop settings.
+        normalisation: the model's normalisation calls (None: read from ``tasks[0]``'s
+            support set, `metalearn.normalisation.read_normalisation`).
+    """
     blockers = []
     if any(t.stop is not None for t in tasks):
         blockers.append("a task has an early-stopping rule (data-dependent control flow)")
     if inner.checkpoint:
         blockers.append("checkpoint=True (torch.func.grad refuses checkpointing's hooks)")
-    fused = [n for n, m in model.named_modules() if _fused_norm(m)]
-    if fused and not inner.first_order:
-        blockers.append(
-            f"the model has fused batch/layer-norm modules {fused[:3]}, whose second "
-            "derivative is wrong under vmap (torch 2.13); use metalearn.models.MetaBatchNorm, "
-            "a layer norm written from mean/var, or vectorize='loop'"
-        )
+    if not inner.first_order:
+        if normalisation is None:
+            (x, _), task = tasks[0].support, tasks[0]
+            normalisation = read_normalisation(model, x, kwargs=task.model_kwargs)
+        # What the forward calls decides it, not the modules' classes: a weighted fused batch,
+        # instance or layer norm has a wrong vmapped second derivative (`NormCall.vmap_exact`).
+        if inexact := normalisation.vmap_inexact():
+            named = [f"{c.function.rsplit('.', 1)[-1]}({', '.join(c.parameters)})"
+                     for c in inexact[:3]]  # fmt: skip
+            blockers.append(
+                f"the model's forward calls {', '.join(named)}, torch's fused norm with a "
+                "weight, whose second derivative is wrong under vmap (torch 2.13); use "
+                "metalearn.models.MetaBatchNorm, a norm written from mean/var, or "
+                "vectorize='loop'"
+            )
     return blockers
-
-
-def _fused_norm(module: nn.Module) -> bool:
-    # Measured (torch 2.13 CPU, float64): under vmap, the outer derivative through the inner
-    # gradient of the norm's weight, w.r.t. a weight upstream of the norm, is wrong for
-    # F.batch_norm and F.layer_norm (off by O(1)); F.group_norm and F.rms_norm agree.
-    if isinstance(module, nn.modules.batchnorm._NormBase):
-        return True
-    return isinstance(module, nn.LayerNorm) and module.weight is not None

@@ -1,14 +1,22 @@
-"""Transductive batch norm (`batch_norm`, `MetaBatchNorm`), safe under vmapped second order,
-and which parameters of a network are normalisation weights (`norm_parameter_names`)."""
+"""Transductive batch norm (`batch_norm`, `MetaBatchNorm`), safe under vmapped second order.
+
+Which parameters of a network are normalisation weights is read from its forward
+(`metalearn.normalisation.read_normalisation`); `batch_norm` is marked
+`metalearn.normalisation.normalising` so that reading sees it as it sees ``F.batch_norm``.
+`norm_parameter_names` (by module type) only sizes the per-parameter state some learners build
+before they see an input."""
 
 from __future__ import annotations
 
 import torch
 from torch import Tensor, nn
 
+from metalearn.normalisation import normalising
+
 __all__ = ["NORM_TYPES", "MetaBatchNorm", "batch_norm", "norm_parameter_names", "normalise"]
 
 
+@normalising(statistics="batch")
 def batch_norm(
     x: Tensor, weight: Tensor, bias: Tensor, eps: float = 1e-5, stats_rows: int | None = None
 ) -> Tensor:
@@ -108,7 +116,8 @@ NORM_TYPES: tuple[type[nn.Module], ...] = (
     nn.GroupNorm,
     nn.RMSNorm,
 )
-"""The normalisation layers `norm_parameter_names` recognises, by module type."""
+"""The normalisation layers `norm_parameter_names` recognises, by module type: before any
+input is seen, the only guess there is (what the inner loop adapts is read from the forward)."""
 
 
 def normalise(norm: nn.Module, x: Tensor, stats_rows: int | None) -> Tensor:
@@ -129,12 +138,14 @@ def normalise(norm: nn.Module, x: Tensor, stats_rows: int | None) -> Tensor:
 
 
 def norm_parameter_names(model: nn.Module) -> list[str]:
-    """Names of the parameters (scale and shift) of every normalisation layer of ``model``.
+    """Names of the parameters (scale and shift) of every normalisation layer of ``model``,
+    by module type (`NORM_TYPES`), in ``named_parameters`` order.
 
-    Found by module type (`NORM_TYPES`), never by name, in ``named_parameters`` order: these
-    are the weights MAML's references keep out of the inner loop (Finn et al.'s batch-norm
-    variables are not fast weights; Antoniou et al.'s code drops the norm layers from the
-    inner-loop dict), so they are meta-learned only.
+    A guess made before any input is seen, used only to size the per-parameter state a
+    learner builds at construction (Meta-SGD's and MAML++'s rates, learned inner
+    hyperparameters) as it was sized before. What the inner loop holds out is read from the
+    forward (`metalearn.algorithms.base.MetaLearner.fast_weight_names`): a rate built for a
+    parameter the forward shows to be a normalisation weight is left unused.
     """
     norms = set()
     for prefix, module in model.named_modules():

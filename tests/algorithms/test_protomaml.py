@@ -159,7 +159,7 @@ def test_defaults_are_meta_datasets_first_order_learner_with_norms_held(vectoriz
     model, batch = conv(), tasks()
     learner = ProtoMAML(model, vectorize=vectorize)
     assert (learner.inner_lr, learner.inner_steps, learner.first_order) == (0.01, 5, True)
-    assert not learner.adapt_norm and NORMS.isdisjoint(learner.adapt_keys)
+    assert not learner.adapt_norm and NORMS.isdisjoint(learner.fast_weight_names(batch))
     assert not learner.transductive and learner.evaluation_norm == "support"
     reference = reference_meta_gradient(model, batch, lr=0.01, steps=5, first_order=True,
                                         adapt_norm=False, transductive=False)  # fmt: skip

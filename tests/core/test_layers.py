@@ -14,8 +14,7 @@ PACKAGE = ROOT / "metalearn"
 FLOORS = {
     "functional": 1, "autograd": 1, "allocator": 1, "checkpoint": 1, "files": 1, "distributed": 1,
     "assignment": 1, "second_order": 1, "attention": 1, "debug": 1, "implicit": 1, "optim": 1,
-    "task": 1,
-    "__init__": 1,
+    "task": 1, "normalisation": 1, "__init__": 1,
     "data": 2, "engine": 3, "models": 4, "rl": 4, "algorithms": 5, "runs": 6, "deploy": 7,
     "tools": 8,
 }  # fmt: skip

@@ -148,7 +148,7 @@ def test_conjugate_gradient_refuses_an_integer_right_hand_side():
 # dense Hessian of their own loss, written out by hand.
 
 BN_REFUSAL = (
-    r"^f\(params\) runs BatchNorm2d\(3\) in training mode with running statistics, which would "
+    r"^f\(params\) calls BatchNorm2d\(3\) in training mode with running statistics, which would "
     r"update its buffers on every call .*call model\.eval\(\) .*"
     r"torch\.func\.replace_all_batch_norm_modules_\(model\)"
 )
@@ -199,6 +199,27 @@ TOOLS = {
     "hessian_trace": lambda f, p: hessian_trace(f, p, samples=2),
     "top_eigenvalues": lambda f, p: top_eigenvalues(f, p, max_iter=3),
 }
+
+
+@pytest.mark.parametrize("tool", list(TOOLS))
+def test_f_batch_norm_called_with_running_statistics_is_refused_untouched(tool):
+    """No norm module: ``f`` calls F.batch_norm on buffers of its own, in training mode. The
+    refusal reads the call itself (`metalearn.normalisation.watching_normalisation`)."""
+    g = torch.Generator().manual_seed(4)
+    mean, var = torch.zeros(3, dtype=torch.float64), torch.ones(3, dtype=torch.float64)
+    x = torch.randn(5, 3, generator=g, dtype=torch.float64)
+    p = {"w": torch.randn(3, 3, generator=g, dtype=torch.float64),
+         "gamma": torch.rand(3, generator=g, dtype=torch.float64) + 0.5}  # fmt: skip
+
+    def f(q):
+        h = torch.nn.functional.batch_norm(x @ q["w"], mean, var, q["gamma"], training=True)
+        return (h.tanh() ** 2).sum()
+
+    with pytest.raises(ValueError, match=r"^f\(params\) calls torch\.nn\.functional\.batch_norm "
+                       r"in training mode with running statistics.*model\.eval\(\)"):  # fmt: skip
+        TOOLS[tool](f, p)
+    assert torch.equal(mean, torch.zeros(3, dtype=torch.float64))
+    assert torch.equal(var, torch.ones(3, dtype=torch.float64))
 
 
 @pytest.mark.parametrize("tool", list(TOOLS))
