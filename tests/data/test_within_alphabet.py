@@ -153,6 +153,7 @@ def test_the_presets_parse_to_their_recipes():
         "within-alphabet", "episodic", True,
     )  # fmt: skip
     assert lake["train_ways"] == 60
+    assert lake["transductive"] is False  # each query classified on its own, as Lake et al.
     assert (lake["meta_batch"], lake["query"], lake["iterations"]) == (8, 3, 3000)
     default = flatten(om.parse_args(["--no-track"]))
     assert (default["algorithm"], default["ways"], default["split"]) == ("protomaml", 5, "maml")
