@@ -33,7 +33,7 @@ from metalearn.data.image_folder import load_image_folder
 from metalearn.data.image_set import IMAGE_SPLITS, ImageSet, check_split
 from metalearn.data.mini_imagenet import load_mini_imagenet
 from metalearn.data.omniglot import load_omniglot, omniglot_samplers, omniglot_splits
-from metalearn.data.sampler import EpisodicSampler
+from metalearn.data.sampler import Augmentation, EpisodicSampler
 from metalearn.data.tiered_imagenet import load_tiered_imagenet
 
 __all__ = [
@@ -45,6 +45,7 @@ __all__ = [
     "image_set_samplers",
     "image_shape",
     "load_image_set",
+    "set_augmentation",
 ]
 
 
@@ -95,6 +96,12 @@ IMAGE_SETS: Mapping[str, ImageSetEntry] = {
                               invert=OMNIGLOT_FORMAT.invert),
 }  # fmt: skip
 IMAGE_SET_NAMES = tuple(IMAGE_SETS)
+
+
+def set_augmentation(name: str) -> Augmentation | None:
+    """The standard training augmentation of data set ``name`` (`ImageSetEntry.augmentation`)."""
+    entry = _entry(name)
+    return standard_augmentation(entry.augmentation, padding=entry.padding)
 
 
 def _entry(name: str) -> ImageSetEntry:
@@ -210,7 +217,7 @@ def image_set_samplers(
     entry = _entry(name)
     options = {**options, **image_options(name, image_size, channels)}
     eval_queries = queries if eval_queries is None else eval_queries
-    augmentation = standard_augmentation(entry.augmentation, padding=entry.padding)
+    augmentation = set_augmentation(name)
     common = dict(shots=shots, dtype=dtype, device=device)
     train_ways = ways if train_ways is None else train_ways
     train_shots = shots if train_shots is None else train_shots

@@ -12,6 +12,12 @@ With ``one_to_one=k`` the queries of each task are classified jointly instead: a
 the classes one-to-one, ``k`` to a class, on the same logits (`metalearn.assignment`): a
 transductive reading, reported beside the inductive accuracy, never in its place.
 
+With ``views=V`` (test-time augmentation) each task is read as itself and as ``V - 1``
+copies whose support and query images are augmented together (view ``v`` of task ``t`` by a
+generator of seed `view_seed` ``(t, v)``, so the copies do not depend on ``chunk``), and the
+query logits of the ``V`` readings are averaged before they are scored (`logit_accuracies`):
+every copy classifies each query as its learner does, so an inductive reading stays one.
+
 The interval is the normal approximation over tasks, ``1.96 * std / sqrt(T)`` (the
 experiment's reporting, as in Finn et al., 2017, Sec. 5.2).
 
@@ -27,6 +33,7 @@ over all queries, which, every task having the same queries, is the mean over ta
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 from collections.abc import Callable, Mapping, Sequence
 from typing import Protocol
@@ -38,16 +45,21 @@ from tqdm import tqdm
 from metalearn import distributed
 from metalearn.algorithms import MetaLearner
 from metalearn.assignment import assign_queries
+from metalearn.data.sampler import Augmentation
 from metalearn.engine import Task
 from metalearn.models import evaluation_mode
 
-__all__ = ["TEST_SEED", "VAL_SEED", "TaskSource", "accuracy_interval", "ensemble_accuracies",
-           "evaluate_tasks", "logit_accuracies"]  # fmt: skip
+__all__ = ["MAX_VIEWS", "TEST_SEED", "VAL_SEED", "VIEW_SEED", "TaskSource", "accuracy_interval",
+           "augmented_view", "ensemble_accuracies", "evaluate_tasks", "logit_accuracies",
+           "view_seed"]  # fmt: skip
 
 VAL_SEED = 1
 """Seed of the validation tasks: every validation of a run sees the same tasks."""
 TEST_SEED = 2
 """Seed of the test tasks (a checkpoint re-evaluated with it sees the run's test tasks)."""
+VIEW_SEED = 3
+"""Seeds test-time augmentation's copies (`view_seed`)."""
+MAX_VIEWS = 64
 
 
 class TaskSource(Protocol):
@@ -74,6 +86,8 @@ def evaluate_tasks(
     desc: str = "evaluate",
     ensemble: Sequence[Mapping[str, Tensor]] | None = None,
     one_to_one: int | None = None,
+    views: int = 1,
+    augment: Augmentation | None = None,
 ) -> tuple[float, float]:
     """Mean query accuracy of ``learner`` over ``tasks`` tasks, and its 95% half-width.
 
@@ -95,6 +109,9 @@ def evaluate_tasks(
         one_to_one: ``k``, the queries each class of a task holds: the queries are
             assigned to the classes one-to-one (`logit_accuracies`); None: each query's
             argmax, as `MetaLearner.evaluate` scores it.
+        views: ``V``, the readings of each task whose query logits are averaged: the task
+            and ``V - 1`` copies through ``augment`` (see the module docstring); 1: none.
+        augment: the augmentation of the copies (needed when ``views > 1``).
 
     Returns:
         ``(mean, ci95)``: the mean of the ``[T]`` per-task accuracies and
@@ -108,6 +125,9 @@ def evaluate_tasks(
             f"need tasks >= 1, steps >= 0 and chunk >= 1, got tasks={tasks}, steps={steps}, "
             f"chunk={chunk}"
         )
+    if not 1 <= views <= MAX_VIEWS or (views > 1 and augment is None):
+        raise ValueError(f"views must be 1..{MAX_VIEWS}, and above 1 needs an augmentation; "
+                         f"got views={views}, augment={augment}")  # fmt: skip
     classes, examples = source.sample_indices(generator, tasks)
     models = 1 if ensemble is None else len(ensemble)
     accs = []
@@ -124,10 +144,11 @@ def evaluate_tasks(
             local = torch.empty(0)
             if part.stop > part.start:
                 batch = source.tasks_from_indices(classes[mine], examples[mine])
-                if ensemble is None and one_to_one is None:
+                if ensemble is None and one_to_one is None and views == 1:
                     local = learner.evaluate(batch, steps=steps)[1].detach().cpu()
                 else:
-                    local = logit_accuracies(learner, ensemble, batch, steps, one_to_one)
+                    copies = None if views == 1 else (views, augment, mine.start)
+                    local = logit_accuracies(learner, ensemble, batch, steps, one_to_one, copies)
             accs.append(distributed.gather_tensor(local.float()))
             progress((stop - start) * models)
     acc = torch.cat(accs).double()
@@ -165,27 +186,50 @@ def logit_accuracies(
     tasks: Sequence[Task],
     steps: int,
     one_to_one: int | None = None,
+    copies: tuple[int, Augmentation, int] | None = None,
 ) -> Tensor:
     """Query accuracy of each task from its query logits, ``[T]`` (float64).
 
     The logits (`MetaLearner.query_logits`, ``[Q, C]``) are the learner's as it is
     (``states`` None) or their mean in float64 over the ``states`` loaded in turn (the
-    learner is left holding ``states[0]``). Each query's class is their argmax (the first of
-    equal maxima), or, with ``one_to_one=k``, the class `metalearn.assignment.assign_queries`
+    learner is left holding ``states[0]``); with ``copies=(V, augment, first)``, each state's
+    are the mean over the task and its ``V - 1`` augmented copies (`augmented_view`, the
+    tasks numbered from ``first``). Each query's class is their argmax (the first of equal
+    maxima), or, with ``one_to_one=k``, the class `metalearn.assignment.assign_queries`
     gives it, ``k`` queries to a class. A task whose logits are not finite scores NaN.
     """
+    views, augment, first = copies or (1, None, 0)
+    readings = [
+        [task] + [augmented_view(task, augment, view_seed(first + t, v)) for v in range(1, views)]
+        for t, task in enumerate(tasks)
+    ]
     total: list[Tensor] = []
     for state in reversed(states or [None]):  # ends on states[0]
         if state is not None:
             learner.load_state_dict(state)
-        logits = [learner.query_logits(task, steps).detach().double().cpu() for task in tasks]
+        logits = [sum(learner.query_logits(view, steps).detach().double().cpu() for view in task)
+                  for task in readings]  # fmt: skip
         total = logits if not total else [a + b for a, b in zip(total, logits, strict=True)]
     accs = []
     for summed, task in zip(total, tasks, strict=True):
-        mean = summed / len(states or [None])
+        mean = summed / (len(states or [None]) * views)
         if not mean.isfinite().all():
             accs.append(torch.tensor(float("nan"), dtype=torch.float64))
             continue
         chosen = mean.argmax(dim=-1) if one_to_one is None else assign_queries(mean, one_to_one)
         accs.append((chosen == task.query[1].cpu()).double().mean())
     return torch.stack(accs) if accs else torch.empty(0, dtype=torch.float64)
+
+
+def view_seed(task: int, view: int) -> int:
+    """The seed of copy ``view`` (1..`MAX_VIEWS` - 1) of evaluation task ``task``."""
+    return (VIEW_SEED * 2**32 + task) * MAX_VIEWS + view
+
+
+def augmented_view(task: Task, augment: Augmentation, seed: int) -> Task:
+    """``task`` with its support and query images through ``augment`` (one generator of
+    ``seed``, the support first), labels and control flow unchanged."""
+    (xs, ys), (xq, yq) = task.support, task.query
+    generator = torch.Generator(device=xs.device).manual_seed(seed)
+    return dataclasses.replace(task, support=(augment(xs, generator), ys),
+                               query=(augment(xq, generator), yq))  # fmt: skip

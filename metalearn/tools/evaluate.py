@@ -101,6 +101,10 @@ class Args:
     one_to_one: bool = False
     """Also score each task's queries assigned to the classes one-to-one (transductive: the
     Hungarian method on the same logits), printed as test/acc_one_to_one beside test/acc."""
+    views: int = 1
+    """Test-time augmentation: each task read as itself and views-1 copies augmented as the
+    run's training images are (the data set's standard augmentation; support and query
+    together), their query logits averaged; 1: none."""
     seed: int | None = None
     """Seeds the task sampling (default: the experiments' test seed, which draws the run's
     own test tasks)."""
@@ -226,10 +230,14 @@ def evaluate(args: Args) -> dict[str, float]:
     """Load, draw, test, log; returns ``{"test/acc": ..., "test/acc_ci95": ...}``."""
     import torch
 
+    from metalearn.data.benchmarks import set_augmentation
     from metalearn.deploy import learner_from, read_run_checkpoint
-    from metalearn.runs.evaluation import TEST_SEED, evaluate_tasks
+    from metalearn.runs.evaluation import MAX_VIEWS, TEST_SEED, evaluate_tasks
     from metalearn.runs.tracking import check_mode
 
+    if not 1 <= args.views <= MAX_VIEWS:
+        raise ValueError(f"--views {args.views}: must be 1 (no test-time augmentation) to "
+                         f"{MAX_VIEWS}")  # fmt: skip
     args = dataclasses.replace(args, seed=TEST_SEED if args.seed is None else args.seed)
     seed = args.seed
     if args.threads > 0:
@@ -246,10 +254,12 @@ def evaluate(args: Args) -> dict[str, float]:
     ensemble = kept_ensemble(saved, path) if args.which == "ensemble" else None
     data, steps = test_data(args, recipe)
     source = task_source(data, args.device)
+    augment = set_augmentation(data.dataset) if args.views > 1 else None
     print(
         f"{args.artifact or path} ({args.which} weights): {data.ways}-way {data.shots}-shot, "
         f"{data.eval_query} queries, {steps} inner steps, {args.tasks} tasks of the "
         f"test classes of {drawn_from(data)}, seed {seed}, {data.eval_protocol} protocol"
+        + (f", {args.views} views (test-time augmentation)" if args.views > 1 else "")
     )
     wandb_run = None
     if args.track:
@@ -259,13 +269,15 @@ def evaluate(args: Args) -> dict[str, float]:
     try:
         generator = torch.Generator().manual_seed(seed)
         acc, half = evaluate_tasks(learner, source, args.tasks, steps, generator, desc="test",
-                                   ensemble=ensemble)  # fmt: skip
+                                   ensemble=ensemble, views=args.views,
+                                   augment=augment)  # fmt: skip
         results = {"test/acc": acc, "test/acc_ci95": half}
         if args.one_to_one:  # the same tasks, read jointly
             generator = torch.Generator().manual_seed(seed)
             one, one_half = evaluate_tasks(learner, source, args.tasks, steps, generator,
                                            desc="one-to-one", ensemble=ensemble,
-                                           one_to_one=data.eval_query)  # fmt: skip
+                                           one_to_one=data.eval_query, views=args.views,
+                                           augment=augment)  # fmt: skip
             results.update({"test/acc_one_to_one": one, "test/acc_one_to_one_ci95": one_half})
         if wandb_run is not None:
             wandb_run.summary.update(results)

@@ -14,7 +14,8 @@ import pytest
 import torch
 
 from metalearn.checkpoint import load_checkpoint
-from metalearn.runs.evaluation import TEST_SEED
+from metalearn.data.augment import SmallAffine
+from metalearn.runs.evaluation import TEST_SEED, evaluate_tasks
 from metalearn.runs.recipe import build_learner, read_recipe
 from metalearn.runs.run import load_samplers
 from metalearn.tools import evaluate as evaluate_tool
@@ -93,6 +94,19 @@ def test_the_inductive_and_one_to_one_readings_equal_the_written_out_reference(
     assert evaluate_tool.main([*command, "--transductive", "True"]) == 0
     want = float(torch.stack(transductive).mean())
     assert f"test/acc: {want:.4f}" in capsys.readouterr().out
+    # --views: the run's training augmentation (Omniglot's SmallAffine) on copies of each task
+    assert evaluate_tool.main([*command[:-1], "--views", "3"]) == 0
+    gen = torch.Generator().manual_seed(TEST_SEED)
+    acc, _ = evaluate_tasks(learner, sampler, 6, 0, gen, progress=False, views=3,
+                            augment=SmallAffine())  # fmt: skip
+    assert f"test/acc: {acc:.4f}" in capsys.readouterr().out
+
+
+def test_views_out_of_range_are_one_line(capsys):
+    assert evaluate_tool.main(["--checkpoint", "x.pt", "--views", "0"]) == 2
+    assert capsys.readouterr().err.strip() == (
+        "metalearn-evaluate: error: --views 0: must be 1 (no test-time augmentation) to 64"
+    )
 
 
 def test_transductive_is_refused_for_a_learner_that_reads_queries_one_way(tmp_path, capsys):
