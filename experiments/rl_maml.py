@@ -277,11 +277,11 @@ def own_outer_settings(exp: Experiment, path: Any) -> dict[str, Any]:
 
 
 def processed(t: TrainingArgs, episodes: Any, iteration: int, phase: str) -> Any:
-    """The `PolicyBatch` of ``episodes``, advantages centred and scaled per task (maml_rl's
-    center_adv); a non-finite reward, return or advantage raises `NonFiniteEpisodesError`
-    naming the task, the iteration (1-based) and the phase."""
+    """The `PolicyBatch` of ``episodes``, advantages centred and scaled per task (the
+    library's default, maml_rl's center_adv); a non-finite reward, return or advantage raises
+    `NonFiniteEpisodesError` naming the task, the iteration (1-based) and the phase."""
     return checked_policy_batch(episodes, iteration + 1, phase, discount=t.discount,
-                                gae_lambda=t.gae_lambda, normalize=True)  # fmt: skip
+                                gae_lambda=t.gae_lambda)  # fmt: skip
 
 
 def adapted_episodes(t: TrainingArgs, sample: TaskSampler, objective: MetaObjective,
@@ -389,7 +389,9 @@ def build(a: Args) -> tuple[GaussianMLPPolicy, MetaObjective, TaskSampler]:
         ) from None
     torch.manual_seed(t.seed)
     policy = GaussianMLPPolicy(*dist.dims(), hidden=t.hidden).to(device)
-    objective = MetaObjective(lr=t.inner_lr, first_order=t.first_order, average="steps")
+    # The library's defaults are maml_rl's step (the mean over a task's steps, the KL over
+    # all tasks' steps at once): only the rate and the order are the run's.
+    objective = MetaObjective(lr=t.inner_lr, first_order=t.first_order)
     return policy, objective, TaskSampler(dist, policy, t.seed, device)
 
 
