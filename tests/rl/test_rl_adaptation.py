@@ -109,3 +109,18 @@ def test_the_script_reports_the_runs_own_evaluation(tmp_path, capsys):
     with pytest.raises(SystemExit) as stop:
         tool.main(["--checkpoints", f"maml={tmp_path / 'none.pt'}"])
     assert stop.value.code == 2 and "no checkpoint at" in capsys.readouterr().err
+
+
+def test_the_script_evaluates_a_step_budget_and_refuses_two_counts(tmp_path, capsys):
+    run = tiny(tmp_path, run_name="s", iterations=1, fast_batch=None, fast_batch_steps=40)
+    results = rl_maml.main(run)
+    tool = script("rl_adaptation")
+    path = tmp_path / "s" / "checkpoint.pt"
+    curves = tool.main(["--checkpoints", f"maml={path}", "--eval-inner-steps", "2"])
+    assert [m for m, _ in curves["maml"]] == [results[f"test/return_step{k}"] for k in range(3)]
+    other = tool.main(["--checkpoints", f"maml={path}", "--eval-inner-steps", "2",
+                       "--fast-batch", "2"])  # fmt: skip
+    assert other["maml"] != curves["maml"]
+    with pytest.raises(SystemExit) as stop:
+        tool.main(["--checkpoints", f"maml={path}", "--paper", "--fast-batch", "2"])
+    assert stop.value.code == 2 and "--paper sets maml_rl's 4,000 steps" in capsys.readouterr().err
