@@ -98,7 +98,11 @@ def saved_run(path: str) -> tuple[Any, dict]:
     if not isinstance(saved, dict) or saved.get("experiment") != "rl_maml":
         usage_error(f"--checkpoints: {path} is not a checkpoint of experiments/rl_maml.py")
     known = flatten(rl_maml.Args())
-    args = unflatten(rl_maml.Args, {k: v for k, v in saved["args"].items() if k in known})
+    flat = {k: v for k, v in saved["args"].items() if k in known}
+    if flat.get("pretrain"):  # a policy pretrained by TRPO (before --pretrain took Adam's
+        # step) recorded the outer step's settings; evaluation reads none of them
+        flat.update(dict.fromkeys(k for names in rl_maml.OUTER_DEFAULTS.values() for k in names))
+    args = unflatten(rl_maml.Args, flat)
     return rl_maml.resolve(args), saved["policy"]
 
 

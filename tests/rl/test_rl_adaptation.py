@@ -138,3 +138,18 @@ def test_the_script_evaluates_a_step_budget_and_refuses_two_counts(tmp_path, cap
     with pytest.raises(SystemExit) as stop:
         tool.main(["--checkpoints", f"maml={path}", "--paper", "--fast-batch", "2"])
     assert stop.value.code == 2 and "--paper sets maml_rl's 4,000 steps" in capsys.readouterr().err
+
+
+def test_the_script_reads_a_pretrained_run_recorded_with_trpos_settings(tmp_path):
+    """Runs pretrained by TRPO, before --pretrain took maml_rl's Adam step, recorded the
+    outer step's settings, which --pretrain now refuses; evaluation reads none of them."""
+    from metalearn.checkpoint import save_checkpoint
+
+    rl_maml.main(tiny(tmp_path, run_name="p", pretrain=True, iterations=1))
+    saved = load_checkpoint(tmp_path / "p" / "checkpoint.pt")
+    saved["args"].update(max_kl=0.01, cg_iters=10, cg_damping=1e-5, pretrain_lr=None)
+    save_checkpoint(tmp_path / "old.pt", saved)
+    tool = script("rl_adaptation")
+    new = tool.main(["--checkpoints", f"p={tmp_path / 'p' / 'checkpoint.pt'}"])
+    old = tool.main(["--checkpoints", f"p={tmp_path / 'old.pt'}"])
+    assert old == new
