@@ -3,7 +3,8 @@
 What: meta-trains the paper's Gaussian MLP policy (100-100 ReLU) so that one policy-gradient
 step on a new task's episodes raises its return: 2D navigation to a goal, or HalfCheetah /
 Ant running in a direction or at a velocity. Each iteration samples a meta-batch of tasks,
-``--fast-batch`` episodes per task with theta, adapts each task's policy by
+``--fast-batch`` episodes per task with theta (or ``--fast-batch-steps`` steps a task, as
+maml_rl's sampler: the paper presets' budget), adapts each task's policy by
 ``--inner-steps`` policy-gradient steps, samples again with the adapted policies, and takes
 one TRPO step on the meta-surrogate (`metalearn.rl.meta_objective`; ``--outer ppo``: a few
 clipped first-order epochs instead). At the end the policy is evaluated on held-out tasks
@@ -90,8 +91,15 @@ class TrainingArgs:
     """Meta-iterations (one outer step each)."""
     meta_batch: int = 10
     """Tasks per iteration (maml_rl: 40)."""
-    fast_batch: int = 20
-    """Episodes per task and adaptation step (maml_rl's fast_batch_size: 20)."""
+    fast_batch: int | None = None
+    """Episodes per task and adaptation step (default 20, maml_rl's fast_batch_size, unless
+    --fast-batch-steps is given)."""
+    fast_batch_steps: int | None = None
+    """Environment steps per task and adaptation step instead of episodes, at least
+    --horizon: maml_rl's budget, fast_batch_size x max_path_length (the paper presets':
+    2,000 for 2dnav, 4,000 MuJoCo), each task's episodes run one after another until the
+    meta-batch's completed episodes hold it (metalearn.rl.budget); evaluation's tasks run
+    budget / horizon episodes side by side, as maml_rl's test scripts."""
     inner_lr: float | None = None
     """Inner policy-gradient step size on the mean-over-steps surrogate (default: maml_rl's
     fast_lr, 0.5 for 2dnav, 0.1 MuJoCo)."""
@@ -100,10 +108,12 @@ class TrainingArgs:
     first_order: bool = False
     """FOMAML: no gradient through the inner step's gradient."""
     pretrain: bool = False
-    """Train the MAML paper's "pretrained" baseline instead (Finn et al., 2017, Sec. 5.3):
-    TRPO on the policy's own return over the task distribution, no inner step in training
-    (maml_rl's cluster_trpo_cheetah.py on the random-task env); evaluation adapts it as
-    MAML's policy."""
+    """Train the MAML paper's "pretrained" baseline instead (Finn et al., 2017, Sec. 5.3),
+    as maml_rl's MAMLTRPO with use_maml=False: one Adam step an iteration (--pretrain-lr) on
+    the pre-update surrogate of the meta-batch's episodes with theta, no inner step and no
+    trust region; evaluation adapts it as MAML's policy."""
+    pretrain_lr: float | None = None
+    """--pretrain: Adam's step size (default: maml_rl's FirstOrderOptimizer, 1e-3)."""
     outer: Literal["trpo", "ppo"] = "trpo"
     """Outer step: trpo (the paper's) or ppo (clipped first-order epochs, Adam); each reads
     its own settings below and refuses the other's."""
@@ -182,15 +192,18 @@ class Args:
     """System options."""
 
 
-# maml_rl at commit 9c8e2eb: maml_examples/maml_trpo_point.py (2D navigation) and
-# cluster_maml_trpo_{cheetah,ant}.py (MuJoCo): 40 tasks x 20 episodes, max KL 0.01.
-PAPER = dict(meta_batch=40, fast_batch=20, eval_tasks=40)
-MUJOCO_PAPER = dict(PAPER, iterations=800)
+# maml_rl at commit 9c8e2eb: maml_examples/cluster_maml_trpo_{cheetah,ant}.py (MuJoCo): 40
+# tasks, fast_batch_size 20 x max_path_length 200 steps, 800 iterations, max KL 0.01; 2D
+# navigation: maml_trpo_point.py's 100 iterations of 20 x 100 steps, at the 20 tasks of the
+# policy its test evaluates (test_maml_point.py: "trpomaml1_fbs20_mbs20_flr_0.5").
+PAPER = dict(meta_batch=40, eval_tasks=40)
+MUJOCO_PAPER = dict(PAPER, iterations=800, fast_batch_steps=20 * 200)
+NAV_PAPER = dict(PAPER, env="2dnav", meta_batch=20, fast_batch_steps=20 * 100)
 PRESETS: dict[str, dict[str, Any]] = {
     "cpu": {},  # the defaults of Args
-    "paper-2dnav": {**PAPER, "env": "2dnav", "iterations": 100},
+    "paper-2dnav": {**NAV_PAPER, "iterations": 100},
     **{f"paper-{env}": {**MUJOCO_PAPER, "env": env} for env in TASKS[1:]},
-    "gpu-2dnav": {**PAPER, "env": "2dnav", "iterations": 500, "device": "cuda"},
+    "gpu-2dnav": {**NAV_PAPER, "iterations": 500, "device": "cuda"},
     "gpu-halfcheetah-vel": {**MUJOCO_PAPER, "env": "halfcheetah-vel", "device": "cuda"},
 }
 
@@ -203,23 +216,41 @@ OUTER_DEFAULTS = {
 }
 
 
+PRETRAIN_LR = 1e-3
+"""maml_rl's ``FirstOrderOptimizer`` default (Adam at 1e-3), which ``MAMLNPO`` builds for
+``use_maml=False`` (``sandbox/rocky/tf/algos/maml_npo.py``)."""
+
+
 def resolve(args: Args) -> Args:
-    """The environment's reference values for the open ``--horizon`` and ``--inner-lr``, and
-    the chosen outer step's defaults for its open settings (the other's stay unset)."""
+    """The environment's reference values for the open ``--horizon`` and ``--inner-lr``,
+    20 episodes unless a step budget is given, and the outer step's defaults for its open
+    settings (the other's, and with ``--pretrain`` both, stay unset)."""
     nav, t = args.env.env == "2dnav", args.training
     env = replace(args.env, horizon=args.env.horizon or (100 if nav else 200))
     lr = t.inner_lr if t.inner_lr is not None else (0.5 if nav else 0.1)
-    own = {k: default if getattr(t, k) is None else getattr(t, k)
-           for k, default in OUTER_DEFAULTS[t.outer].items()}  # fmt: skip
-    return replace(args, env=env, training=replace(t, inner_lr=lr, **own))
+    fast_batch = t.fast_batch if t.fast_batch is not None or t.fast_batch_steps else 20
+    if t.pretrain:
+        own = {"pretrain_lr": PRETRAIN_LR if t.pretrain_lr is None else t.pretrain_lr}
+    else:
+        own = {k: default if getattr(t, k) is None else getattr(t, k)
+               for k, default in OUTER_DEFAULTS[t.outer].items()}  # fmt: skip
+    return replace(args, env=env, training=replace(t, inner_lr=lr, fast_batch=fast_batch, **own))
 
 
 def check_args(args: Args) -> None:
     """Refuse what cannot run, before anything is written (`UserError`, one line)."""
     t, horizon = args.training, args.env.horizon
-    counts = ("iterations", "meta_batch", "fast_batch", "inner_steps", "cg_iters",
-              "ppo_epochs", "checkpoint_every")  # fmt: skip
+    counts = ("iterations", "meta_batch", "fast_batch", "fast_batch_steps", "inner_steps",
+              "cg_iters", "ppo_epochs", "checkpoint_every")  # fmt: skip
     experiment.require_at_least_one(vars(t), counts)
+    require(t.fast_batch is None or t.fast_batch_steps is None,
+            f"--fast-batch {t.fast_batch} (episodes) and --fast-batch-steps "
+            f"{t.fast_batch_steps} (steps) both set (the paper presets set the steps); "
+            "pass one")  # fmt: skip
+    require(t.fast_batch_steps is None or t.fast_batch_steps >= (horizon or 100),
+            f"--fast-batch-steps {t.fast_batch_steps}: below one episode of --horizon "
+            f"{horizon or 100} steps; pass at least the horizon")  # fmt: skip
+    check_pretrain(t)
     require(t.eval_tasks >= 2, f"--eval-tasks {t.eval_tasks}: an interval needs 2 tasks")
     hidden = " ".join(map(str, t.hidden))
     require(all(units >= 1 for units in t.hidden),
@@ -237,23 +268,46 @@ def check_args(args: Args) -> None:
         args.env.env == "2dnav" or horizon is None or horizon <= 1000,
         f"--horizon {horizon}: gymnasium's MuJoCo episodes end at 1000 steps; pass at most 1000",
     )
-    rates = ("inner_lr", "max_kl", "ppo_lr", "discount", "ppo_clip", "eval_later_lr_factor")
+    rates = ("inner_lr", "max_kl", "ppo_lr", "discount", "ppo_clip", "eval_later_lr_factor",
+             "pretrain_lr")  # fmt: skip
     experiment.require_positive_finite(vars(t), rates)
     require(
         t.discount <= 1 and 0 <= t.gae_lambda <= 1,
         "--discount and --gae-lambda must be in (0, 1] and [0, 1]",
     )
     require(0 <= t.seed < 2**32, f"--seed {t.seed}: must be in [0, 2**32)")
-    # One iteration's episodes and the meta-objective's graph over all of them at once.
-    steps = max(t.meta_batch, t.eval_tasks) * t.fast_batch * (horizon or 200)
+    # One iteration's episodes and the meta-objective's graph over all of them at once (a
+    # step budget's batch: the budget and an episode's padding).
+    per_task = ((t.fast_batch or 20) * (horizon or 200) if t.fast_batch_steps is None
+                else t.fast_batch_steps + (horizon or 200))  # fmt: skip
+    steps = max(t.meta_batch, t.eval_tasks) * per_task
     need = steps * (t.inner_steps + 1) * (4 * sum(t.hidden) + 64) * 4
     have = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    batch = (f"--fast-batch {t.fast_batch} x --horizon {horizon}" if t.fast_batch_steps is None
+             else f"--fast-batch-steps {t.fast_batch_steps}")  # fmt: skip
     require(
         need < have / 2,
-        f"--meta-batch {t.meta_batch} x --fast-batch {t.fast_batch} x --horizon {horizon} "
+        f"--meta-batch {t.meta_batch} x {batch} "
         f"needs about {need / 2**30:.0f} GiB, more than half of this machine's "
         f"{have / 2**30:.0f} GiB; lower one of them",
     )
+
+
+def check_pretrain(t: TrainingArgs) -> None:
+    """``--pretrain`` takes its own step (Adam at ``--pretrain-lr``), so it refuses the outer
+    steps' settings, and ``--pretrain-lr`` is refused without it."""
+    if not t.pretrain:
+        require(t.pretrain_lr is None,
+                f"--pretrain-lr {t.pretrain_lr} is a setting of --pretrain; drop it or add "
+                "--pretrain")  # fmt: skip
+        return
+    require(t.outer == "trpo",
+            f"--outer {t.outer} with --pretrain: the pretrained baseline takes its own step "
+            "(Adam at --pretrain-lr, maml_rl's use_maml=False); drop --outer")  # fmt: skip
+    for name in (k for settings in OUTER_DEFAULTS.values() for k in settings):
+        require(getattr(t, name) is None,
+                f"{flag(name)} {getattr(t, name)} is a setting of the outer step, which "
+                "--pretrain does not take (Adam at --pretrain-lr); drop it")  # fmt: skip
 
 
 EXPERIMENT = Experiment("rl_maml", Args, __doc__, PRESETS, check=check_args, resolve=resolve)
@@ -277,24 +331,33 @@ def own_outer_settings(exp: Experiment, path: Any) -> dict[str, Any]:
 
 
 def processed(t: TrainingArgs, episodes: Any, iteration: int, phase: str) -> Any:
-    """The `PolicyBatch` of ``episodes``, advantages centred and scaled per task (maml_rl's
-    center_adv); a non-finite reward, return or advantage raises `NonFiniteEpisodesError`
-    naming the task, the iteration (1-based) and the phase."""
+    """The `PolicyBatch` of ``episodes``, advantages centred and scaled per task (the
+    library's default, maml_rl's center_adv); a non-finite reward, return or advantage raises
+    `NonFiniteEpisodesError` naming the task, the iteration (1-based) and the phase."""
     return checked_policy_batch(episodes, iteration + 1, phase, discount=t.discount,
-                                gae_lambda=t.gae_lambda, normalize=True)  # fmt: skip
+                                gae_lambda=t.gae_lambda)  # fmt: skip
+
+
+def draw(t: TrainingArgs, sample: TaskSampler, params: dict, goals: torch.Tensor,
+         path: tuple[int, int, int], per_task: bool, streams: int) -> Any:  # fmt: skip
+    """One phase's episodes: ``--fast-batch`` a task, or ``--fast-batch-steps`` steps a task
+    run by ``streams`` environments a task in lockstep (`TaskSampler.budget`)."""
+    if t.fast_batch_steps is None:
+        return sample(params, goals, path, t.fast_batch, per_task)
+    return sample.budget(params, goals, path, t.fast_batch_steps, per_task, streams)
 
 
 def adapted_episodes(t: TrainingArgs, sample: TaskSampler, objective: MetaObjective,
                      params: dict, goals: torch.Tensor, stream: int, iteration: int,
-                     steps: int, where: str = "",
-                     later_lr_factor: float = 1.0) -> tuple:  # fmt: skip
+                     steps: int, where: str = "", later_lr_factor: float = 1.0,
+                     streams: int = 1) -> tuple:  # fmt: skip
     """Episodes with theta and after each of ``steps`` inner steps (the 2nd and later at
     ``later_lr_factor`` times the rate): ``(batches, returns, last episodes)``, the
     `PolicyBatch` of each phase before the last and each phase's ``[K]`` returns."""
     batches, returns, phis, per_task = [], [], params, False
     later = replace(objective, lr=objective.lr * later_lr_factor)
     for phase in range(steps + 1):
-        episodes = sample(phis, goals, (stream, iteration, phase), t.fast_batch, per_task)
+        episodes = draw(t, sample, phis, goals, (stream, iteration, phase), per_task, streams)
         returns.append(mean_returns(episodes))  # undiscounted, as maml_rl reports
         if phase == steps:
             return batches, returns, episodes
@@ -310,17 +373,26 @@ def meta_iteration(t: TrainingArgs, sample: TaskSampler, objective: MetaObjectiv
                    policy: torch.nn.Module, opt: Any, iteration: int) -> dict:  # fmt: skip
     """One MAML-TRPO iteration (Finn et al., 2017, Algorithm 3) on a fresh meta-batch; its
     metrics. The policy's parameters are updated in place. ``--pretrain``: no inner step,
-    so the outer step is plain TRPO on the tasks' episodes with theta."""
+    and one step of ``opt`` (Adam) on the surrogate of the tasks' episodes with theta
+    (maml_rl's ``use_maml=False``: ``FirstOrderOptimizer(max_epochs=1, batch_size=None)``
+    on ``all_surr_objs[0]``, ``maml_npo.py``)."""
     start, steps_before, seconds_before = time.perf_counter(), sample.steps, sample.seconds
     goals = sample.goals(TRAIN_STREAM, iteration, t.meta_batch)
-    theta = {k: v.detach() for k, v in policy.named_parameters()}
+    # a copy: Adam (--pretrain, --outer ppo) updates the parameters in place
+    theta = {k: v.detach().clone() for k, v in policy.named_parameters()}
     inner_steps = 0 if t.pretrain else t.inner_steps
     inner, returns, outer_episodes = adapted_episodes(
         t, sample, objective, theta, goals, TRAIN_STREAM, iteration, inner_steps
     )
     outer = processed(t, outer_episodes, iteration, "outer")
     tasks = objective.prepare(policy, theta, tuple(inner), outer)
-    if t.outer == "trpo":
+    if t.pretrain:  # the ratio's gradient at theta is the pre-update surrogate's
+        live = dict(policy.named_parameters())
+        clipped_outer_step(lambda p: objective(policy, p, tasks), live, opt, epochs=1)
+        new = {k: v.detach() for k, v in live.items()}
+        with torch.no_grad():
+            kl, accepted = float(objective(policy, new, tasks)[1]), 1.0
+    elif t.outer == "trpo":
         trpo = TRPO(max_kl=t.max_kl, damping=t.cg_damping, cg_iters=t.cg_iters)
         result = trpo.step(lambda p: objective(policy, p, tasks), theta)
         kl, accepted, new = result.kl, float(result.accepted), result.params
@@ -354,7 +426,7 @@ def evaluate(
     steps = max(t.eval_inner_steps, t.inner_steps)
     _, returns, _ = adapted_episodes(
         t, sample, objective, theta, goals, TEST_STREAM, 0, steps, "held-out tasks, ",
-        later_lr_factor=t.eval_later_lr_factor,
+        later_lr_factor=t.eval_later_lr_factor, streams=eval_streams(t, sample),
     )  # fmt: skip
     results = {}
     for k, r in enumerate(returns):
@@ -365,6 +437,15 @@ def evaluate(
         results[f"test/return_{name}_ci95"] = results[f"test/return_step{k}_ci95"]
     results["perf/env_steps_per_s"] = sample.steps / sample.seconds
     return results
+
+
+def eval_streams(t: TrainingArgs, sample: TaskSampler) -> int:
+    """Environments a held-out task's step budget runs side by side: maml_rl's test
+    scripts' VPG sampler, ``batch_size / max_path_length`` of them, 1 to 100
+    (``vectorized_sampler.py``, ``start_worker``)."""
+    if t.fast_batch_steps is None:
+        return 1
+    return max(1, min(t.fast_batch_steps // sample.dist.horizon, 100))
 
 
 def show(row: dict[str, float]) -> str:
@@ -389,7 +470,9 @@ def build(a: Args) -> tuple[GaussianMLPPolicy, MetaObjective, TaskSampler]:
         ) from None
     torch.manual_seed(t.seed)
     policy = GaussianMLPPolicy(*dist.dims(), hidden=t.hidden).to(device)
-    objective = MetaObjective(lr=t.inner_lr, first_order=t.first_order, average="steps")
+    # The library's defaults are maml_rl's step (the mean over a task's steps, the KL over
+    # all tasks' steps at once): only the rate and the order are the run's.
+    objective = MetaObjective(lr=t.inner_lr, first_order=t.first_order)
     return policy, objective, TaskSampler(dist, policy, t.seed, device)
 
 
@@ -404,7 +487,10 @@ def main(args: Args) -> dict[str, float]:
     with PolicyRun(EXPERIMENT, args) as run:  # checked, resolved, locked; resumed if asked
         t = run.args.training
         policy, objective, sample = build(run.args)
-        opt = torch.optim.Adam(policy.parameters(), lr=t.ppo_lr) if t.outer == "ppo" else None
+        opt = None
+        if t.pretrain or t.outer == "ppo":  # maml_rl's Adam for --pretrain
+            lr = t.pretrain_lr if t.pretrain else t.ppo_lr
+            opt = torch.optim.Adam(policy.parameters(), lr=lr)
         run.start({"policy": policy, **({"optimizer": opt} if opt is not None else {})})
         try:
             for iteration in run.steps():

@@ -10,6 +10,11 @@ at ``--eval-later-lr-factor`` times it) on the same held-out tasks and episode s
 
     python scripts/rl_adaptation.py --checkpoints maml=runs/A/checkpoint.pt \\
         pretrained=runs/B/checkpoint.pt --random --plot docs/figures/rl_2dnav_figure4.png
+
+``--paper`` evaluates as maml_rl's test script for the figure (cbfinn/maml_rl at 9c8e2eb,
+``maml_examples/test_maml_point.py``): 40 goals, a budget of 4,000 steps a goal and step
+(VPG's ``batch_size=4000``, run as 40 episodes side by side), the first step at the run's
+inner lr and the later ones at half of it.
 """
 
 from __future__ import annotations
@@ -49,6 +54,10 @@ class Args:
     """The later steps' rate over the first's (default: the first checkpoint's)."""
     fast_batch: int | None = None
     """Episodes per task and step (default: the first checkpoint's --fast-batch)."""
+    fast_batch_steps: int | None = None
+    """Steps per task and step instead (a step budget, `metalearn.rl.budget`)."""
+    paper: bool = False
+    """maml_rl's test protocol (module docstring): 40 goals, 4,000 steps, later steps at 0.5."""
     plot: str | None = None
     """Write the curves to this PNG."""
     threads: int = 1
@@ -67,6 +76,12 @@ def parse_args(argv: Sequence[str] | None = None) -> Args:
     labels = [item.partition("=")[0] for item in args.checkpoints] + ["random"] * args.random
     if len(set(labels)) < len(labels):
         usage_error(f"--checkpoints: the labels {labels} repeat one; give each policy its own")
+    if args.paper and (args.fast_batch, args.fast_batch_steps) != (None, None):
+        usage_error(
+            "--paper sets maml_rl's 4,000 steps a goal; drop --fast-batch/--fast-batch-steps"
+        )
+    if args.fast_batch is not None and args.fast_batch_steps is not None:
+        usage_error("--fast-batch (episodes) and --fast-batch-steps (steps): pass one")
     if args.threads < 1:
         usage_error(f"--threads {args.threads}: must be at least 1")
     return args
@@ -83,17 +98,29 @@ def saved_run(path: str) -> tuple[Any, dict]:
     if not isinstance(saved, dict) or saved.get("experiment") != "rl_maml":
         usage_error(f"--checkpoints: {path} is not a checkpoint of experiments/rl_maml.py")
     known = flatten(rl_maml.Args())
-    args = unflatten(rl_maml.Args, {k: v for k, v in saved["args"].items() if k in known})
+    flat = {k: v for k, v in saved["args"].items() if k in known}
+    if flat.get("pretrain"):  # a policy pretrained by TRPO (before --pretrain took Adam's
+        # step) recorded the outer step's settings; evaluation reads none of them
+        flat.update(dict.fromkeys(k for names in rl_maml.OUTER_DEFAULTS.values() for k in names))
+    args = unflatten(rl_maml.Args, flat)
     return rl_maml.resolve(args), saved["policy"]
 
 
+PAPER_TEST = {"eval_tasks": 40, "fast_batch_steps": 4000, "eval_later_lr_factor": 0.5}
+"""``test_maml_point.py``: ``test_num_goals = 40``, VPG's ``batch_size=4000``, and the
+optimiser's ``init_learning_rate`` the step size, ``learning_rate`` half of it."""
+
+
 def evaluation_args(base: Any, args: Args) -> Any:
-    """The first run's arguments with the command line's evaluation settings, on the CPU."""
-    given = {
-        name: getattr(args, name)
-        for name in ("eval_tasks", "eval_inner_steps", "eval_later_lr_factor", "fast_batch")
-        if getattr(args, name) is not None
-    }
+    """The first run's arguments with the command line's evaluation settings (``--paper``:
+    `PAPER_TEST` where the line leaves them open), on the CPU."""
+    names = ("eval_tasks", "eval_inner_steps", "eval_later_lr_factor", "fast_batch",
+             "fast_batch_steps")  # fmt: skip
+    given = {name: getattr(args, name) for name in names if getattr(args, name) is not None}
+    if args.paper:
+        given = {**PAPER_TEST, **given}
+    if "fast_batch" in given or "fast_batch_steps" in given:  # one of the two counts
+        given = {"fast_batch": None, "fast_batch_steps": None, **given}
     training = replace(base.training, **given)
     a = replace(base, training=training, system=replace(base.system, device="cpu"))
     try:
@@ -157,7 +184,9 @@ def main(argv: Sequence[str] | None = None) -> dict[str, list[tuple[float, float
     steps = range(a.training.eval_inner_steps + 1)
     print(run_header())
     t = a.training
-    print(f"{a.env.env}: {t.eval_tasks} held-out tasks x {t.fast_batch} episodes a step, inner "
+    batch = (f"{t.fast_batch} episodes" if t.fast_batch_steps is None
+             else f"{t.fast_batch_steps} steps")  # fmt: skip
+    print(f"{a.env.env}: {t.eval_tasks} held-out tasks x {batch} a step, inner "
           f"lr {t.inner_lr}, later steps x {t.eval_later_lr_factor}, seed {t.seed}")  # fmt: skip
     rows = [[label] + [f"{m:.1f} ± {w:.1f}" for m, w in curve] for label, curve in curves.items()]
     print(markdown_table(["policy", *(f"{k} steps" for k in steps)], rows))

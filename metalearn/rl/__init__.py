@@ -8,8 +8,9 @@ One concept per module, bottom-up:
 * `navigation`: 2D navigation, batched in torch; `mujoco`: HalfCheetah and Ant direction
   and velocity tasks on gymnasium (the optional ``rl`` extra; imported from there);
   `tasks`: the task distributions by name;
-* `policy`: the Gaussian MLP policy; `sampler`: seeded, batched rollouts, and
-  `TaskSampler`, a meta-batch's goals and episodes from their seed paths;
+* `policy`: the Gaussian MLP policy; `budget`: which episodes a step budget keeps (maml_rl's
+  lockstep sampler); `sampler`: seeded, batched rollouts, and `TaskSampler`, a meta-batch's
+  goals and episodes from their seed paths (a number of episodes or of steps a task);
 * `advantage`: returns and GAE; `baseline`: the linear feature baseline;
   `processing`: episodes to a `PolicyBatch` (`checked_policy_batch`: refused if not finite);
 * `adaptation`: the inner policy-gradient step through `metalearn.engine`;

@@ -10,10 +10,14 @@ whose gradient is the policy-gradient estimate ``-g_hat``; the step is
 `metalearn.engine.run_inner_loop`, so it is the engine's functional inner update, second
 order unless ``first_order`` (then g_hat is a constant of the outer loss, FOMAML).
 
-``N`` is the number of episodes (``average="episodes"``: ``g_hat`` is then the unbiased
-estimate of the gradient of the expected return) or of valid steps (``"steps"``: the mean
-over steps of maml_rl's surrogate, whose inner rate equals ``T`` times this one's
-``"episodes"`` rate on full-length episodes).
+``N`` is the number of valid steps (``average="steps"``, the default: maml_rl's inner
+surrogate, ``- tf.reduce_mean(logli * adv)`` over a task's concatenated steps in
+``sandbox/rocky/tf/algos/maml_npo.py``, so its ``fast_lr`` is this rate) or of episodes
+(``"episodes"``: ``g_hat`` is then the unbiased estimate of the gradient of the expected
+return, and the same step takes about ``1/T`` of the ``"steps"`` rate on full-length
+episodes). An episode counts when its first step is valid (a batch sampled to a step
+budget pads the tasks that completed fewer episodes with empty ones,
+`metalearn.rl.sampler.TaskSampler`).
 """
 
 from __future__ import annotations
@@ -32,11 +36,12 @@ __all__ = ["Average", "adapt_policy", "policy_gradient_loss"]
 Average = Literal["episodes", "steps"]
 
 
-def _normalizer(mask: Tensor, average: Average) -> Tensor | float:
-    return float(mask.shape[-2]) if average == "episodes" else mask.sum()
+def _normalizer(mask: Tensor, average: Average) -> Tensor:
+    """``[B, T]`` mask -> the valid episodes' count (``"episodes"``) or the valid steps'."""
+    return mask[..., 0].sum() if average == "episodes" else mask.sum()
 
 
-def policy_gradient_loss(policy: nn.Module, average: Average = "episodes"):
+def policy_gradient_loss(policy: nn.Module, average: Average = "steps"):
     """``loss_fn(stats, (actions, advantages, mask)) -> L_in``, the engine's `LossFn` form.
 
     Args:
@@ -61,7 +66,7 @@ def adapt_policy(
     *,
     lr: LearningRate,
     first_order: bool = False,
-    average: Average = "episodes",
+    average: Average = "steps",
 ) -> dict[str, Tensor]:
     """One inner policy-gradient step on one task's episodes: ``phi' = phi + lr g_hat``.
 

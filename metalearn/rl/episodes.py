@@ -62,6 +62,7 @@ class VectorEnv(Protocol):
 
 
 def mean_returns(episodes: Episodes) -> Tensor:
-    """``[...]``: the mean over each leading index's B episodes of their undiscounted
-    return, the sum of the rewards (what maml_rl reports as the average return)."""
-    return episodes.rewards.sum(-1).mean(-1)
+    """``[...]``: the mean over each leading index's episodes of their undiscounted return,
+    the sum of the rewards (what maml_rl reports as the average return); an empty episode
+    (mask 0 from its first step: the padding of a step budget's batch) does not count."""
+    return episodes.rewards.sum((-2, -1)) / episodes.mask[..., 0].sum(-1)

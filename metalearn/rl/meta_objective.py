@@ -89,7 +89,9 @@ class MetaObjective:
     Attributes:
         lr: the inner policy-gradient step's rate (alpha).
         first_order: FOMAML: no gradient through the inner steps' gradients.
-        average: the surrogates' normaliser (`metalearn.rl.adaptation`).
+        average: the surrogates' normaliser (`metalearn.rl.adaptation`): by default each
+            task's valid steps, as maml_rl's inner and outer surrogates
+            (``tf.reduce_mean`` over a task's steps, ``maml_npo.py``).
         inner_score: add the score of the inner episodes, unbiased for the post-adaptation
             return's gradient and of high variance (module docstring); False: the MAML
             paper's estimator, which omits it.
@@ -99,7 +101,7 @@ class MetaObjective:
 
     lr: LearningRate = 0.1
     first_order: bool = False
-    average: Average = "episodes"
+    average: Average = "steps"
     inner_score: bool = False
     clip: float | None = None
 
@@ -167,7 +169,7 @@ class MetaObjective:
         norm = _normalizer(outer.mask, self.average)
         surrogate = (gain * outer.mask).sum() / norm
         if self.inner_score:
-            episodes = outer.returns.shape[-1]
+            episodes = outer.mask[..., 0].sum()  # the valid ones (a step budget pads)
             weight = (outer.returns.sum() - episodes * task.score_baseline) / norm
             surrogate = surrogate + (log_likelihood - task.inner_log_likelihood) * weight.detach()
         kl = (policy.kl(task.old_stats, stats) * outer.mask).sum() / outer.mask.sum()
@@ -210,16 +212,20 @@ class MetaObjective:
         *,
         vectorize: bool = True,
     ) -> tuple[Tensor, Tensor]:
-        """The mean over a meta-batch of tasks (leaves stacked ``[K, ...]``) of `task`'s
-        ``(surrogate, KL)``: under `torch.func.vmap` over tasks, or a loop (the reference)."""
+        """A meta-batch of tasks' (leaves stacked ``[K, ...]``) ``(surrogate, KL)``: the mean
+        over tasks of `task`'s surrogate, and the KL averaged over all the tasks' outer steps
+        at once (each task's mean weighted by its valid steps), as maml_rl's constraint,
+        ``tf.reduce_mean(tf.concat(kls, 0))`` of the per-step KLs (``maml_npo.py``). Under
+        `torch.func.vmap` over tasks, or a loop (the reference)."""
         if vectorize:
             surrogates, kls = vmap(lambda task: self.task(policy, params, task))(tasks)
-            return surrogates.mean(), kls.mean()
-        count = tasks.score_baseline.shape[0]
-        results = [
-            self.task(policy, params, tree_map(lambda x, k=k: x[k], tasks)) for k in range(count)
-        ]
-        return (
-            torch.stack([r[0] for r in results]).mean(),
-            torch.stack([r[1] for r in results]).mean(),
-        )
+        else:
+            count = tasks.score_baseline.shape[0]
+            results = [
+                self.task(policy, params, tree_map(lambda x, k=k: x[k], tasks))
+                for k in range(count)
+            ]
+            surrogates = torch.stack([r[0] for r in results])
+            kls = torch.stack([r[1] for r in results])
+        steps = tasks.outer.mask.flatten(1).sum(1)  # [K]
+        return surrogates.mean(), (kls * steps).sum() / steps.sum()

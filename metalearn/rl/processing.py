@@ -40,7 +40,7 @@ def policy_batch(
     discount: float = 0.99,
     gae_lambda: float = 1.0,
     baseline: bool = True,
-    normalize: bool = False,
+    normalize: bool = True,
 ) -> PolicyBatch:
     """Advantages of ``episodes`` (leading dims ``[..., B, T]``, fitted per leading index).
 
@@ -50,8 +50,9 @@ def policy_batch(
         gae_lambda: GAE's lambda (maml_rl's 1: reward-to-go minus the baseline).
         baseline: subtract the linear feature baseline fitted on these episodes (else the
             advantage is the reward-to-go, the plain likelihood-ratio estimator).
-        normalize: centre and scale the advantages per task (rllab's ``center_adv``); the
-            returns are divided by the same scale, so the meta-surrogate's score term
+        normalize: centre and scale the advantages per task (rllab's ``center_adv``, True
+            in maml_rl's ``batch_maml_polopt.py``, hence the default); the returns are
+            divided by the same scale, so the meta-surrogate's score term
             (`metalearn.rl.meta_objective`) keeps its proportion to the policy-gradient term.
 
     Returns:
@@ -78,7 +79,7 @@ def checked_policy_batch(
     *,
     discount: float = 0.99,
     gae_lambda: float = 1.0,
-    normalize: bool = False,
+    normalize: bool = True,
 ) -> PolicyBatch:
     """`policy_batch` of a meta-batch's ``episodes`` (``[K, B, T]``), refused for the first
     task whose rewards, returns or advantages are not finite.

@@ -4,7 +4,8 @@ An episode's randomness is drawn before it starts (`episode_noise`: the policy's
 every step, from the episode's seed), so it is the same whatever else is in the batch.
 The rollout itself has no randomness: the env is deterministic given the actions.
 `TaskSampler` draws a meta-batch's goals and episodes this way from a task distribution,
-each from its seed path under a run's seed (`metalearn.rl.seeds`).
+each from its seed path under a run's seed (`metalearn.rl.seeds`): a number of episodes a
+task, or a number of steps (`TaskSampler.budget`, maml_rl's, `metalearn.rl.budget`).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import torch
 from torch import Tensor, nn
 from torch.func import functional_call, vmap
 
+from metalearn.rl.budget import budget_cut, keep_episodes
 from metalearn.rl.episodes import Episodes, VectorEnv
 from metalearn.rl.navigation import Navigation2D
 from metalearn.rl.seeds import derive_seeds, generator
@@ -126,18 +128,19 @@ class TaskSampler:
         path: tuple[int, int, int],
         episodes: int,
         per_task: bool,
+        first: int = 0,
     ) -> Episodes:
         """``episodes`` episodes per goal with ``params`` (stacked ``[K]`` if ``per_task``,
         see `rollout`); ``path`` is ``(stream, iteration, phase)``.
 
         Returns:
             `Episodes` ``[K, episodes, horizon]``, task k's episode b from the seed path
-            ``(stream, iteration, k, phase, b)``.
+            ``(stream, iteration, k, phase, first + b)``.
         """
         start = time.perf_counter()
         stream, iteration, phase = path
         seeds = [
-            derive_seeds(self.seed, stream, iteration, k, phase, count=episodes)
+            derive_seeds(self.seed, stream, iteration, k, phase, count=first + episodes)[first:]
             for k in range(goals.shape[0])
         ]
         noise = episode_noise(self.policy, seeds, self.dist.horizon, torch.float32)
@@ -150,3 +153,32 @@ class TaskSampler:
         self.steps += int(sampled.mask.sum())
         self.seconds += time.perf_counter() - start
         return sampled
+
+    def budget(
+        self,
+        params: Mapping[str, Tensor],
+        goals: Tensor,
+        path: tuple[int, int, int],
+        steps: int,
+        per_task: bool,
+        streams: int = 1,
+    ) -> Episodes:
+        """The episodes maml_rl's vectorized sampler runs for ``steps`` steps a task with
+        ``streams`` environments a task (`metalearn.rl.budget`): full-length episodes enough
+        for the budget first, then as many again until the budget's stop is reached.
+
+        Returns:
+            `Episodes` ``[K, n, horizon]``, n the most episodes a task kept (a task with
+            fewer padded by empty ones); task k's episode b from the seed path
+            ``(stream, iteration, k, phase, b)``, b as `metalearn.rl.budget.budget_cut` orders.
+        """
+        horizon = self.dist.horizon
+        count = streams * -(-steps // (streams * horizon))  # full-length episodes' need
+        parts = [self(params, goals, path, count, per_task)]
+        while True:
+            episodes = Episodes(*(torch.cat(x, dim=1) for x in zip(*parts)))
+            kept = budget_cut(episodes.mask.sum(-1), streams, steps)
+            if kept is not None:
+                return keep_episodes(episodes, kept)
+            have = episodes.mask.shape[1]  # episodes ended early: sample as many again
+            parts.append(self(params, goals, path, have, per_task, first=have))

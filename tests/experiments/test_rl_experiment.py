@@ -45,7 +45,10 @@ def cli(argv: list[str], capsys) -> tuple[int, str]:
 
 def test_args_default_is_the_cpu_preset():
     assert rl_maml.Args() == rl_maml.parse_args([])
-    assert rl_maml.parse_args(["--preset", "paper-2dnav"]).training.meta_batch == 40
+    paper = rl_maml.parse_args(["--preset", "paper-2dnav"]).training
+    assert (paper.meta_batch, paper.fast_batch, paper.fast_batch_steps) == (20, None, 2000)
+    cheetah = rl_maml.parse_args(["--preset", "paper-halfcheetah-vel"]).training
+    assert (cheetah.meta_batch, cheetah.fast_batch_steps) == (40, 4000)
 
 
 def test_a_tiny_run_trains_and_adaptation_raises_the_return(tmp_path, capsys):
@@ -60,6 +63,21 @@ def test_a_tiny_run_trains_and_adaptation_raises_the_return(tmp_path, capsys):
     assert row["perf/env_steps_per_s"] > 0
     out = capsys.readouterr().out.strip().splitlines()
     assert out[-1].startswith("test/return_post: ")
+
+
+def test_a_step_budget_run_samples_maml_rls_steps(tmp_path):
+    """--fast-batch-steps: every phase's kept episodes hold the meta-batch's budget, and a
+    task's kept steps are within a horizon of its share (one stream a task, in lockstep)."""
+    args = tiny(tmp_path, run_name="s", iterations=1, fast_batch=None, fast_batch_steps=50)
+    results = rl_maml.main(args)
+    assert results["test/return_post"] > results["test/return_pre"]
+    t = rl_maml.resolve(args).training
+    policy, objective, sample = rl_maml.build(rl_maml.resolve(args))
+    theta = {k: v.detach() for k, v in policy.named_parameters()}
+    goals = sample.goals(rl_maml.TRAIN_STREAM, 0, t.meta_batch)
+    _, _, last = rl_maml.adapted_episodes(t, sample, objective, theta, goals, 0, 0, 1)
+    steps = last.mask.sum((1, 2))
+    assert float(steps.sum()) >= t.meta_batch * 50 and (steps > 50 - 20).all()
 
 
 def test_ppo_outer_step_runs(tmp_path):
@@ -155,6 +173,15 @@ def test_a_stopped_run_resumes_to_the_uninterrupted_parameters(tmp_path):
             "error: --ppo-clip 0.3 is a setting of --outer ppo; drop it for --outer trpo",
         ),
         (["--outer", "trpo", "--ppo-epochs", "5"], "--ppo-epochs 5 is a setting of --outer ppo"),
+        (["--pretrain", "--outer", "ppo"], "error: --outer ppo with --pretrain: the pretrained"),
+        (["--pretrain", "--max-kl", "0.02"], "error: --max-kl 0.02 is a setting of the outer"),
+        (["--pretrain", "--ppo-lr", "0.1"], "error: --ppo-lr 0.1 is a setting of the outer"),
+        (["--pretrain-lr", "0.01"], "error: --pretrain-lr 0.01 is a setting of --pretrain"),
+        (["--pretrain", "--pretrain-lr", "0"], "error: --pretrain-lr 0.0: must be a positive"),
+        (["--fast-batch", "5", "--fast-batch-steps", "500"], "both set"),
+        (["--preset", "paper-2dnav", "--fast-batch", "5"], "(the paper presets set the steps)"),
+        (["--fast-batch-steps", "99"], "error: --fast-batch-steps 99: below one episode"),
+        (["--fast-batch-steps", "0"], "error: --fast-batch-steps 0: must be at least 1"),
         (
             ["--outer", "ppo", "--cg-iters", "5"],
             "error: --cg-iters 5 is a setting of --outer trpo; drop it for --outer ppo",

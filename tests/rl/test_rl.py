@@ -207,7 +207,7 @@ def test_first_order_meta_gradient_is_the_outer_gradient_at_the_adapted_paramete
         phi = {n: v.detach().requires_grad_(True) for n, v in adapted.items()}
         stats = functional_call(policy, phi, (outer.obs,))
         log_ratio = policy.log_prob(stats, outer.actions) - policy.log_prob(old, outer.actions)
-        surrogate = (log_ratio.exp() * outer.advantages * outer.mask).sum() / outer.mask.shape[-2]
+        surrogate = (log_ratio.exp() * outer.advantages * outer.mask).sum() / outer.mask.sum()
         for i, g in enumerate(torch.autograd.grad(surrogate, list(phi.values()))):
             expect[i] += g / 3
     for g, e in zip(meta, expect):

@@ -36,7 +36,7 @@ def sample(policy, params, tasks: int, episodes: int, phase: int, seed: int, per
     seeds = [derive_seeds(seed, k, phase, count=episodes) for k in range(tasks)]
     noise = episode_noise(policy, seeds, HORIZON, torch.float64)
     episodes_ = rollout(TinyEnv(tasks, episodes), policy, params, noise, per_task=per_task)
-    return policy_batch(episodes_, discount=1.0, gae_lambda=1.0, baseline=False)
+    return policy_batch(episodes_, discount=1.0, gae_lambda=1.0, baseline=False, normalize=False)
 
 
 def flat(grads: dict) -> torch.Tensor:
