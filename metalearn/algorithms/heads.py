@@ -151,13 +151,15 @@ def head_logits(
     """
     (xs, ys), (xq, _) = call.support, call.query
     embed = partial(features, model, params, head=learner.head, buffers=call.buffers)
+    columns = columns or learner.columns(ys)
     if not learner.support_moments:
-        support, query = (embed(x, model_kwargs=call.model_kwargs) for x in (xs, xq))
-    else:
-        kwargs = {**(call.model_kwargs or {}), "norm_rows": xs.shape[0]}
-        both = embed(torch.cat([xs, xq]), model_kwargs=kwargs)
-        support, query = both[: xs.shape[0]], both[xs.shape[0] :]
-    return learner.solve(support, ys, columns or learner.columns(ys)).logits(query)
+        # The support set, its solve, then the query, in that order: a compiled graph then
+        # draws a dropout network's masks in eager's order.
+        solved = learner.solve(embed(xs, model_kwargs=call.model_kwargs), ys, columns)
+        return solved.logits(embed(xq, model_kwargs=call.model_kwargs))
+    kwargs = {**(call.model_kwargs or {}), "norm_rows": xs.shape[0]}
+    both = embed(torch.cat([xs, xq]), model_kwargs=kwargs)
+    return learner.solve(both[: xs.shape[0]], ys, columns).logits(both[xs.shape[0] :])
 
 
 class HeadLearner(MetaLossLearner):
