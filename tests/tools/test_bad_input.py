@@ -52,8 +52,8 @@ def _run(tmp_path: Path, *flags: str, script: str = "omniglot_maml") -> str:
      (["--algorithm", "mamlpp", "--msl-epoch-length", "0"],
       "--msl-epoch-length 0 must be >= 1 (meta-steps per epoch of MSL"),
      (["--algorithm", "reptile", "--adapt-norm", "True"],
-      "--adapt-norm is a setting of maml or fomaml or metasgd or mamlpp or protomaml or boil; "
-      "drop it for reptile"),
+      "--adapt-norm is a setting of maml or fomaml or metasgd or mamlpp or protomaml or boil or "
+      "metacurvature; drop it for reptile"),
 
      (["--train-shots", "0"], "--train-shots 0: must be at least 1")],
 )  # fmt: skip
