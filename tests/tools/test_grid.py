@@ -58,9 +58,12 @@ def test_ctrl_c_ends_with_the_cells_a_rerun_resumes_not_a_traceback(tmp_path):
     argv = ["--experiment", experiment, "--seeds", "0", "1", "--out-dir", str(tmp_path),
             "--group", "g", "--", *TINY[1:], "--iterations=500"]  # fmt: skip
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    # SIGINT at its default, as a terminal's processes have it: an ignored SIGINT is
+    # inherited through exec, and Python then installs no KeyboardInterrupt handler.
     grid_run = subprocess.Popen(
         [sys.executable, "-m", "metalearn.tools.grid", *argv], stdout=subprocess.PIPE,
         stderr=subprocess.PIPE, text=True, env=env, start_new_session=True,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )  # fmt: skip
     first = ""
     while not first.startswith("start "):  # the first cell is running
